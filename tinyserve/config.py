@@ -1,0 +1,134 @@
+"""Engine arguments (named like the CLI flags) and what they resolve to for one model.
+
+`EngineArgs` is what a user passes: `LLM(model, **engine_args)` or `tinyserve serve
+--flag`. `ModelInfo` is what both processes need to know about the model without
+loading its weights: where it lives, its vocabulary, its context length, its
+end-of-sequence tokens. Prompts are validated against it at the boundary.
+"""
+
+import json
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of KV cache when neither a block count nor a budget is given
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    model: str | None = None  # None: the built-in default model
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes for the KV pool, when num_kv_blocks is not given
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
+    dtype: str = "auto"
+    seed: int = 0
+    device: str | None = None  # None: cuda if available, else cpu
+    scheduling_policy: str = "fcfs"
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; valid ones are {sorted(known)}")
+        args = cls(**kwargs)
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    path: Path
+    model_type: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    torch_dtype: torch.dtype
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> "ModelInfo":
+        from tinyserve.models.default_model import default_model_path
+        from tinyserve.models.loader import resolve_model_path
+
+        path = default_model_path() if args.model is None else resolve_model_path(args.model)
+        config = json.loads((path / "config.json").read_text())
+        max_position = config.get("max_position_embeddings") or 2048
+        max_model_len = args.max_model_len or max_position
+        if max_model_len > max_position:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {max_position}")
+        return cls(
+            path=path,
+            model_type=config.get("model_type", ""),
+            vocab_size=config["vocab_size"],
+            max_model_len=max_model_len,
+            eos_token_ids=_eos_token_ids(path, config),
+            torch_dtype=_resolve_dtype(args, config),
+        )
+
+    def validate_prompt(self, prompt_token_ids: list[int], max_tokens: int | None = None) -> None:
+        """Raise ValueError naming the problem if this prompt cannot be served."""
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens, more than max_model_len={self.max_model_len} "
+                f"(by {len(prompt_token_ids) - self.max_model_len})"
+            )
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
+
+def _eos_token_ids(path: Path, config: dict) -> list[int]:
+    """End-of-sequence ids from generation_config.json (preferred) or config.json."""
+    generation_config = path / "generation_config.json"
+    eos = None
+    if generation_config.exists():
+        eos = json.loads(generation_config.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = config.get("eos_token_id")
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def _resolve_dtype(args: EngineArgs, config: dict) -> torch.dtype:
+    if args.dtype != "auto":
+        return DTYPES[args.dtype]
+    if args.torch_device.type != "cuda":
+        return torch.float32  # CPU default: exact parity with transformers' fp32 reference
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return DTYPES.get(name, torch.float32) or torch.float32
+
+
+def cache_dir() -> Path:
+    """Where tinyserve keeps what it builds: $TINYSERVE_CACHE_DIR, else the XDG cache."""
+    if os.environ.get("TINYSERVE_CACHE_DIR"):
+        return Path(os.environ["TINYSERVE_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tinyserve"

@@ -1,0 +1,1 @@
+"""The API-process side of the engine: render, enqueue, IPC, detokenize."""

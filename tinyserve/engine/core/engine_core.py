@@ -1,0 +1,130 @@
+"""EngineCore: the engine's loop body, `schedule → execute → update`, once per step.
+
+It owns the three pieces of the engine process: the Scheduler (which requests,
+how many tokens), the KV cache manager (which blocks), and the ModelRunner (the
+forward pass and sampling). Requests come in as EngineCoreRequests; each step
+returns EngineCoreOutputs with the new tokens. The in-process client calls
+`step()` directly; the engine process (stage ⑤–⑦) calls it from its busy loop.
+"""
+
+import time
+from dataclasses import dataclass
+
+from tinyserve.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs, ModelInfo
+from tinyserve.engine.core.kv_cache_manager import KVCacheManager
+from tinyserve.engine.core.request import Request
+from tinyserve.engine.core.scheduler import Scheduler
+from tinyserve.engine.core.scheduler_output import SchedulerOutput
+from tinyserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from tinyserve.engine.worker.model_runner import ModelRunner
+from tinyserve.kernels.backend import default_attention_backend, get_attention_backend
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """What one step did and when: the raw material of the step span."""
+
+    scheduler_output: SchedulerOutput
+    start_time: float
+    schedule_end_time: float
+    execute_end_time: float
+    end_time: float
+    stats: SchedulerStats
+    prefix_cache_hit_tokens: int
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs, engine_index: int = 0, model_info: ModelInfo | None = None) -> None:
+        from tinyserve.models.loader import load_model
+
+        self.args = args
+        self.engine_index = engine_index
+        self.model_info = model_info or ModelInfo.from_args(args)
+        device = args.torch_device
+        backend_name = args.attention_backend or default_attention_backend(device)
+        backend = get_attention_backend(backend_name, device)
+        model, _ = load_model(self.model_info.path, self.model_info.torch_dtype, device, backend)
+        num_blocks = args.num_kv_blocks or self._blocks_from_memory(model)
+        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=self.model_info.max_model_len,
+            policy=args.scheduling_policy,
+        )
+        self.model_runner = ModelRunner(
+            model,
+            num_blocks=num_blocks,
+            block_size=args.block_size,
+            dtype=self.model_info.torch_dtype,
+            device=device,
+            seed=args.seed,
+        )
+        self.last_step: StepRecord | None = None
+
+    def _blocks_from_memory(self, model) -> int:
+        budget = self.args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        per_block = ModelRunner.kv_bytes_per_block(model, self.args.block_size, self.model_info.torch_dtype)
+        # No point in more blocks than every seat filled to the full context length.
+        blocks_per_seq = -(-self.model_info.max_model_len // self.args.block_size)
+        return max(1, min(budget // per_block, self.args.max_num_seqs * blocks_per_seq))
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_cache_manager.num_blocks
+
+    # ---- requests ------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Validate and queue a request; raises ValueError before anything is scheduled."""
+        self.check_request(request)
+        self.scheduler.add_request(Request.from_engine_core_request(request))
+
+    def check_request(self, request: EngineCoreRequest) -> None:
+        """Raise ValueError if this request could never be served by this engine."""
+        params = request.sampling_params
+        self.model_info.validate_prompt(request.prompt_token_ids)
+        max_len = len(request.prompt_token_ids) + (params.max_tokens or self.model_info.max_model_len)
+        needed = self.kv_cache_manager.blocks_needed(min(max_len, self.model_info.max_model_len))
+        if needed > self.num_kv_blocks:
+            raise ValueError(
+                f"request needs up to {needed} KV blocks but the pool has only {self.num_kv_blocks}; "
+                f"lower max_tokens or raise num_kv_blocks"
+            )
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        return self.scheduler.abort_requests(request_ids)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests
+
+    # ---- one step --------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        start = time.time()
+        hits_before = self.kv_cache_manager.prefix_cache_hits
+        scheduler_output = self.scheduler.schedule()
+        scheduled = time.time()
+        runner_output = self.model_runner.execute_model(scheduler_output, self.scheduler.requests)
+        executed = time.time()
+        outputs = self.scheduler.update_from_output(
+            scheduler_output, runner_output.sampled_token_ids, runner_output.logprobs
+        )
+        end = time.time()
+        stats = self.scheduler.make_stats()
+        self.last_step = StepRecord(
+            scheduler_output, start, scheduled, executed, end, stats, stats.prefix_cache_hits - hits_before
+        )
+        return EngineCoreOutputs(
+            engine_index=self.engine_index, timestamp=end, outputs=outputs, scheduler_stats=stats
+        )
+
+    # ---- utilities -------------------------------------------------------------
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()

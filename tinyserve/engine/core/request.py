@@ -1,0 +1,98 @@
+"""A request as the engine sees it: token ids, progress, and a state machine.
+
+    WAITING ──schedule──► RUNNING ──stop / length──► FINISHED_STOPPED / FINISHED_LENGTH
+       ▲                     │
+       └──── PREEMPTED ◄─────┘  (KV pool full: blocks freed, recomputed later)
+    any state ──abort──► FINISHED_ABORTED
+
+There are no separate prefill and decode phases. A request only knows how many of
+its tokens already have K/V in the cache (`num_computed_tokens`); each step the
+scheduler decides how many more to compute. While that count is behind the
+prompt, the request is "in prefill"; once it is one behind `num_tokens`, each step
+computes the newest token and samples the next one ("decode").
+"""
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tinyserve.engine.messages import EngineCoreRequest, RequestTimes
+from tinyserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.is_finished else None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+    priority: int = 0
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 = not yet scheduled
+    stop_reason: int | str | None = None
+    times: RequestTimes = None  # filled in __post_init__
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.times = RequestTimes(arrival_time=self.arrival_time, queued_time=time.time())
+        self.stop_token_ids = set(self.sampling_params.stop_token_ids or ())
+        if not self.sampling_params.ignore_eos:
+            self.stop_token_ids.update(self.eos_token_ids)
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest) -> "Request":
+        return cls(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling_params=req.sampling_params,
+            eos_token_ids=req.eos_token_ids,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+            trace_context=req.trace_context,
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens: everything whose K/V must eventually be computed."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.times.first_token_time is None:
+            self.times.first_token_time = now
+        self.times.token_times.append(now)

@@ -1,0 +1,254 @@
+"""The scheduler: which requests run this step, and how many tokens each.
+
+One step has a token budget (`max_num_batched_tokens`) and a seat limit
+(`max_num_seqs`). The policy is two loops, as in vLLM v1:
+
+1. Running requests first, in admission order. A decoding request needs one token;
+   one still in its prompt gets the next chunk that fits the budget (chunked
+   prefill). If the KV pool cannot hold the new tokens, the lowest-priority,
+   latest-admitted running request is preempted: its blocks are freed and it goes
+   back to the waiting queue, to be recomputed from scratch later.
+2. Then waiting requests, in order (FCFS, or by priority), while the budget, the
+   seats and the KV pool allow. A request's leading full blocks may already be in
+   the prefix cache, and then only the rest is computed. No new request is
+   admitted in a step that had to preempt: the pool is already too tight.
+
+The result is a SchedulerOutput. After the model ran, `update_from_output` appends
+the sampled tokens and decides which requests are finished.
+"""
+
+import bisect
+import itertools
+import time
+
+from tinyserve.engine.core.kv_cache_manager import KVCacheManager
+from tinyserve.engine.core.request import Request, RequestStatus
+from tinyserve.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from tinyserve.engine.messages import EngineCoreOutput, SchedulerStats, TokenLogprobs
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        policy: str = "fcfs",
+    ) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
+        self.kv = kv_cache_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # kept sorted by _queue_key
+        self.running: list[Request] = []  # in admission order
+        self._admission_order = itertools.count()
+        self._queue_order: dict[str, int] = {}
+        self._finished_since_last_step: list[str] = []
+        self.step_id = 0
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self._queue_order[request.request_id] = next(self._admission_order)
+        self._enqueue(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        """Finish the given requests now (unknown or already finished ids are ignored)."""
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            outputs.append(self._output(request, []))
+        return outputs
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self.step_id += 1
+        token_budget = self.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted: list[str] = []
+
+        # 1. Running requests: the next token (decode) or the next prompt chunk.
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            while not self.kv.allocate_slots(request, num_new_tokens):
+                victim = max(self.running, key=self._queue_key)
+                victim_index = self.running.index(victim)
+                self.running.pop(victim_index)
+                if victim.request_id in scheduled:  # it already got tokens this step: take them back
+                    undone = scheduled.pop(victim.request_id)
+                    token_budget += undone.num_new_tokens
+                    victim.num_computed_tokens = undone.num_computed_tokens
+                if victim_index < index:
+                    index -= 1
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = self._schedule_tokens(request, num_new_tokens, 0)
+                token_budget -= num_new_tokens
+                index += 1
+
+        # 2. Waiting requests, while budget, seats and KV blocks allow.
+        while not preempted and self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached_blocks, num_cached = self.kv.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_cached, token_budget)
+            if not self.kv.allocate_slots(request, num_new_tokens, cached_blocks):
+                break
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            if request.times.first_scheduled_time is None:
+                request.times.first_scheduled_time = time.time()
+            self.running.append(request)
+            scheduled[request.request_id] = self._schedule_tokens(request, num_new_tokens, num_cached)
+            token_budget -= num_new_tokens
+
+        output = SchedulerOutput(
+            step_id=self.step_id,
+            scheduled=list(scheduled.values()),
+            preempted_request_ids=preempted,
+            finished_request_ids=self._finished_since_last_step,
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            num_kv_blocks_used=self.kv.pool.num_used_blocks,
+            num_kv_blocks_total=self.kv.num_blocks,
+            token_budget=self.max_num_batched_tokens,
+        )
+        self._finished_since_last_step = []
+        return output
+
+    def update_from_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled_token_ids: dict[str, int],
+        logprobs: dict[str, TokenLogprobs] | None = None,
+    ) -> list[EngineCoreOutput]:
+        """Append each sampled token, check stop conditions, and report what changed."""
+        now = time.time()
+        outputs = []
+        for scheduled in scheduler_output.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            if request is None or request.is_finished:  # aborted while the step ran
+                continue
+            if scheduled.is_prefill:
+                request.times.prefill_chunks.append((now, scheduled.num_new_tokens))
+            if not scheduled.samples_token:
+                continue
+            token_id = sampled_token_ids[request.request_id]
+            request.append_output_token(token_id, now)
+            status = self._check_stop(request)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            new_logprobs = [logprobs[request.request_id]] if logprobs and request.request_id in logprobs else None
+            outputs.append(self._output(request, [token_id], new_logprobs))
+        return outputs
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_kv_blocks_used=self.kv.pool.num_used_blocks,
+            num_kv_blocks_total=self.kv.num_blocks,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            step_id=self.step_id,
+        )
+
+    # ---- helpers -------------------------------------------------------------
+
+    def _queue_key(self, request: Request) -> tuple[int, int]:
+        """Smaller runs first: priority (if that policy is on), then admission order."""
+        priority = request.priority if self.policy == "priority" else 0
+        return priority, self._queue_order[request.request_id]
+
+    def _enqueue(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self._queue_key)
+
+    def _schedule_tokens(self, request: Request, num_new_tokens: int, num_cached: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        request.num_computed_tokens += num_new_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            num_computed_tokens=start,
+            num_new_tokens=num_new_tokens,
+            token_ids=request.all_token_ids[start : start + num_new_tokens],
+            block_ids=self.kv.get_block_ids(request.request_id),
+            samples_token=request.num_computed_tokens == request.num_tokens,
+            # Decode = computing only the newest sampled token; anything else is (re)filling.
+            is_prefill=not (num_new_tokens == 1 and request.num_output_tokens > 0 and start == request.num_tokens - 1),
+            num_cached_tokens=num_cached,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.times.preemption_times.append(time.time())
+        self.num_preemptions += 1
+        self._enqueue(request)
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        if request.num_tokens >= self.max_model_len or request.num_output_tokens >= max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_output_tokens < params.min_tokens:
+            return None
+        last_token = request.output_token_ids[-1]
+        if last_token in request.stop_token_ids:
+            if last_token in (params.stop_token_ids or ()):
+                request.stop_reason = last_token
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.times.finished_time = time.time()
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        del self._queue_order[request.request_id]
+        self._finished_since_last_step.append(request.request_id)
+
+    def _output(self, request: Request, new_token_ids: list[int], new_logprobs=None) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=new_logprobs,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            times=request.times if request.is_finished else None,
+        )

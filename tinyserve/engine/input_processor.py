@@ -1,0 +1,99 @@
+"""Stage ②, render: turn what the user sent into an EngineCoreRequest.
+
+A chat conversation is rendered with the model's chat template into one prompt
+string, a prompt string is tokenized, and token ids are taken as they are. Every
+input is checked here, before anything reaches the engine.
+"""
+
+import time
+from dataclasses import dataclass
+
+from tinyserve.config import ModelInfo
+from tinyserve.engine.messages import EngineCoreRequest
+from tinyserve.sampling_params import SamplingParams
+
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+@dataclass(slots=True)
+class ProcessedPrompt:
+    prompt: str | None  # the text that was tokenized, if any
+    prompt_token_ids: list[int]
+
+
+class InputProcessor:
+    def __init__(self, model_info: ModelInfo, tokenizer) -> None:
+        self.model_info = model_info
+        self.tokenizer = tokenizer
+
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True, chat_template: str | None = None) -> str:
+        """Apply the chat template; messages are [{"role": ..., "content": str | [{"type": "text", ...}]}]."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        normalized = [_normalize_message(i, message) for i, message in enumerate(messages)]
+        template = chat_template or self.tokenizer.chat_template
+        if template is None:
+            raise ValueError("the model has no chat template; pass chat_template or send a plain prompt")
+        return self.tokenizer.apply_chat_template(
+            normalized, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+
+    def tokenize_prompt(self, prompt, *, add_special_tokens: bool = True) -> ProcessedPrompt:
+        """A string, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return ProcessedPrompt(None, prompt)
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        sampling_params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        trace_context: dict[str, str] | None = None,
+    ) -> EngineCoreRequest:
+        self.model_info.validate_prompt(prompt.prompt_token_ids)
+        for token_id in sampling_params.stop_token_ids or ():
+            if not 0 <= token_id < self.model_info.vocab_size:
+                raise ValueError(f"stop_token_ids contains {token_id}, outside the vocabulary [0, {self.model_info.vocab_size})")
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt.prompt_token_ids,
+            sampling_params=sampling_params,
+            eos_token_ids=self.model_info.eos_token_ids,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=priority,
+            trace_context=trace_context or {},
+        )
+
+
+def _normalize_message(index: int, message) -> dict:
+    if not isinstance(message, dict):
+        raise ValueError(f"messages[{index}] must be an object with 'role' and 'content'")
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise ValueError(f"messages[{index}].role must be one of {CHAT_ROLES}, got {role!r}")
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{index}].content[{j}] must be a text part {{'type': 'text', 'text': ...}}")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise ValueError(f"messages[{index}].content must be a string or a list of text parts")
+    return {"role": role, "content": content}

@@ -1,0 +1,80 @@
+"""The messages that cross between the API process and an engine process.
+
+Every message is a typed msgspec Struct, encoded as msgpack and decoded into the
+same type on the other side: nothing is pickled, and a malformed message fails
+to decode instead of running code.
+
+    api ── EngineCoreRequest ──────► engine     (stage ④: a new request)
+    api ── EngineCoreAbort ────────► engine     (client went away, stop string hit)
+    api ── EngineCoreUtility ──────► engine     (stats, reset prefix cache, ...)
+    api ◄── EngineCoreOutputs ─────── engine    (stage ⑦: new tokens of one step)
+"""
+
+import msgspec
+
+from tinyserve.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+    priority: int = 0
+    # W3C trace context (traceparent/tracestate); empty when tracing is off.
+    trace_context: dict[str, str] = {}
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs at one position: parallel lists, the sampled token first."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+class RequestTimes(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The engine's own timestamps (time.time()) for one finished request."""
+
+    arrival_time: float
+    queued_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = []
+    prefill_chunks: list[tuple[float, int]] = []  # (time, tokens) per prefill step
+    preemption_times: list[float] = []
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    times: RequestTimes | None = None  # set once, when the request finishes
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    num_kv_blocks_used: int = 0
+    num_kv_blocks_total: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int = 0  # tokens found there (cumulative)
+    num_preemptions: int = 0  # cumulative
+    step_id: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    engine_index: int = 0
+    timestamp: float = 0.0
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None

@@ -1,0 +1,164 @@
+"""Stage ⑧, detokenize: turn the engine's new token ids into RequestOutputs.
+
+For every request it keeps an incremental detokenizer, watches for stop strings
+(a hit finishes the request here and asks the engine to abort it), converts
+logprobs, and fans the children of an `n > 1` request back into one output.
+
+How much each RequestOutput carries depends on its OutputKind, as in vLLM:
+CUMULATIVE (everything so far), DELTA (only what is new: streaming) or
+FINAL_ONLY (one output when the request is done: offline generate).
+"""
+
+import enum
+from dataclasses import dataclass, field
+
+from tinyserve.engine.detokenizer import IncrementalDetokenizer
+from tinyserve.engine.messages import EngineCoreOutput, RequestTimes, TokenLogprobs
+from tinyserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from tinyserve.sampling_params import SamplingParams
+
+
+class OutputKind(enum.Enum):
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
+@dataclass(eq=False)
+class ParentRequest:
+    """One user request; its n children are separate engine requests."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    n: int
+    output_kind: OutputKind
+    latest: dict[int, CompletionOutput] = field(default_factory=dict)
+    num_finished: int = 0
+    num_cached_tokens: int = 0
+    metrics: RequestTimes | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == self.n
+
+
+@dataclass(eq=False)
+class ChildState:
+    parent: ParentRequest
+    index: int
+    detokenizer: IncrementalDetokenizer
+    want_logprobs: bool
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+
+
+def child_request_id(parent_id: str, index: int, n: int) -> str:
+    return parent_id if n == 1 else f"{index}_{parent_id}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentRequest] = {}
+        self.children: dict[str, ChildState] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
+    ) -> list[str]:
+        """Register a request; returns the engine request ids of its children."""
+        if request_id in self.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        parent = ParentRequest(request_id, prompt, prompt_token_ids, params.n, output_kind)
+        self.parents[request_id] = parent
+        child_ids = []
+        for index in range(params.n):
+            child_id = child_request_id(request_id, index, params.n)
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop or [],
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            self.children[child_id] = ChildState(parent, index, detokenizer, params.logprobs is not None)
+            child_ids.append(child_id)
+        return child_ids
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.parents)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the RequestOutputs to hand out, and engine requests to abort (stop strings)."""
+        request_outputs, to_abort = [], []
+        for output in outputs:
+            child = self.children.get(output.request_id)
+            if child is None:  # finished here already (a stop string), the engine had one more step
+                continue
+            delta_text = child.detokenizer.update(output.new_token_ids)
+            child.token_ids += output.new_token_ids
+            new_logprobs = [self._convert_logprobs(lp) for lp in output.new_logprobs or ()]
+            child.logprobs += new_logprobs
+            finish_reason, stop_reason = output.finish_reason, output.stop_reason
+            if finish_reason is None and child.detokenizer.stop_reason is not None:
+                finish_reason, stop_reason = "stop", child.detokenizer.stop_reason
+                to_abort.append(output.request_id)
+            parent = child.parent
+            parent.num_cached_tokens = max(parent.num_cached_tokens, output.num_cached_tokens)
+            if finish_reason is not None:
+                del self.children[output.request_id]
+                parent.num_finished += 1
+                parent.metrics = output.times or parent.metrics
+                if parent.finished:
+                    del self.parents[parent.request_id]
+            delta = parent.output_kind == OutputKind.DELTA
+            completion = CompletionOutput(
+                index=child.index,
+                text=delta_text if delta else child.detokenizer.output_text,
+                token_ids=list(output.new_token_ids) if delta else list(child.token_ids),
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
+                logprobs=(new_logprobs if delta else list(child.logprobs)) if child.want_logprobs else None,
+            )
+            parent.latest[child.index] = completion
+            request_output = self._request_output(parent, completion)
+            if request_output is not None:
+                request_outputs.append(request_output)
+        return request_outputs, to_abort
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request (and its children); returns the engine ids to abort."""
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return []
+        ids = [child_request_id(request_id, i, parent.n) for i in range(parent.n)]
+        return [child_id for child_id in ids if self.children.pop(child_id, None) is not None]
+
+    def _request_output(self, parent: ParentRequest, completion: CompletionOutput) -> RequestOutput | None:
+        if parent.output_kind == OutputKind.FINAL_ONLY and not parent.finished:
+            return None
+        if parent.output_kind == OutputKind.DELTA:
+            outputs = [completion]
+        else:
+            outputs = [parent.latest[i] for i in sorted(parent.latest)]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=outputs,
+            finished=parent.finished,
+            num_cached_tokens=parent.num_cached_tokens,
+            metrics=parent.metrics if parent.finished else None,
+        )
+
+    def _convert_logprobs(self, token_logprobs: TokenLogprobs) -> PositionLogprobs:
+        return {
+            token_id: Logprob(logprob, rank, self.tokenizer.decode([token_id]))
+            for token_id, logprob, rank in zip(token_logprobs.token_ids, token_logprobs.logprobs, token_logprobs.ranks)
+        }

@@ -1,0 +1,117 @@
+"""The model runner: turn a SchedulerOutput into one forward pass and sampled tokens.
+
+The scheduled requests are flattened into one batch with no padding:
+
+    request:        A (prefill chunk, 4 tokens)   B (decode)   C (prefill, 3 tokens)
+    input_ids:      a4 a5 a6 a7                   b9           c0 c1 c2
+    positions:      4  5  6  7                    9            0  1  2
+    slot_mapping:   where each token's K/V goes: block_table[pos // bs] * bs + pos % bs
+    query_start_loc 0                             4            5          8
+    seq_lens:       8                             10           3
+
+Logits are computed only at the last position of each request that reaches the
+end of its known tokens this step (A's chunk might not; B and C do).
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tinyserve.engine.core.request import Request
+from tinyserve.engine.core.scheduler_output import SchedulerOutput
+from tinyserve.engine.messages import TokenLogprobs
+from tinyserve.engine.worker.sampler import Sampler
+from tinyserve.kernels.metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs]
+    forward_time: float  # seconds spent in the model and sampler
+
+
+@dataclass(slots=True)
+class ModelInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # flat index of the last token of each sampling request
+    sampling_request_ids: list[str]
+
+
+class ModelRunner:
+    def __init__(self, model, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        # One pool per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
+        shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
+        self.sampler = Sampler(device, seed)
+
+    @staticmethod
+    def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * element
+
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
+        bs = self.block_size
+        input_ids, positions, slot_mapping = [], [], []
+        query_start_loc, seq_lens, logits_indices, sampling_ids = [0], [], [], []
+        for scheduled in scheduler_output.scheduled:
+            start = scheduled.num_computed_tokens
+            end = start + scheduled.num_new_tokens
+            blocks = scheduled.block_ids
+            input_ids += scheduled.token_ids
+            positions += range(start, end)
+            slot_mapping += [blocks[pos // bs] * bs + pos % bs for pos in range(start, end)]
+            query_start_loc.append(query_start_loc[-1] + scheduled.num_new_tokens)
+            seq_lens.append(end)
+            if scheduled.samples_token:
+                logits_indices.append(query_start_loc[-1] - 1)
+                sampling_ids.append(scheduled.request_id)
+
+        max_blocks = max(len(s.block_ids) for s in scheduler_output.scheduled)
+        block_tables = torch.zeros((len(seq_lens), max_blocks), dtype=torch.int32)
+        for i, scheduled in enumerate(scheduler_output.scheduled):
+            block_tables[i, : len(scheduled.block_ids)] = torch.tensor(scheduled.block_ids, dtype=torch.int32)
+
+        def on_device(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        metadata = AttentionMetadata(
+            slot_mapping=on_device(slot_mapping, torch.int64),
+            query_start_loc=on_device(query_start_loc, torch.int32),
+            seq_lens=on_device(seq_lens, torch.int32),
+            block_tables=block_tables.to(self.device, non_blocking=True),
+            max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+        )
+        return ModelInputs(
+            input_ids=on_device(input_ids, torch.int64),
+            positions=on_device(positions, torch.int64),
+            metadata=metadata,
+            logits_indices=on_device(logits_indices, torch.int64),
+            sampling_request_ids=sampling_ids,
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> ModelRunnerOutput:
+        self.sampler.forget(scheduler_output.finished_request_ids)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput({}, {}, 0.0)
+        start = time.perf_counter()
+        inputs = self.prepare_inputs(scheduler_output)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        sampled, logprobs = {}, {}
+        if inputs.sampling_request_ids:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            sampling_requests = [requests[request_id] for request_id in inputs.sampling_request_ids]
+            token_ids, token_logprobs = self.sampler.sample(logits, sampling_requests)
+            sampled = dict(zip(inputs.sampling_request_ids, token_ids))
+            logprobs = {rid: lp for rid, lp in zip(inputs.sampling_request_ids, token_logprobs) if lp is not None}
+        return ModelRunnerOutput(sampled, logprobs, time.perf_counter() - start)

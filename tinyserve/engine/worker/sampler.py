@@ -1,0 +1,130 @@
+"""The sampler: turn the last position's logits of each sequence into the next token.
+
+The order of operations follows vLLM:
+
+    raw logits ─► logprobs reported to the user (before any processing)
+        │
+        ├─► penalties (repetition on prompt+output; presence/frequency on output)
+        ├─► min_tokens: stop tokens masked until enough tokens were generated
+        ├─► greedy rows: argmax — done
+        └─► temperature ─► top-k ─► top-p ─► min-p ─► sample
+
+Sampling uses the "exponential race": argmax(p / q) with q ~ Exp(1) picks token i
+with probability p_i. A request with a seed draws its q from its own generator,
+so its tokens do not depend on which other requests share the batch.
+"""
+
+import torch
+
+from tinyserve.engine.core.request import Request
+from tinyserve.engine.messages import TokenLogprobs
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.request_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop per-request state of finished requests."""
+        for request_id in request_ids:
+            self.request_generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [len(requests), vocab] float32, one row per request that samples this step."""
+        params = [r.sampling_params for r in requests]
+        raw_logprobs = None
+        if any(p.logprobs is not None for p in params):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+
+        logits = logits.clone()
+        for row, request in enumerate(requests):
+            if request.sampling_params.has_penalties:
+                apply_penalties(logits[row], request)
+            if request.num_output_tokens < request.sampling_params.min_tokens and request.stop_token_ids:
+                logits[row, list(request.stop_token_ids)] = float("-inf")
+
+        sampled = logits.argmax(dim=-1)
+        random_rows = [row for row, p in enumerate(params) if not p.is_greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            probs = self._probs(logits[rows], [params[row] for row in random_rows])
+            q = torch.empty_like(probs).exponential_(generator=self.generator)
+            for i, row in enumerate(random_rows):
+                generator = self._request_generator(requests[row])
+                if generator is not None:
+                    q[i].exponential_(generator=generator)
+            sampled[rows] = (probs / q).argmax(dim=-1)
+
+        token_ids = sampled.tolist()
+        logprobs = [
+            top_logprobs(raw_logprobs[row], token_ids[row], p.logprobs) if p.logprobs is not None else None
+            for row, p in enumerate(params)
+        ]
+        return token_ids, logprobs
+
+    def _probs(self, logits: torch.Tensor, params) -> torch.Tensor:
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+        logits = logits / temperature[:, None]
+        if any(p.top_k > 0 for p in params) or any(p.top_p < 1 for p in params):
+            logits = apply_top_k_top_p(logits, params)
+        probs = torch.softmax(logits, dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        return probs
+
+    def _request_generator(self, request: Request) -> torch.Generator | None:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        generator = self.request_generators.get(request.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            self.request_generators[request.request_id] = generator
+        return generator
+
+
+def apply_penalties(logits: torch.Tensor, request: Request) -> None:
+    """In place, on one row. Repetition sees prompt and output; presence/frequency only output."""
+    params = request.sampling_params
+    vocab_size = logits.shape[0]
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(request.all_token_ids)), device=logits.device, dtype=torch.long)
+        seen = seen[seen < vocab_size]
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if request.output_token_ids and (params.presence_penalty or params.frequency_penalty):
+        output = torch.tensor(request.output_token_ids, device=logits.device, dtype=torch.long)
+        counts = torch.bincount(output, minlength=vocab_size)[:vocab_size].to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
+    """Mask everything outside each row's top-k and its top-p nucleus with -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab_size = logits.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=logits.device)
+    ranks = torch.arange(vocab_size, device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    # Probability mass strictly before each token; the token that crosses top_p stays in.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_logits = sorted_logits.masked_fill(mass_before > top_p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def top_logprobs(logprobs: torch.Tensor, sampled_token: int, num_top: int) -> TokenLogprobs:
+    """The sampled token's logprob and rank, followed by the num_top most likely tokens."""
+    sampled_logprob = logprobs[sampled_token]
+    rank = int((logprobs > sampled_logprob).sum()) + 1
+    token_ids, values, ranks = [sampled_token], [float(sampled_logprob)], [rank]
+    if num_top > 0:
+        top_values, top_ids = logprobs.topk(num_top)
+        token_ids += top_ids.tolist()
+        values += top_values.tolist()
+        ranks += list(range(1, num_top + 1))
+    return TokenLogprobs(token_ids=token_ids, logprobs=values, ranks=ranks)

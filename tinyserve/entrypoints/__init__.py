@@ -1,0 +1,1 @@
+"""The ways in: the offline LLM class and the HTTP server."""

@@ -1,0 +1,99 @@
+"""The offline API: `LLM(model).generate(prompts, sampling_params)`, as in vLLM.
+
+Everything runs in this process: prompts are rendered and tokenized (stage ②),
+handed to an EngineCore, and the engine is stepped until every request is done;
+the output processor (stage ⑧) turns token ids back into text.
+"""
+
+import itertools
+
+from tqdm.auto import tqdm
+
+from tinyserve.config import EngineArgs, ModelInfo
+from tinyserve.engine.core.engine_core import EngineCore
+from tinyserve.engine.input_processor import InputProcessor, ProcessedPrompt
+from tinyserve.engine.output_processor import OutputKind, OutputProcessor, child_request_id
+from tinyserve.models.tokenizer import load_tokenizer
+from tinyserve.outputs import RequestOutput
+from tinyserve.sampling_params import SamplingParams
+
+_PROGRESS_BAR_MIN_PROMPTS = 8
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
+        self.model_info = ModelInfo.from_args(self.engine_args)
+        self.tokenizer = load_tokenizer(self.model_info.path)
+        self.input_processor = InputProcessor(self.model_info, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(self.engine_args, model_info=self.model_info)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, token-id dicts {"prompt_token_ids": [...]}, or a mix."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not prompts:
+            raise ValueError("prompts must be a string, a prompt dict, or a non-empty list of them")
+        processed = [self.input_processor.tokenize_prompt(p) for p in prompts]
+        return self._run(processed, sampling_params, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """messages: one conversation (a list of {"role", "content"}) or a list of conversations."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        processed = []
+        for conversation in conversations:
+            text = self.input_processor.render_chat(
+                conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            )
+            processed.append(self.input_processor.tokenize_prompt(text, add_special_tokens=False))
+        return self._run(processed, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[ProcessedPrompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        # Build and check every request before the first one is queued: one bad
+        # prompt rejects the call and leaves the engine untouched.
+        requests = []
+        for prompt, p in zip(prompts, params):
+            request_id = str(next(self._request_counter))
+            for index in range(p.n):
+                child_id = child_request_id(request_id, index, p.n)
+                child_params = p.clone(n=1, seed=None if p.seed is None else p.seed + index)
+                engine_request = self.input_processor.make_request(child_id, prompt, child_params)
+                self.engine_core.check_request(engine_request)
+                requests.append((request_id, prompt, p, engine_request))
+        order = {}
+        for request_id, prompt, p, engine_request in requests:
+            if request_id not in order:
+                order[request_id] = len(order)
+                self.output_processor.add_request(request_id, prompt.prompt, prompt.prompt_token_ids, p, OutputKind.FINAL_ONLY)
+            self.engine_core.add_request(engine_request)
+        return self._run_engine(order, use_tqdm and len(order) >= _PROGRESS_BAR_MIN_PROMPTS)
+
+    def _run_engine(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        finished: list[RequestOutput] = []
+        progress = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
+        while self.engine_core.has_unfinished_requests:
+            engine_outputs = self.engine_core.step()
+            request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs.outputs)
+            if to_abort:
+                self.engine_core.abort_requests(to_abort)
+            finished += request_outputs
+            progress.update(len(request_outputs))
+        progress.close()
+        return sorted(finished, key=lambda output: order[output.request_id])
+
+    @staticmethod
+    def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if isinstance(sampling_params, list) and len(sampling_params) == count:
+            return sampling_params
+        raise ValueError(f"sampling_params must be one SamplingParams or a list of {count} (one per prompt)")

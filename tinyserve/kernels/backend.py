@@ -1,0 +1,57 @@
+"""The attention backend interface: one seam between the model and its kernels.
+
+A layer of the model calls two things per step:
+
+    backend.write_kv(key, value, kv_cache, metadata)     # store this step's K/V
+    out = backend.attention(query, kv_cache, metadata, scale)
+
+Every backend (the PyTorch reference here, Triton kernels beside it) takes the
+same tensors and must return the same numbers. The model never looks inside.
+"""
+
+from typing import Protocol
+
+import torch
+
+from tinyserve.kernels.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> None: ...
+
+    def attention(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
+
+
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Return the backend called `name` ("torch" or "triton")."""
+    if name == "torch":
+        from tinyserve.kernels.torch_attention import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from tinyserve.kernels.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(device)
+    raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+
+
+def default_attention_backend(device: torch.device) -> str:
+    """Triton kernels on CUDA, the PyTorch reference everywhere else."""
+    return "triton" if device.type == "cuda" else "torch"

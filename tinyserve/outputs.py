@@ -1,0 +1,41 @@
+"""What generation hands back: RequestOutput and CompletionOutput, with vLLM's fields."""
+
+from dataclasses import dataclass
+
+from tinyserve.engine.messages import RequestTimes
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# One position's logprobs: token id -> Logprob (the sampled token plus the top-k).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    logprobs: list[PositionLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestTimes | None = None  # the engine's timestamps, once finished
