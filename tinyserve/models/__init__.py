@@ -1,0 +1,1 @@
+"""Models: the Llama-family decoder (llama.py), RoPE (rope.py) and the Hugging Face loader (loader.py)."""

@@ -1,0 +1,181 @@
+"""The Llama-family decoder: Llama, Mistral, Qwen2 and Qwen3 in one class.
+
+The model runner hands the model a flattened batch (every scheduled token of every
+sequence in one list, no padding) and the paged KV cache; the model returns one
+hidden state per token, and `compute_logits` turns the rows the sampler needs into
+logits. Attention itself is delegated to an AttentionBackend, so this file holds
+only the arithmetic that is the same for every backend:
+
+    input_ids [T] ─ embed_tokens ─► h [T, hidden]
+    for each layer:
+        h = h + o_proj(attention(RoPE(q, k), v))      (after input_layernorm)
+        h = h + down_proj(silu(gate_proj(x)) * up_proj(x))  (x = post_attention_layernorm(h))
+    norm(h) ─► hidden [T, hidden]  ─ compute_logits ─► lm_head ─► logits [n, vocab] fp32
+
+The four families differ only in small switches, all read from the HF config:
+    Qwen2:  bias on q/k/v projections (not on o_proj).
+    Qwen3:  RMSNorm over each head of q and k, before RoPE.
+    Llama:  optional `attention_bias` (all four projections) and `mlp_bias`.
+    all:    explicit `head_dim` (may differ from hidden_size / num_heads), grouped-query
+            attention, tied or untied input/output embeddings.
+
+Parameter names mirror Hugging Face's without the leading "model." (see loader.py).
+"""
+
+import torch
+from torch import nn
+
+from tinyserve.kernels.backend import AttentionBackend
+from tinyserve.kernels.metadata import AttentionMetadata
+from tinyserve.models.rope import RotaryEmbedding, get_rope_parameters
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 then rounded back, as transformers does."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_fp32 = x.to(torch.float32)
+        variance = x_fp32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x_fp32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+
+def head_dim_of(config) -> int:
+    """`config.head_dim` when the checkpoint sets it, else hidden_size / num_attention_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention of one layer over the flattened batch and its paged KV cache.
+
+    Grouped-query attention: num_heads query heads share num_kv_heads key/value heads,
+    in consecutive groups (query head h reads KV head h // (num_heads / num_kv_heads)).
+    Only the KV heads are stored in the cache; the backend does the sharing.
+
+        q heads:  0 1 | 2 3        (num_heads = 4)
+        kv heads:  0  |  1         (num_kv_heads = 2)
+    """
+
+    def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.scale = self.head_dim**-0.5
+        self.rotary_emb = rotary_emb
+        self.backend = backend
+
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attention_bias or config.model_type == "qwen2"  # Qwen2 always has it
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=attention_bias)
+        if config.model_type == "qwen3":
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden_size]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        # Keys are cached *after* RoPE: a cached key never needs its position again.
+        self.backend.write_kv(k, v, kv_cache, metadata)
+        out = self.backend.attention(q, kv_cache, metadata, scale=self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
+
+    def __init__(self, config):
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm residual block: attention, then MLP, each added back onto the stream."""
+
+    def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, hidden, positions, kv_cache, metadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder. kv_caches[i] is layer i's slice of the paged KV pool."""
+
+    def __init__(self, config, attention_backend: AttentionBackend):
+        super().__init__()
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.vocab_size = config.vocab_size
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        # One RoPE table shared by every layer (a submodule of each, registered once here).
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, config.max_position_embeddings, get_rope_parameters(config)
+        )
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary_emb, attention_backend)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            # Small models reuse the input embedding matrix as the output projection;
+            # the checkpoint then stores it once, as model.embed_tokens.weight.
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, positions, kv_cache, metadata)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden_size] -> [n, vocab_size] float32 (sampling wants full precision)."""
+        return self.lm_head(hidden).float()

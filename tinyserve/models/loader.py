@@ -1,0 +1,152 @@
+"""Find a Hugging Face checkpoint on disk and load it into a LlamaForCausalLM.
+
+A model is named either by a local folder (holding config.json and *.safetensors) or
+by a hub id such as "Qwen/Qwen3-0.6B" that is already in the local Hugging Face cache.
+Nothing is ever downloaded: serving must not depend on the network.
+
+Loading reads config.json with transformers' AutoConfig, builds the model on the
+target device, then copies the safetensors weights in by name. Names map one to one
+after dropping Hugging Face's "model." prefix:
+
+    model.layers.3.self_attn.q_proj.weight  ->  layers.3.self_attn.q_proj.weight
+    lm_head.weight                          ->  lm_head.weight
+
+Every parameter must be found exactly once; a missing or unexpected name is an error
+that lists them, never a silently random weight.
+"""
+
+import json
+import pathlib
+
+import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+from tinyserve.kernels.backend import AttentionBackend
+from tinyserve.models.llama import LlamaForCausalLM
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+SINGLE_FILE = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+def resolve_model_path(model: str) -> pathlib.Path:
+    """A local checkpoint folder, or the cached snapshot folder of a hub id."""
+    folder = pathlib.Path(model).expanduser()
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"model folder {str(folder)!r} has no config.json")
+        return folder
+    try:
+        snapshot = pathlib.Path(snapshot_download(model, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError):
+        raise ValueError(
+            f"model {model!r}: no such folder, and not a hub id in the local Hugging Face "
+            f"cache. tinyserve never downloads; fetch it first (hf download {model})."
+        ) from None
+    if not (snapshot / "config.json").is_file():
+        raise ValueError(f"model {model!r}: the cached snapshot {str(snapshot)!r} has no config.json")
+    return snapshot
+
+
+def load_model(
+    path: str | pathlib.Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention_backend: AttentionBackend,
+    max_model_len: int | None = None,
+) -> tuple[LlamaForCausalLM, PretrainedConfig]:
+    """Build the model described by path/config.json and load its weights.
+
+    max_model_len is the longest sequence the engine will run (default: the config's
+    max_position_embeddings); it is only used to reject sliding-window attention
+    whose window would actually cut a sequence short.
+    """
+    path = pathlib.Path(path)
+    config = AutoConfig.from_pretrained(path)
+    if max_model_len is None:
+        max_model_len = config.max_position_embeddings
+    check_supported(config, max_model_len)
+    # Built directly on the target device; the random initial values are all
+    # overwritten below (load_weights checks that every parameter is).
+    with torch.device(device):
+        model = LlamaForCausalLM(config, attention_backend)
+    model.to(dtype)
+    load_weights(model, path)
+    # Serving never trains: no autograd bookkeeping, whatever context forward runs in.
+    model.requires_grad_(False)
+    model.eval()
+    return model, config
+
+
+def check_supported(config, max_model_len: int) -> None:
+    """Reject configs this model class would run wrongly, naming what is unsupported."""
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if config.hidden_act != "silu":
+        raise ValueError(f"hidden_act must be 'silu' (SwiGLU MLP), got {config.hidden_act!r}")
+    # Mistral applies its window to every layer; Qwen2/3 only to layers whose
+    # layer_types entry says "sliding_attention" (none, unless use_sliding_window).
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        window = None
+    if window is not None and window < max_model_len:
+        raise ValueError(
+            f"sliding window attention is not supported: sliding_window={window} is shorter "
+            f"than max_model_len={max_model_len}; lower max_model_len to at most {window}"
+        )
+
+
+def checkpoint_files(path: pathlib.Path) -> list[pathlib.Path]:
+    """The safetensors files of a checkpoint: one file, or the shards its index names."""
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    if (path / SHARD_INDEX).is_file():
+        weight_map = json.loads((path / SHARD_INDEX).read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    raise ValueError(f"checkpoint {str(path)!r} has neither {SINGLE_FILE} nor {SHARD_INDEX}")
+
+
+def load_weights(model: LlamaForCausalLM, path: pathlib.Path) -> None:
+    """Copy every tensor of the checkpoint into the parameter of the same name."""
+    # named_parameters() lists a tied lm_head.weight once, as embed_tokens.weight.
+    params = dict(model.named_parameters())
+    loaded, unexpected = set(), []
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for hf_name in f.keys():
+                name = hf_name.removeprefix("model.")
+                if name not in params:
+                    if not is_ignorable(name, model):
+                        unexpected.append(hf_name)
+                    continue
+                tensor = f.get_tensor(hf_name)
+                if tensor.shape != params[name].shape:
+                    raise ValueError(
+                        f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                        f"the model expects {tuple(params[name].shape)}"
+                    )
+                with torch.no_grad():
+                    params[name].copy_(tensor)  # copy_ also casts to the model's dtype
+                loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {str(path)!r} does not match {model.config.model_type}: "
+            f"missing weights {missing}, unexpected weights {sorted(unexpected)}"
+        )
+
+
+def is_ignorable(name: str, model: LlamaForCausalLM) -> bool:
+    """Tensors some checkpoints carry that the model rightly has no parameter for."""
+    # Old Llama checkpoints saved RoPE's inv_freq; ours is recomputed from the config.
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    # A tied checkpoint may still store the (identical) output matrix.
+    return name == "lm_head.weight" and model.config.tie_word_embeddings
