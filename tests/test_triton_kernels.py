@@ -1,0 +1,255 @@
+"""The Triton kernels equal the PyTorch reference (run through Triton's interpreter on the CPU).
+
+Every batch is built to catch a kernel that reads or writes where it should not:
+block tables are shuffled, non-contiguous block ids; block 0 is never allocated
+(block tables are padded with it) and, like every cache slot no sequence owns,
+it holds NaN, so one unmasked read turns the output into NaN. Outputs are filled
+with NaN before the kernel runs, so every element must be written.
+"""
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from tinyserve.kernels.metadata import AttentionMetadata
+from tinyserve.kernels.torch_attention import TorchAttentionBackend
+from tinyserve.kernels.triton_backend import TritonAttentionBackend
+from tinyserve.kernels.triton_decode_attention import default_num_splits, paged_decode_attention
+from tinyserve.kernels.triton_kv_store import store_kv
+from tinyserve.kernels.triton_prefill_attention import paged_prefill_attention
+
+TOLERANCE = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=1e-3, atol=1e-3),
+    torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
+}
+
+
+@dataclass
+class PagedBatch:
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    metadata: AttentionMetadata
+    scale: float
+
+
+def make_paged_batch(
+    seq_lens: list[int],
+    query_lens: list[int],
+    *,
+    seed: int,
+    num_kv_heads: int = 2,
+    queries_per_kv: int = 2,
+    head_dim: int = 64,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+) -> PagedBatch:
+    """A batch whose sequences' whole contexts (cached prefix and this step's tokens) are in the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-seq_len // block_size) for seq_len in seq_lens]
+    num_blocks = 1 + sum(blocks_per_seq) + 2  # block 0 (the padding id) and two spare blocks
+    free_blocks = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    slots = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    slot_mapping = []
+    for i, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens)):
+        block_tables[i, : blocks_per_seq[i]] = torch.tensor([free_blocks.pop() for _ in range(blocks_per_seq[i])])
+        positions = torch.arange(seq_len)
+        seq_slots = block_tables[i, positions // block_size].long() * block_size + positions % block_size
+        slots[:, seq_slots] = torch.randn(2, seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        slot_mapping.append(seq_slots[seq_len - query_len :])
+    query_start_loc = [0]
+    for query_len in query_lens:
+        query_start_loc.append(query_start_loc[-1] + query_len)
+    num_heads = num_kv_heads * queries_per_kv
+    metadata = AttentionMetadata(
+        slot_mapping=torch.cat(slot_mapping),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=list(seq_lens),
+    )
+    query = torch.randn(query_start_loc[-1], num_heads, head_dim, generator=gen).to(dtype)
+    return PagedBatch(query, kv_cache, metadata, scale=head_dim**-0.5)
+
+
+def reference_attention(batch: PagedBatch) -> torch.Tensor:
+    return TorchAttentionBackend().attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+
+
+def run_decode_kernel(batch: PagedBatch, **kwargs) -> torch.Tensor:
+    out = torch.full_like(batch.query, float("nan"))
+    meta = batch.metadata
+    paged_decode_attention(
+        out, batch.query, batch.kv_cache, meta.block_tables, meta.seq_lens, batch.scale, meta.max_seq_len, **kwargs
+    )
+    return out
+
+
+def run_prefill_kernel(batch: PagedBatch, **kwargs) -> torch.Tensor:
+    out = torch.full_like(batch.query, float("nan"))
+    meta = batch.metadata
+    paged_prefill_attention(
+        out,
+        batch.query,
+        batch.kv_cache,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        batch.scale,
+        meta.max_query_len,
+        **kwargs,
+    )
+    return out
+
+
+def kernel_case(queries_per_kv: int, head_dim: int, block_size: int, dtype: torch.dtype):
+    dtype_name = str(dtype).removeprefix("torch.")
+    case_id = f"gqa{queries_per_kv}-d{head_dim}-bs{block_size}-{dtype_name}"
+    return pytest.param(queries_per_kv, head_dim, block_size, dtype, id=case_id)
+
+
+# Every GQA ratio x head dim x block size in fp32; the half-precision dtypes on a
+# spread of them (the interpreter is too slow to pay for the full product twice more).
+KERNEL_CASES = [
+    kernel_case(queries_per_kv, head_dim, block_size, torch.float32)
+    for queries_per_kv in (1, 2, 4)
+    for head_dim in (48, 64, 128)
+    for block_size in (16, 32)
+] + [
+    kernel_case(1, 64, 32, torch.bfloat16),
+    kernel_case(2, 128, 32, torch.bfloat16),
+    kernel_case(4, 48, 16, torch.bfloat16),
+    kernel_case(2, 48, 16, torch.float16),
+]
+
+
+@pytest.mark.parametrize("head_dim", [48, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_store_kv_writes_each_token_to_its_slot_and_nothing_else(head_dim, dtype):
+    gen = torch.Generator().manual_seed(head_dim)
+    num_blocks, block_size, num_kv_heads, num_tokens = 6, 16, 2, 21
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    # K and V as views into one fused projection output: strided, not contiguous.
+    fused = torch.randn(num_tokens, 3 * num_kv_heads * head_dim, generator=gen).to(dtype)
+    key = fused[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    value = fused[:, 2 * num_kv_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+
+    store_kv(key, value, kv_cache, slot_mapping)
+
+    slots = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    torch.testing.assert_close(slots[0, slot_mapping], key, rtol=0, atol=0)
+    torch.testing.assert_close(slots[1, slot_mapping], value, rtol=0, atol=0)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slot_mapping] = False
+    assert slots[:, untouched].isnan().all()
+
+
+@pytest.mark.parametrize("queries_per_kv, head_dim, block_size, dtype", KERNEL_CASES)
+def test_decode_attention_matches_reference(queries_per_kv, head_dim, block_size, dtype):
+    # Ragged contexts: inside one block, exactly one block, and a partial last block.
+    seq_lens = [5, block_size, 2 * block_size + 7]
+    batch = make_paged_batch(
+        seq_lens,
+        [1, 1, 1],
+        seed=head_dim + block_size,
+        queries_per_kv=queries_per_kv,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+    )
+    torch.testing.assert_close(run_decode_kernel(batch), reference_attention(batch), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_split_k_decode_matches_reference(dtype):
+    # Three splits of two 16-token blocks each: the longest sequence fills all three,
+    # the shorter ones leave splits empty (and those must get no weight).
+    batch = make_paged_batch([3, 40, 95], [1, 1, 1], seed=7, block_size=16, dtype=dtype)
+    out = run_decode_kernel(batch, num_splits=3)
+    torch.testing.assert_close(out, reference_attention(batch), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("queries_per_kv, head_dim, block_size, dtype", KERNEL_CASES)
+def test_prefill_attention_matches_reference(queries_per_kv, head_dim, block_size, dtype):
+    # A fresh prompt, a chunk after a cached prefix (not block-aligned), a decode
+    # token riding in the mixed batch, and a prefix-cache hit (block-aligned).
+    seq_lens = [13, 30, 23, block_size + 9]
+    query_lens = [13, 11, 1, 9]
+    batch = make_paged_batch(
+        seq_lens,
+        query_lens,
+        seed=head_dim * block_size,
+        queries_per_kv=queries_per_kv,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+    )
+    torch.testing.assert_close(run_prefill_kernel(batch), reference_attention(batch), **TOLERANCE[dtype])
+
+
+def test_prefill_attention_over_several_query_tiles_matches_reference():
+    # 16-row tiles: the first sequence spans three tiles, the second only one, so
+    # the grid also has tiles that belong to no query and must write nothing.
+    batch = make_paged_batch([45, 20], [37, 4], seed=3, num_kv_heads=1, queries_per_kv=4)
+    out = run_prefill_kernel(batch, block_m=16)
+    torch.testing.assert_close(out, reference_attention(batch), **TOLERANCE[torch.float32])
+
+
+def test_backend_decode_batch_splits_a_long_context_and_matches_reference_backend():
+    batch = make_paged_batch([9, 1100, 17], [1, 1, 1], seed=5)
+    assert default_num_splits(batch.metadata.max_seq_len) > 1  # so the default split-K path runs
+    out = TritonAttentionBackend("cpu").attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+    torch.testing.assert_close(out, reference_attention(batch), **TOLERANCE[torch.float32])
+
+
+def test_backend_mixed_batch_matches_reference_backend():
+    batch = make_paged_batch([9, 33, 17], [1, 6, 1], seed=6)
+    out = TritonAttentionBackend("cpu").attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+    torch.testing.assert_close(out, reference_attention(batch), **TOLERANCE[torch.float32])
+
+
+def test_backend_refuses_a_block_size_its_kernels_cannot_tile():
+    batch = make_paged_batch([9], [1], seed=8, block_size=8)
+    with pytest.raises(ValueError, match="block_size must be a power of two >= 16"):
+        TritonAttentionBackend("cpu").attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+
+
+def test_backend_write_kv_matches_reference_backend():
+    batch = make_paged_batch([9, 33], [9, 1], seed=11, head_dim=48, block_size=32)
+    key, value = torch.randn(2, 10, 2, 48).unbind(0)
+    expected = batch.kv_cache.clone()
+    TorchAttentionBackend().write_kv(key, value, expected, batch.metadata)
+    TritonAttentionBackend("cpu").write_kv(key, value, batch.kv_cache, batch.metadata)
+    torch.testing.assert_close(batch.kv_cache, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_triton_backend_on_cpu_without_interpreter_is_refused_with_a_clear_error():
+    # Triton reads TRITON_INTERPRET when a kernel is defined (module import), so
+    # the only honest way to run without it is a fresh interpreter process.
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    code = (
+        "import torch\n"
+        "from tinyserve.kernels.backend import get_attention_backend\n"
+        "try:\n"
+        "    get_attention_backend('triton', torch.device('cpu'))\n"
+        "except ValueError as error:\n"
+        "    print(error)\n"
+    )
+    repo_root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=repo_root, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (
+        "attention_backend='triton' needs a CUDA GPU, or TRITON_INTERPRET=1 to run "
+        "the kernels through Triton's interpreter on the CPU"
+    )
