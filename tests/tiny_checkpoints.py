@@ -101,14 +101,14 @@ _session_dir: tempfile.TemporaryDirectory | None = None
 _built: dict[tuple, pathlib.Path] = {}
 
 
-def tiny_checkpoint(family: str, tie_word_embeddings: bool = False, **kwargs) -> pathlib.Path:
+def tiny_checkpoint(family: str, tie_word_embeddings: bool = False, with_tokenizer: bool = False, **kwargs) -> pathlib.Path:
     """build_tiny_checkpoint, once per test session for each set of arguments.
 
     The folders live in one temporary directory removed when the interpreter exits.
     Treat them as read-only: other tests reuse them.
     """
     global _session_dir
-    key = (family, tie_word_embeddings, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+    key = (family, tie_word_embeddings, with_tokenizer, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
     if key not in _built:
         if _session_dir is None:
             _session_dir = tempfile.TemporaryDirectory(prefix="tinyserve-checkpoints-")
@@ -116,3 +116,14 @@ def tiny_checkpoint(family: str, tie_word_embeddings: bool = False, **kwargs) ->
         folder = pathlib.Path(_session_dir.name) / f"{family}-{tied}-{len(_built)}"
         _built[key] = build_tiny_checkpoint(folder, family, tie_word_embeddings=tie_word_embeddings, **kwargs)
     return _built[key]
+
+
+def tiny_model_with_tokenizer(family: str = "llama", tie_word_embeddings: bool = False, **kwargs) -> pathlib.Path:
+    """A tiny checkpoint plus the tiny trained tokenizer and its chat template: a servable model folder."""
+    from tests.tiny_tokenizer import TINY_VOCAB_SIZE, tiny_tokenizer_files
+
+    kwargs.setdefault("vocab_size", TINY_VOCAB_SIZE)
+    folder = tiny_checkpoint(family, tie_word_embeddings, with_tokenizer=True, **kwargs)
+    if not (folder / "tokenizer.json").exists():
+        tiny_tokenizer_files(folder)
+    return folder

@@ -1,0 +1,159 @@
+"""The offline LLM API: prompts in every form, sampling, prefix caching, bad input."""
+
+import pytest
+
+from tests.tiny_checkpoints import tiny_model_with_tokenizer
+from tinyserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(str(tiny_model_with_tokenizer("llama")), num_kv_blocks=64)
+
+
+def greedy(max_tokens=8, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def assert_pool_idle(llm):
+    pool = llm.engine_core.kv_cache_manager.pool
+    pool.check_integrity()
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_string_prompt_returns_text_and_token_ids(llm):
+    [output] = llm.generate("Beautiful is better than ugly.", greedy(), use_tqdm=False)
+    completion = output.outputs[0]
+    assert output.prompt == "Beautiful is better than ugly."
+    assert output.prompt_token_ids == llm.get_tokenizer().encode("Beautiful is better than ugly.")
+    assert len(completion.token_ids) == 8 and completion.finish_reason == "length"
+    # A trailing incomplete UTF-8 character is held back, as the detokenizer never emits half a character.
+    assert completion.text == llm.get_tokenizer().decode(completion.token_ids, skip_special_tokens=True).rstrip("\ufffd")
+    assert output.finished and output.metrics.first_token_time >= output.metrics.arrival_time
+
+
+def test_string_and_token_id_prompts_give_the_same_tokens(llm):
+    ids = llm.get_tokenizer().encode("Simple is better than complex.")
+    by_text, by_ids = llm.generate(["Simple is better than complex.", {"prompt_token_ids": ids}], greedy(), use_tqdm=False)
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
+    assert by_ids.prompt is None
+
+
+def test_one_sampling_params_per_prompt(llm):
+    outputs = llm.generate(["a", "b"], [greedy(max_tokens=3), greedy(max_tokens=5)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 5]
+
+
+def test_repeated_prompt_hits_the_prefix_cache_with_the_same_tokens(llm):
+    prompt = {"prompt_token_ids": list(range(10, 60))}
+    first = llm.generate(prompt, greedy(), use_tqdm=False)[0]
+    second = llm.generate(prompt, greedy(), use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 48  # three full 16-token blocks
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_pool_idle(llm)
+
+
+def test_same_seed_same_tokens_alone_and_in_a_batch(llm):
+    seeded = SamplingParams(temperature=1.0, seed=42, max_tokens=12)
+    alone = llm.generate("Errors should never pass silently.", seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=12)
+    batch = llm.generate(["Now is better than never.", "Errors should never pass silently.", "Flat is better"],
+                         [others, seeded, others], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    different_seed = SamplingParams(temperature=1.0, seed=43, max_tokens=12)
+    assert llm.generate("Errors should never pass silently.", different_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_n_returns_indexed_completions(llm):
+    [output] = llm.generate("Readability counts.", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6), use_tqdm=False)
+    assert [c.index for c in output.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in output.outputs}) > 1
+
+
+def test_stop_string_ends_the_text_before_it(llm):
+    [free] = llm.generate("Special cases", greedy(max_tokens=12), use_tqdm=False)
+    text = free.outputs[0].text
+    stop = text[3:6]
+    assert stop.strip(), f"need a visible stop string in {text!r}"
+    [stopped] = llm.generate("Special cases", greedy(max_tokens=12, stop=[stop]), use_tqdm=False)
+    completion = stopped.outputs[0]
+    assert completion.text == text[: text.index(stop)]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+    assert_pool_idle(llm)
+
+
+def test_logprobs_hold_the_sampled_token_and_the_top_k(llm):
+    [output] = llm.generate("In the face of ambiguity", greedy(max_tokens=4, logprobs=3), use_tqdm=False)
+    completion = output.outputs[0]
+    assert len(completion.logprobs) == 4
+    for token_id, position in zip(completion.token_ids, completion.logprobs):
+        assert position[token_id].rank == 1  # greedy: the sampled token is the most likely one
+        assert sorted(lp.rank for lp in position.values()) == [1, 2, 3]
+
+
+def test_chat_renders_the_template(llm):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    [output] = llm.chat(messages, greedy(max_tokens=4), use_tqdm=False)
+    rendered = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert output.prompt == rendered
+    assert len(output.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ("", SamplingParams(), "prompt must not be empty"),
+        ({"prompt_token_ids": []}, SamplingParams(), "prompt must not be empty"),
+        ({"prompt_token_ids": [1, 99999]}, SamplingParams(), "outside the vocabulary"),
+        ({"prompt_token_ids": [5] * 600}, SamplingParams(), "max_model_len"),
+    ],
+)
+def test_bad_prompts_raise_before_anything_is_scheduled(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["fine prompt", prompt], params, use_tqdm=False)
+    assert not llm.engine_core.has_unfinished_requests
+    assert llm.generate("still serving", greedy(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ],
+)
+def test_bad_sampling_params_name_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_engine_argument_is_an_error():
+    with pytest.raises(ValueError, match="unknown engine argument.*gpu_magic"):
+        LLM(str(tiny_model_with_tokenizer("llama")), gpu_magic=True)
+
+
+def test_request_that_can_never_fit_the_pool_is_rejected():
+    small = LLM(str(tiny_model_with_tokenizer("llama")), num_kv_blocks=2, block_size=16)
+    with pytest.raises(ValueError, match="KV blocks"):
+        small.generate({"prompt_token_ids": list(range(3, 40))}, greedy(max_tokens=8), use_tqdm=False)
+
+
+def test_aborting_running_requests_frees_every_block(llm):
+    from tinyserve.engine.input_processor import ProcessedPrompt
+
+    for i in range(3):
+        request = llm.input_processor.make_request(f"abort-{i}", ProcessedPrompt(None, list(range(5, 45))), greedy(max_tokens=50))
+        llm.engine_core.add_request(request)
+    llm.engine_core.step()
+    llm.engine_core.step()
+    outputs = llm.engine_core.abort_requests(["abort-0", "abort-1", "abort-2"])
+    assert [o.finish_reason for o in outputs] == ["abort"] * 3
+    assert_pool_idle(llm)
