@@ -1,0 +1,53 @@
+"""Start a real `tinyserve serve` process on a free loopback port, for tests."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: str, *flags: str, startup_timeout: float = 120.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "tinyserve.cli.main", "serve", model, "--port", str(self.port), *flags]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # Its own process group, so a test can check that nothing of the server is left behind.
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, start_new_session=True)
+        self._wait_healthy(startup_timeout)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.process.stdout.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("server did not become healthy in time")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> str:
+        """Signal the server, wait for it to exit, and return everything it printed."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        return self.process.stdout.read()

@@ -1,0 +1,131 @@
+"""Every bad request gets the right status and an error body in the API's own format."""
+
+import signal
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.server_process import ServerProcess
+from tests.tiny_checkpoints import tiny_model_with_tokenizer
+
+MODEL = "tiny"
+KEY = "sk-test-key"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def server():
+    folder = str(tiny_model_with_tokenizer("llama"))
+    proc = ServerProcess(folder, "--served-model-name", MODEL, "--api-key", KEY, "--num-kv-blocks", "64",
+                         "--max-model-len", "128")
+    yield proc
+    proc.stop()
+
+
+def post(server, path, body, key=KEY, **kwargs):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=30, **kwargs)
+
+
+def assert_openai_error(response, status, *words):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    for word in words:
+        assert word in error["message"]
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"temperature": -1}, ["temperature"]),
+        ({"temperature": "hot"}, ["temperature"]),
+        ({"top_p": 0}, ["top_p"]),
+        ({"n": 0}, ["n"]),
+        ({"max_tokens": 0}, ["max_tokens"]),
+        ({"top_logprobs": 21, "logprobs": True}, ["top_logprobs"]),
+        ({"presence_penalty": 5}, ["presence_penalty"]),
+        ({"top_k": -5}, ["top_k"]),
+        ({"messages": []}, ["messages"]),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, ["role"]),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, ["content"]),
+        ({"messages": "hello"}, ["messages"]),
+    ],
+)
+def test_invalid_chat_fields_are_400_not_422(server, change, words):
+    assert_openai_error(post(server, "/v1/chat/completions", {**CHAT, **change}), 400, *words)
+
+
+def test_missing_messages_is_400(server):
+    assert_openai_error(post(server, "/v1/chat/completions", {"model": MODEL}), 400, "messages")
+
+
+def test_invalid_json_is_400(server):
+    response = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json",
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert_openai_error(response, 400)
+
+
+def test_token_ids_outside_the_vocabulary_are_400(server):
+    response = post(server, "/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**6], "max_tokens": 2})
+    assert_openai_error(response, 400, "vocabulary")
+
+
+def test_prompt_plus_max_tokens_beyond_max_model_len_says_by_how_much(server):
+    response = post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * 100, "max_tokens": 40})
+    assert_openai_error(response, 400, "128", "12 too many")
+
+
+def test_unknown_model_is_404(server):
+    assert_openai_error(post(server, "/v1/chat/completions", {**CHAT, "model": "gpt-9"}), 404, "gpt-9")
+
+
+def test_missing_or_wrong_api_key_is_401(server):
+    assert_openai_error(post(server, "/v1/chat/completions", CHAT, key=None), 401)
+    assert_openai_error(post(server, "/v1/chat/completions", CHAT, key="sk-wrong"), 401)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_health_and_metrics_stay_open_without_a_key(server):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
+def test_anthropic_errors_use_the_anthropic_format(server):
+    response = httpx.post(f"{server.url}/v1/messages", json={"model": MODEL, "messages": []}, headers={"x-api-key": KEY})
+    assert response.status_code == 400
+    body = response.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    client = anthropic.Anthropic(base_url=server.url, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_server_is_healthy_after_all_that(server):
+    response = post(server, "/v1/chat/completions", CHAT)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+
+
+def test_dead_engine_makes_health_503_and_requests_fail_with_503():
+    import psutil
+
+    folder = str(tiny_model_with_tokenizer("llama"))
+    proc = ServerProcess(folder, "--served-model-name", MODEL, "--num-kv-blocks", "64")
+    try:
+        engines = [p for p in psutil.Process(proc.process.pid).children(recursive=True) if "tinyserve-engine" in " ".join(p.cmdline()) or "tinyserve-engine" in p.name()]
+        assert engines, "the engine process should be a child of the server"
+        for engine in engines:
+            engine.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while httpx.get(f"{proc.url}/health").status_code != 503:
+            assert time.monotonic() < deadline, "/health did not turn 503"
+            time.sleep(0.1)
+        response = httpx.post(f"{proc.url}/v1/chat/completions", json=CHAT, timeout=10)
+        assert_openai_error(response, 503)
+    finally:
+        proc.stop()

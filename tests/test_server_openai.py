@@ -1,0 +1,135 @@
+"""The server through the official openai client, on a real loopback port."""
+
+import httpx
+import openai
+import pytest
+
+from tests.server_process import ServerProcess
+from tests.tiny_checkpoints import tiny_model_with_tokenizer
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server():
+    folder = str(tiny_model_with_tokenizer("llama"))
+    proc = ServerProcess(folder, "--served-model-name", MODEL, "--num-kv-blocks", "128", "--max-model-len", "256")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+MESSAGES = [{"role": "user", "content": "Explain the Zen of Python."}]
+
+
+def test_models_lists_the_served_name(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_completion(client):
+    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    choice = response.choices[0]
+    assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    assert response.usage.completion_tokens == 8
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 8
+
+
+def test_streamed_chat_text_equals_non_streamed_text_at_temperature_0(client):
+    full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 12
+
+
+def test_completion_streamed_equals_non_streamed(client):
+    full = client.completions.create(model=MODEL, prompt="Flat is better than", max_tokens=10, temperature=0)
+    stream = client.completions.create(model=MODEL, prompt="Flat is better than", max_tokens=10, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == full.choices[0].text
+    assert full.object == "text_completion" and full.usage.completion_tokens == 10
+
+
+def test_completion_with_token_ids_and_echo(client):
+    tokens = httpx.post(f"{client.base_url}".replace("/v1/", "") + "/tokenize", json={"prompt": "Sparse is better"}).json()["tokens"]
+    response = client.completions.create(model=MODEL, prompt=tokens, max_tokens=4, temperature=0, echo=True)
+    assert response.choices[0].text.startswith("Sparse is better")
+    assert response.usage.prompt_tokens == len(tokens)
+
+
+def test_n_2_with_a_seed_is_reproducible(client):
+    def run():
+        response = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, n=2, seed=11, temperature=1.0)
+        return [(c.index, c.message.content) for c in response.choices]
+
+    first = run()
+    assert [index for index, _ in first] == [0, 1]
+    assert run() == first
+
+
+def test_chat_logprobs_shape(client):
+    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0,
+                                              logprobs=True, top_logprobs=3)
+    content = response.choices[0].logprobs.content
+    assert len(content) == 5
+    assert all(len(entry.top_logprobs) == 3 for entry in content)
+    assert all(entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob for entry in content)
+
+
+def test_completion_logprobs_shape(client):
+    response = client.completions.create(model=MODEL, prompt="Now is better", max_tokens=4, temperature=0, logprobs=2)
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.text_offset) == 4
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+
+
+def test_stop_string_is_honoured_and_not_emitted(client):
+    free = client.completions.create(model=MODEL, prompt="Although never is", max_tokens=16, temperature=0).choices[0].text
+    stop = free[4:7]
+    assert stop.strip()
+    for stream in (False, True):
+        response = client.completions.create(model=MODEL, prompt="Although never is", max_tokens=16, temperature=0,
+                                             stop=[stop], stream=stream)
+        if stream:
+            chunks = list(response)
+            text = "".join(c.choices[0].text for c in chunks)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+        else:
+            text, finish = response.choices[0].text, [response.choices[0].finish_reason]
+        assert text == free[: free.index(stop)]
+        assert stop not in text and finish == ["stop"]
+
+
+def test_vllm_extra_sampling_fields_are_accepted(client):
+    response = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0.8, seed=3,
+        extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 6},
+    )
+    assert response.usage.completion_tokens == 6
+
+
+def test_max_completion_tokens_is_honoured(client):
+    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=3, temperature=0)
+    assert response.usage.completion_tokens == 3
+
+
+def test_tokenize_and_detokenize_round_trip(server):
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "Namespaces are one honking great idea"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 256
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    assert "Namespaces are one honking great idea" in text
+
+
+def test_health_and_version(server):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json()["version"]

@@ -1,0 +1,1 @@
+"""The `tinyserve` command line."""

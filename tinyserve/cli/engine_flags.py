@@ -1,0 +1,47 @@
+"""The engine flags shared by `serve`, `run-batch` and the benchmarks."""
+
+import argparse
+
+from tinyserve.config import DTYPES, EngineArgs
+from tinyserve.kernels.backend import ATTENTION_BACKENDS
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="a local Hugging Face model folder or a hub id in the local cache (default: the built-in model)")
+    group = parser.add_argument_group("engine")
+    group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    group.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once (default 256)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                       help="token budget of one engine step; longer prompts are prefilled in chunks (default 2048)")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
+    group.add_argument("--num-kv-blocks", type=int, default=None,
+                       help="KV-cache blocks per engine (default: from --kv-cache-memory)")
+    group.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per engine (default 1 GiB)")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse KV blocks of identical prompt prefixes (default on)")
+    group.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
+                       help="weights and KV dtype (auto: float32 on CPU, the checkpoint's on GPU)")
+    group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
+                       help="attention kernels (default: triton on CUDA, torch elsewhere)")
+    group.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests (default 0)")
+    group.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+
+
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    engine_args = EngineArgs(
+        model=args.model,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        attention_backend=args.attention_backend,
+        dtype=args.dtype,
+        seed=args.seed,
+        device=args.device,
+    )
+    engine_args.validate()
+    return engine_args

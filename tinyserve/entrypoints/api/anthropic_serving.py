@@ -1,0 +1,136 @@
+"""POST /v1/messages: the Anthropic Messages API on the same engine.
+
+Anthropic names things differently from OpenAI: `stop_sequences` for stop,
+`stop_reason` of "end_turn" / "max_tokens" / "stop_sequence", and a stream of
+typed events: message_start, content_block_start, content_block_delta…,
+content_block_stop, message_delta (stop reason, usage), message_stop.
+"""
+
+import uuid
+from typing import Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from tinyserve.engine.core_client import EngineDeadError
+from tinyserve.engine.output_processor import OutputKind
+from tinyserve.entrypoints.api.errors import APIError, anthropic_error_body
+from tinyserve.entrypoints.api.openai_serving import ServingContext, _final_output, _tokenize
+from tinyserve.entrypoints.api.sse import run_unless_disconnected, sse_event
+from tinyserve.sampling_params import SamplingParams
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class TextBlock(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[TextBlock]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(block.text for block in self.content)
+
+
+class MessagesRequest(_Strict):
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    stream: bool = False
+    metadata: dict | None = None
+
+    def conversation(self) -> list[dict]:
+        turns = []
+        if self.system:
+            system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system)
+            turns.append({"role": "system", "content": system})
+        return turns + [{"role": m.role, "content": m.text} for m in self.messages]
+
+
+def _stop_reason(finish_reason: str | None, stop_reason) -> str:
+    if finish_reason == "length":
+        return "max_tokens"
+    if isinstance(stop_reason, str):
+        return "stop_sequence"
+    return "end_turn"
+
+
+async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request: Request) -> Response:
+    model = ctx.check_model(body.model)
+    try:
+        text = ctx.engine.input_processor.render_chat(body.conversation())
+    except ValueError as error:
+        raise APIError(400, str(error), "messages") from error
+    prompt = _tokenize(ctx, text, add_special_tokens=False)
+    max_tokens = ctx.max_tokens_for(len(prompt.prompt_token_ids), body.max_tokens)
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            stop=body.stop_sequences or None,
+        )
+    except ValueError as error:
+        raise APIError(400, str(error)) from error
+    message_id = f"msg_{uuid.uuid4().hex}"
+    num_prompt = len(prompt.prompt_token_ids)
+
+    if body.stream:
+        return StreamingResponse(_stream(ctx, prompt, params, message_id, model, num_prompt), media_type="text/event-stream")
+
+    output = await run_unless_disconnected(_final_output(ctx, prompt, params, message_id, 0), raw_request)
+    if output is None:
+        return Response(status_code=499)
+    completion = output.outputs[0]
+    return JSONResponse({
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [{"type": "text", "text": completion.text}],
+        "stop_reason": _stop_reason(completion.finish_reason, completion.stop_reason),
+        "stop_sequence": completion.stop_reason if isinstance(completion.stop_reason, str) else None,
+        "usage": {"input_tokens": num_prompt, "output_tokens": len(completion.token_ids)},
+    })
+
+
+async def _stream(ctx, prompt, params, message_id, model, num_prompt):
+    yield sse_event("message_start", {"type": "message_start", "message": {
+        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": num_prompt, "output_tokens": 0},
+    }})
+    yield sse_event("content_block_start", {"type": "content_block_start", "index": 0,
+                                            "content_block": {"type": "text", "text": ""}})
+    num_generated, finish_reason, stop_reason = 0, None, None
+    try:
+        async for output in ctx.engine.generate(prompt, params, message_id, output_kind=OutputKind.DELTA):
+            completion = output.outputs[0]
+            num_generated += len(completion.token_ids)
+            finish_reason, stop_reason = completion.finish_reason, completion.stop_reason
+            if completion.text:
+                yield sse_event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                        "delta": {"type": "text_delta", "text": completion.text}})
+    except EngineDeadError as error:
+        yield sse_event("error", anthropic_error_body(503, str(error)))
+        return
+    yield sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    yield sse_event("message_delta", {
+        "type": "message_delta",
+        "delta": {"stop_reason": _stop_reason(finish_reason, stop_reason),
+                  "stop_sequence": stop_reason if isinstance(stop_reason, str) else None},
+        "usage": {"output_tokens": num_generated},
+    })
+    yield sse_event("message_stop", {"type": "message_stop"})

@@ -1,0 +1,133 @@
+"""Request bodies of the OpenAI endpoints, validated with pydantic.
+
+Field names and ranges follow the OpenAI API, plus vLLM's extra sampling fields
+(top_k, min_p, repetition_penalty, ignore_eos, min_tokens). Unknown fields are
+ignored, as OpenAI clients send fields a server may not use.
+"""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tinyserve.sampling_params import SamplingParams
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class SamplingFields(_Strict):
+    """Fields shared by chat and completions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=stop or None,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    @property
+    def prompts(self) -> list:
+        """Always a list of prompts: strings or token-id lists."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return [prompt]
+        return list(prompt)
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
