@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -22,8 +23,10 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "tinyserve.cli.main", "serve", model, "--port", str(self.port), *flags]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # Output goes to a file, not a pipe: a pipe nobody reads would stall a chatty server.
+        self.log = tempfile.TemporaryFile(mode="w+")
         # Its own process group, so a test can check that nothing of the server is left behind.
-        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                         text=True, start_new_session=True)
         self._wait_healthy(startup_timeout)
 
@@ -31,7 +34,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.process.stdout.read()}")
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.output()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
@@ -50,4 +53,8 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
-        return self.process.stdout.read()
+        return self.output()
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()

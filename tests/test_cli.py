@@ -1,0 +1,168 @@
+"""`tinyserve chat`, `complete` and `run-batch`, run as the user runs them: subprocesses.
+
+The reference for every answer is the server itself, asked through the official
+openai client (or plain HTTP) at temperature 0: the commands must print, or write,
+exactly what the server answers.
+"""
+
+import json
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from tests.server_process import ServerProcess, free_port
+from tests.tiny_checkpoints import tiny_model_with_tokenizer
+from tinyserve.cli.main import main
+
+MODEL = "tiny"
+ENGINE_FLAGS = ("--served-model-name", MODEL, "--num-kv-blocks", "128", "--max-model-len", "256")
+
+
+def tinyserve(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tinyserve.cli.main", *args], input=stdin,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServerProcess(str(tiny_model_with_tokenizer("llama")), *ENGINE_FLAGS)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def greedy_chat(client, messages: list[dict]) -> str:
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    return response.choices[0].message.content
+
+
+# ---- chat and complete -------------------------------------------------------------
+
+
+def test_chat_quick_prints_the_servers_reply_and_exits_0(server, client):
+    expected = greedy_chat(client, [{"role": "user", "content": "hi"}])
+    result = tinyserve("chat", "--url", f"{server.url}/v1", "--quick", "hi", "--max-tokens", "8", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert expected.strip()
+    assert result.stdout == expected + "\n"
+
+
+def test_complete_quick_prints_the_servers_completion_and_exits_0(server, client):
+    prompt = "Flat is better than"
+    expected = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+    result = tinyserve("complete", "--url", f"{server.url}/v1", "--model", MODEL, "--quick", prompt,
+                       "--max-tokens", "8", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert expected.strip()
+    assert result.stdout == expected + "\n"
+
+
+def test_interactive_chat_keeps_the_history_and_ends_on_eof(server, client):
+    system = {"role": "system", "content": "Answer briefly."}
+    first = greedy_chat(client, [system, {"role": "user", "content": "hi"}])
+    second = greedy_chat(client, [system, {"role": "user", "content": "hi"}, {"role": "assistant", "content": first},
+                                  {"role": "user", "content": "and then?"}])
+    result = tinyserve("chat", "--url", f"{server.url}/v1", "--system", system["content"], "--max-tokens", "8",
+                       "--temperature", "0", stdin="hi\nand then?\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"> {first}\n> {second}\n> \n"
+
+
+def test_unreachable_server_is_one_clear_line_and_exit_1():
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    result = tinyserve("chat", "--url", url, "--quick", "hi")
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith("error: cannot reach the server at") and url in line
+
+
+def test_an_error_answer_is_one_line_with_the_servers_message_and_exit_1(server, capsys):
+    # In this process (main() is what the `tinyserve` script calls): no second interpreter to start.
+    body = {"model": "nope", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    reference = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    url = f"{server.url}/v1"
+    assert main(["chat", "--url", url, "--model", "nope", "--quick", "hi", "--max-tokens", "8"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"error: the server at {url} answered {reference.status_code}: {reference.json()['error']['message']}\n"
+
+
+# ---- run-batch -----------------------------------------------------------------------
+
+
+def batch_line(custom_id: str, url: str, body: dict) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+CHAT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}
+COMPLETION_BODY = {"model": MODEL, "prompt": "Flat is better than", "max_tokens": 8, "temperature": 0}
+BAD_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": -1}
+
+
+def test_run_batch_answers_every_line_in_order_as_the_server_would(server, tmp_path):
+    lines = [
+        batch_line("chat", "/v1/chat/completions", CHAT_BODY),
+        batch_line("completion", "/v1/completions", COMPLETION_BODY),
+        '{"custom_id": "broken", "method": "POST", ',
+        batch_line("bad-temperature", "/v1/chat/completions", BAD_BODY),
+        batch_line("embeddings", "/v1/embeddings", {"model": MODEL, "input": "hi"}),
+    ]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    result = tinyserve("run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+                       str(tiny_model_with_tokenizer("llama")), *ENGINE_FLAGS)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+
+    assert [r["custom_id"] for r in records] == ["chat", "completion", None, "bad-temperature", "embeddings"]
+    assert all(r["id"].startswith("batch_req_") for r in records)
+    assert len({r["id"] for r in records}) == len(records)
+    chat, completion, broken, bad, embeddings = records
+
+    # Answered lines: the endpoint's status and body, exactly as the running server answers them.
+    reference_chat = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT_BODY, timeout=60).json()
+    assert chat["error"] is None and chat["response"]["status_code"] == 200
+    assert chat["response"]["request_id"] == chat["response"]["body"]["id"]
+    assert chat["response"]["body"]["object"] == "chat.completion"
+    assert chat["response"]["body"]["choices"][0]["message"] == reference_chat["choices"][0]["message"]
+    assert chat["response"]["body"]["usage"] == reference_chat["usage"]
+
+    reference_completion = httpx.post(f"{server.url}/v1/completions", json=COMPLETION_BODY, timeout=60).json()
+    assert completion["error"] is None and completion["response"]["status_code"] == 200
+    assert completion["response"]["body"]["choices"][0]["text"] == reference_completion["choices"][0]["text"]
+
+    reference_bad = httpx.post(f"{server.url}/v1/chat/completions", json=BAD_BODY, timeout=60)
+    assert reference_bad.status_code == 400
+    assert bad["error"] is None
+    assert bad["response"]["status_code"] == 400
+    assert bad["response"]["body"] == reference_bad.json()
+    assert bad["response"]["request_id"].startswith("req_")
+
+    # Lines that could not be sent: no response, an error code and message instead.
+    assert broken["response"] is None and broken["error"]["code"] == "invalid_json_line"
+    assert embeddings["response"] is None and embeddings["error"]["code"] == "invalid_url"
+    assert "/v1/embeddings" in embeddings["error"]["message"]
+
+
+# The two failures below stop before any engine work, so they too run in this process.
+
+
+def test_run_batch_without_a_readable_input_file_exits_1(tmp_path, capsys):
+    missing = tmp_path / "missing.jsonl"
+    assert main(["run-batch", "-i", str(missing), "-o", str(tmp_path / "out.jsonl")]) == 1
+    assert capsys.readouterr().err.startswith(f"error: cannot read the input file {missing}")
+
+
+def test_run_batch_with_a_model_that_cannot_load_exits_1(tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_text(batch_line("chat", "/v1/chat/completions", CHAT_BODY) + "\n")
+    argv = ["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), str(tmp_path / "no-such-model")]
+    assert main(argv) == 1
+    assert capsys.readouterr().err.startswith("error: cannot load the model")

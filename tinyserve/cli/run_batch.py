@@ -1,0 +1,213 @@
+"""`tinyserve run-batch -i IN.jsonl -o OUT.jsonl [MODEL]`: an OpenAI Batch file, offline.
+
+Each input line is one request (blank lines are skipped):
+
+    {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
+
+Each output line answers the input line at the same position, in the record
+shape of OpenAI's Batch API:
+
+    the endpoint answered (any status)  {"id": "batch_req_…", "custom_id": "a",
+                                         "response": {"status_code": 200, "request_id": "chatcmpl-…",
+                                                      "body": <the endpoint's JSON: result or error object>},
+                                         "error": null}
+    the line could not be sent          {"id": "batch_req_…", "custom_id": "a" or null,
+                                         "response": null,
+                                         "error": {"code": "invalid_json_line", "message": "…"}}
+
+The engine runs in this process, and every body goes through the very FastAPI
+app that `tinyserve serve` runs, over an in-memory ASGI transport (no socket),
+so validation, defaults and response bodies are exactly the server's. All lines
+are in flight together, so the scheduler batches them like concurrent clients.
+"""
+
+import argparse
+import asyncio
+import json
+import pathlib
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import TextIO
+
+import httpx
+from tqdm import tqdm
+
+from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from
+from tinyserve.entrypoints.api.errors import openai_error_body
+
+SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions")
+REQUIRED_FIELDS = ("custom_id", "method", "url", "body")
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("run-batch", help="run an OpenAI Batch file (JSONL) through the engine",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-i", "--input-file", required=True, help="the batch file, one request per line ('-': stdin)")
+    parser.add_argument("-o", "--output-file", required=True, help="where the results go, one per line ('-': stdout)")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="name(s) the bodies' 'model' may use (default: the model argument, or 'tinyserve-default')")
+    add_engine_flags(parser)
+    parser.set_defaults(handler=run)
+
+
+# ---- one line: parse it, send it, shape the record ---------------------------------
+
+
+class BatchLineError(Exception):
+    """A line that cannot be sent to an endpoint; becomes a record with "response": null."""
+
+    def __init__(self, code: str, message: str, custom_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.custom_id = custom_id
+
+
+@dataclass(slots=True)
+class BatchRequest:
+    custom_id: str
+    url: str
+    body: dict
+
+
+def parse_line(line: str) -> BatchRequest:
+    """Check one input line; raise BatchLineError with OpenAI's batch error codes."""
+    try:
+        request = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise BatchLineError("invalid_json_line", f"the line is not valid JSON: {error}") from None
+    if not isinstance(request, dict):
+        raise BatchLineError("invalid_json_line", f"the line must be a JSON object, got {type(request).__name__}")
+    custom_id = request.get("custom_id")
+    custom_id = custom_id if isinstance(custom_id, str) else None
+    missing = [field for field in REQUIRED_FIELDS if field not in request]
+    if missing:
+        raise BatchLineError("missing_required_parameter", f"the line lacks {', '.join(missing)}", custom_id)
+    if custom_id is None:
+        raise BatchLineError("invalid_parameter", "custom_id must be a string", None)
+    if request["method"] != "POST":
+        raise BatchLineError("invalid_method", f"method must be 'POST', got {request['method']!r}", custom_id)
+    if request["url"] not in SUPPORTED_URLS:
+        raise BatchLineError("invalid_url", f"url must be one of {list(SUPPORTED_URLS)}, got {request['url']!r}", custom_id)
+    body = request["body"]
+    if not isinstance(body, dict):
+        raise BatchLineError("invalid_parameter", f"body must be a JSON object, got {type(body).__name__}", custom_id)
+    if body.get("stream"):
+        raise BatchLineError("invalid_parameter", "body.stream: a batch answers with whole responses; "
+                             "remove 'stream' or set it to false", custom_id)
+    return BatchRequest(custom_id, request["url"], body)
+
+
+def _record_id() -> str:
+    return f"batch_req_{uuid.uuid4().hex}"
+
+
+def error_record(error: BatchLineError) -> dict:
+    return {"id": _record_id(), "custom_id": error.custom_id, "response": None,
+            "error": {"code": error.code, "message": error.message}}
+
+
+def response_record(custom_id: str, status_code: int, body) -> dict:
+    # The endpoint's own id ("chatcmpl-…") is the one the engine, logs and traces know the
+    # request by; an error body has none, so it gets a fresh one.
+    request_id = body.get("id") if isinstance(body, dict) and isinstance(body.get("id"), str) else None
+    return {"id": _record_id(), "custom_id": custom_id,
+            "response": {"status_code": status_code, "request_id": request_id or f"req_{uuid.uuid4().hex}", "body": body},
+            "error": None}
+
+
+async def answer_line(client: httpx.AsyncClient, line: str) -> dict:
+    """The output record for one input line; never raises for a bad line."""
+    try:
+        request = parse_line(line)
+    except BatchLineError as error:
+        return error_record(error)
+    response = await client.post(request.url, json=request.body)
+    try:
+        body = response.json()
+    except ValueError:  # an unhandled exception in the app answers plain text
+        body = openai_error_body(response.status_code, response.text)
+    return response_record(request.custom_id, response.status_code, body)
+
+
+# ---- the whole file ----------------------------------------------------------------
+
+
+async def run_batch(app, lines: list[str], out: TextIO, max_in_flight: int) -> None:
+    """Send every line through `app` concurrently; write the records in input order."""
+    # raise_app_exceptions=False: a crash inside one request answers 500 for that line
+    # instead of ending the batch.
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    slots = asyncio.Semaphore(max_in_flight)
+    async with httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None) as client:
+        with tqdm(total=len(lines), unit="req", desc="run-batch", file=sys.stderr) as progress:
+
+            async def answer(line: str) -> dict:
+                async with slots:
+                    record = await answer_line(client, line)
+                progress.update()
+                return record
+
+            tasks = [asyncio.create_task(answer(line)) for line in lines]
+            # Awaiting in input order writes each record as soon as all earlier ones are done.
+            for task in tasks:
+                out.write(json.dumps(await task, ensure_ascii=False) + "\n")
+                out.flush()
+
+
+def _read_lines(path: str) -> list[str]:
+    text = sys.stdin.read() if path == "-" else pathlib.Path(path).read_text(encoding="utf-8")
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        lines = _read_lines(args.input_file)
+    except (OSError, UnicodeDecodeError) as error:
+        print(f"error: cannot read the input file {args.input_file}: {error}", file=sys.stderr)
+        return 1
+    try:
+        out = sys.stdout if args.output_file == "-" else open(args.output_file, "w", encoding="utf-8")
+    except OSError as error:
+        print(f"error: cannot write the output file {args.output_file}: {error}", file=sys.stderr)
+        return 1
+    try:
+        return _run_with_engine(args, lines, out)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+
+
+def _run_with_engine(args: argparse.Namespace, lines: list[str], out: TextIO) -> int:
+    from tinyserve.engine.async_llm import AsyncLLM
+    from tinyserve.entrypoints.api.metrics import ServerMetrics
+    from tinyserve.entrypoints.api.openai_serving import ServingContext
+    from tinyserve.entrypoints.api.server import build_app
+
+    try:
+        engine_args = engine_args_from(args)
+        engine = AsyncLLM(engine_args, in_process=True)
+    except (ValueError, OSError) as error:
+        print(f"error: cannot load the model: {error}", file=sys.stderr)
+        return 1
+    names = args.served_model_name or [args.model or "tinyserve-default"]
+    app = build_app(ServingContext(engine, names), ServerMetrics(names[0], 1))
+    print(f"tinyserve: {len(lines)} requests from {args.input_file} to {names[0]} ({engine.model_info.path})",
+          file=sys.stderr, flush=True)
+
+    async def main() -> None:
+        # The app's lifespan starts and stops the engine (ASGITransport does not run it).
+        async with app.router.lifespan_context(app):
+            # As vLLM's run_batch: enough in flight to fill every seat, twice over.
+            await run_batch(app, lines, out, max_in_flight=2 * engine_args.max_num_seqs)
+
+    try:
+        asyncio.run(main())
+    except (ValueError, OSError) as error:  # the engine could not start, or the output could not be written
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("run-batch: interrupted; the output file holds the records written so far", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,271 @@
+"""Stages ⑤–⑦ in a process of their own: the engine's busy loop and its two I/O threads.
+
+    input thread    socket ─► decode ─► input_queue          (stage ④ arrives)
+    main thread     drain input_queue ─► step() ─► output_queue
+    output thread   output_queue ─► encode ─► socket          (stage ⑦ leaves)
+
+The main thread never touches a socket: it only hands Python objects over two
+queues. Decoding the next requests and encoding the last step's tokens happen on
+the I/O threads, while torch (which releases the GIL inside its kernels) runs the
+next forward pass on the main thread. When no request is unfinished, the main
+thread blocks on the input queue instead of spinning: an idle engine costs no CPU.
+
+The process is started by `MPClient` (core_client.py) with the spawn method: a
+fresh interpreter, because forking a process that holds torch's thread pools
+and ZeroMQ's I/O threads is unsafe. It answers to its parent only: it exits when
+its parent dies (even by SIGKILL), ignores SIGINT (Ctrl-C in a terminal reaches
+the whole process group; the parent decides when engines stop) and exits
+cleanly on SIGTERM.
+"""
+
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import msgspec
+import setproctitle
+import torch
+import zmq
+
+from tinyserve.config import EngineArgs, ModelInfo
+from tinyserve.engine.core.engine_core import EngineCore
+from tinyserve.engine.ipc import (
+    INPUT_TYPES,
+    UTILITY_METHODS,
+    EngineCoreAbort,
+    EngineFailed,
+    EngineInputKind,
+    EngineOutputKind,
+    EngineReady,
+    MessageDecoder,
+    UtilityCall,
+    UtilityResult,
+    error_output,
+    outputs_message,
+)
+from tinyserve.engine.messages import EngineCoreOutput, EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+PARENT_POLL_S = 0.5  # how often the watchdog checks that the parent is alive
+OUTPUT_LINGER_MS = 2000  # on exit, how long queued messages may still take to leave
+_STOP = object()  # put on the output queue to end the output thread
+_WAKE = object()  # put on the input queue when a signal arrives
+
+
+def run_engine_core(
+    args: EngineArgs,
+    engine_index: int,
+    input_address: str,
+    output_address: str,
+    parent_pid: int,
+    model_info: ModelInfo | None = None,
+    num_threads: int | None = None,
+) -> None:
+    """Entry point of an engine process: load the model, say ready, serve until told to stop.
+
+    num_threads caps torch's CPU threads, so that engines sharing a machine's
+    cores do not fight over them.
+    """
+    setproctitle.setproctitle(f"tinyserve-engine-{engine_index}")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s engine-{engine_index} %(levelname)s %(name)s: %(message)s"
+    )
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    proc = EngineCoreProc(engine_index, input_address, output_address)
+    proc.wake_on_signals()
+    try:
+        proc.run(args, model_info)
+    finally:
+        proc.close()
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    # Runs in the main thread, in a step or just woken from the input queue (see
+    # wake_on_signals); the `finally` blocks close the sockets on the way out.
+    raise SystemExit(0)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    # When the parent dies the engine is re-parented; nothing could ever send it
+    # another request, so it goes. (PR_SET_PDEATHSIG would fire when the parent
+    # *thread* that started us exits, which is not the same thing.)
+    while True:
+        time.sleep(PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            logger.warning("parent process %d is gone; engine exiting", parent_pid)
+            os._exit(1)
+
+
+class EngineCoreProc:
+    def __init__(self, engine_index: int, input_address: str, output_address: str) -> None:
+        self.engine_index = engine_index
+        self.input_address = input_address
+        self.engine_core: EngineCore | None = None
+        self.context = zmq.Context()
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        # The output thread starts first: it must carry the handshake, or the
+        # start-up error if the model fails to load.
+        self.output_thread = threading.Thread(
+            target=self._output_loop, args=(output_address,), name="engine-output", daemon=True
+        )
+        self.output_thread.start()
+        self.input_thread = threading.Thread(target=self._input_loop, name="engine-input", daemon=True)
+
+    def wake_on_signals(self) -> None:
+        """Make a signal wake the main thread even while it waits on the input queue.
+
+        CPython runs a Python signal handler only in the main thread, the next time
+        that thread runs Python code; but the kernel may deliver SIGTERM to any
+        thread (one of torch's or ZeroMQ's), and then an idle engine would sleep
+        on. The C half of the handler also writes to the wake-up fd, so a thread
+        reading it puts a message on the input queue: the main thread wakes and
+        runs the handler.
+        """
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd)
+
+        def forward() -> None:
+            while os.read(read_fd, 1):
+                self.input_queue.put((_WAKE, None))
+
+        threading.Thread(target=forward, name="signal-wakeup", daemon=True).start()
+
+    def run(self, args: EngineArgs, model_info: ModelInfo | None) -> None:
+        try:
+            self.engine_core = EngineCore(args, engine_index=self.engine_index, model_info=model_info)
+        except Exception:
+            self._fail("EngineCore() raised")
+        self.input_thread.start()
+        self._send(
+            EngineOutputKind.READY,
+            EngineReady(
+                engine_index=self.engine_index,
+                pid=os.getpid(),
+                num_kv_blocks=self.engine_core.num_kv_blocks,
+                max_model_len=self.engine_core.model_info.max_model_len,
+            ),
+        )
+        try:
+            self.run_busy_loop()
+        except Exception:
+            self._fail("the busy loop raised")
+
+    def run_busy_loop(self) -> None:
+        while True:
+            self._process_input_queue()
+            if self.engine_core.has_unfinished_requests:
+                self._send(EngineOutputKind.OUTPUTS, self.engine_core.step())
+
+    def _process_input_queue(self) -> None:
+        """Handle every message that has arrived; wait for one only if there is nothing to step."""
+        block = not self.engine_core.has_unfinished_requests
+        while True:
+            try:
+                kind, message = self.input_queue.get(block=block)
+            except queue.Empty:
+                return
+            self._handle(kind, message)
+            block = False
+
+    def _handle(self, kind: EngineInputKind, message) -> None:
+        if kind is _WAKE:
+            return  # the signal handler runs now, in this thread
+        if kind is EngineInputKind.ADD:
+            self._add_request(message)
+        elif kind is EngineInputKind.ABORT:
+            self._abort_requests(message)
+        else:
+            self._call_utility(message)
+
+    def _add_request(self, request: EngineCoreRequest) -> None:
+        try:
+            self.engine_core.add_request(request)
+        except ValueError as error:
+            # The request must not hang: it finishes at once, carrying the reason.
+            self._send_outputs([error_output(request.request_id, str(error))])
+
+    def _abort_requests(self, abort: EngineCoreAbort) -> None:
+        outputs = self.engine_core.abort_requests(abort.request_ids)
+        if outputs:
+            self._send_outputs(outputs)
+
+    def _call_utility(self, call: UtilityCall) -> None:
+        if call.method not in UTILITY_METHODS:
+            known = sorted(UTILITY_METHODS)
+            reply = UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}; known: {known}")
+        else:
+            try:
+                result = getattr(self.engine_core, call.method)(*call.args)
+                reply = UtilityResult(call.call_id, result=msgspec.Raw(msgspec.msgpack.encode(result)))
+            except Exception as error:
+                reply = UtilityResult(call.call_id, error=f"{type(error).__name__}: {error}")
+        self._send(EngineOutputKind.UTILITY_RESULT, reply)
+
+    def _send(self, kind: EngineOutputKind, message) -> None:
+        self.output_queue.put((kind, message))
+
+    def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        """Outputs made outside a step (aborts, refusals), with fresh stats for the load balancer."""
+        message = outputs_message(self.engine_index, outputs, self.engine_core.get_stats())
+        self._send(EngineOutputKind.OUTPUTS, message)
+
+    def _fail(self, what: str) -> None:
+        """Tell the client why this engine is about to die, then exit with status 1.
+
+        Called inside an `except` block: the error first, its traceback after.
+        """
+        logger.exception(what)
+        error = sys.exc_info()[1]
+        summary = f"{what}: {type(error).__name__}: {error}"
+        self._send(EngineOutputKind.FAILED, EngineFailed(self.engine_index, f"{summary}\n{traceback.format_exc()}"))
+        raise SystemExit(1)
+
+    # ---- the I/O threads -------------------------------------------------------
+
+    def _input_loop(self) -> None:
+        socket = self.context.socket(zmq.PULL)
+        socket.connect(self.input_address)
+        decoder = MessageDecoder(EngineInputKind, INPUT_TYPES)
+        try:
+            while True:
+                frames = socket.recv_multipart()
+                try:
+                    self.input_queue.put(decoder.decode(frames))
+                except ValueError as error:
+                    logger.warning("dropped a malformed message: %s", error)
+        except zmq.ContextTerminated:
+            pass  # close() is ending the process
+        finally:
+            socket.close(linger=0)
+
+    def _output_loop(self, address: str) -> None:
+        socket = self.context.socket(zmq.PUSH)
+        socket.connect(address)
+        encoder = msgspec.msgpack.Encoder()
+        try:
+            while (item := self.output_queue.get()) is not _STOP:
+                kind, message = item
+                socket.send_multipart([kind.value, encoder.encode(message)])
+        finally:
+            socket.close(linger=OUTPUT_LINGER_MS)
+
+    def close(self) -> None:
+        """Flush the output queue, then stop both I/O threads."""
+        self.output_queue.put(_STOP)
+        self.output_thread.join(timeout=OUTPUT_LINGER_MS / 1000 + 1)
+        if not self.output_thread.is_alive():
+            # term() wakes the input thread's recv with ContextTerminated; it
+            # closes its socket and term() returns.
+            self.context.term()

@@ -1,0 +1,350 @@
+"""The API process's handle on its engine processes (stages ④ and ⑦ from the client side).
+
+`MPClient` starts one engine process per data-parallel rank (engine_core_proc.py),
+sends each request to one of them (dp_client.py picks which), and hands back
+whatever the engines produce, one EngineCoreOutputs at a time, to AsyncLLM's
+output loop. The socket layout is drawn in ipc.py.
+
+It also watches the engines. Each process has a sentinel, a file descriptor that
+becomes readable the moment the process exits; the event loop watches them, so
+a crash is noticed at once, without polling. From then on the client is dead:
+`get_outputs` raises EngineDeadError (after what was already received), so the
+caller can fail every in-flight request; `add_request` fails fast; the other
+engines are stopped too, since the caller fails their requests as well and their
+work would go nowhere.
+"""
+
+import asyncio
+import atexit
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tinyserve.config import EngineArgs, ModelInfo
+from tinyserve.engine.core.engine_core_proc import run_engine_core
+from tinyserve.engine.dp_client import DPLoadBalancer
+from tinyserve.engine.ipc import (
+    OUTPUT_TYPES,
+    UTILITY_METHODS,
+    EngineCoreAbort,
+    EngineInputKind,
+    EngineOutputKind,
+    MessageDecoder,
+    UtilityCall,
+    bind_address,
+    bound_endpoint,
+    make_ipc_dir,
+)
+from tinyserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 300.0  # loading a model onto a GPU can take a while
+SHUTDOWN_TIMEOUT_S = 5.0  # SIGTERM, then SIGKILL after this long
+TRANSPORTS = ("ipc", "tcp")
+
+
+class EngineDeadError(RuntimeError):
+    """An engine process is gone; the requests it held are lost and no new ones are taken."""
+
+
+class EngineStartupError(RuntimeError):
+    """An engine process failed to load its model or to answer in time."""
+
+
+class MPClient:
+    def __init__(
+        self,
+        args: EngineArgs,
+        model_info: ModelInfo,
+        data_parallel_size: int = 1,
+        ipc_dir: str | None = None,
+        transport: str = "ipc",
+        startup_timeout: float = STARTUP_TIMEOUT_S,
+    ) -> None:
+        """ipc_dir: where to create the private socket directory (default: the system temp dir)."""
+        if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.args = args
+        self.model_info = model_info
+        self.data_parallel_size = data_parallel_size
+        self.transport = transport
+        self.startup_timeout = startup_timeout
+        self.in_flight: dict[str, int] = {}  # request id -> index of the engine that has it
+        self.dead_error: EngineDeadError | None = None
+        self.num_kv_blocks: list[int] = []  # per engine, from the handshakes
+        self.max_model_len = model_info.max_model_len
+        self.load_balancer = DPLoadBalancer(data_parallel_size)
+        self._ipc_parent = ipc_dir
+        self._ipc_dir: str | None = None
+        self._processes: list[multiprocessing.Process] = []
+        self._context: zmq.asyncio.Context | None = None
+        self._input_sockets: list[zmq.Socket] = []
+        self._output_socket: zmq.asyncio.Socket | None = None
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = MessageDecoder(EngineOutputKind, OUTPUT_TYPES)
+        self._outputs: asyncio.Queue = asyncio.Queue()  # EngineCoreOutputs, then an EngineDeadError last
+        self._utility_calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._output_task: asyncio.Task | None = None
+        self._closed = False
+
+    # ---- start-up --------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Spawn the engines and wait until each has loaded its model and said so."""
+        self._loop = asyncio.get_running_loop()
+        atexit.register(self.shutdown)
+        try:
+            self._context = zmq.asyncio.Context()
+            if self.transport == "ipc":
+                self._ipc_dir = make_ipc_dir(self._ipc_parent)
+            self._output_socket = self._context.socket(zmq.PULL)
+            self._output_socket.bind(bind_address(self.transport, self._ipc_dir, "output"))
+            for index in range(self.data_parallel_size):
+                # A plain socket, not an asyncio one: a NOBLOCK send succeeds or fails at once (see _send).
+                socket = zmq.Socket(self._context, zmq.PUSH)
+                socket.setsockopt(zmq.SNDHWM, 0)
+                socket.bind(bind_address(self.transport, self._ipc_dir, f"input-{index}"))
+                self._input_sockets.append(socket)
+            self._spawn_engines()
+            await asyncio.wait_for(self._wait_for_handshakes(), self.startup_timeout)
+        except BaseException as error:
+            self.shutdown()
+            if isinstance(error, asyncio.TimeoutError):
+                raise EngineStartupError(
+                    f"engines did not report ready within startup_timeout={self.startup_timeout}s"
+                ) from None
+            raise
+        for index, process in enumerate(self._processes):
+            self._loop.add_reader(process.sentinel, self._on_engine_exit, index)
+        self._output_task = asyncio.create_task(self._output_loop(), name="engine-outputs")
+
+    def _spawn_engines(self) -> None:
+        # spawn, not fork: a forked copy of a process with torch and ZeroMQ threads can deadlock.
+        # The arguments below reach the child pickled, over a pipe that only the two
+        # processes hold; everything after the start goes over the sockets as msgspec.
+        spawn = multiprocessing.get_context("spawn")
+        num_threads = None
+        if self.args.torch_device.type == "cpu" and self.data_parallel_size > 1:
+            # Engines on one CPU split its cores: thread pools that overlap slow each other down.
+            num_threads = max(1, (os.cpu_count() or 1) // self.data_parallel_size)
+        output_address = bound_endpoint(self._output_socket)
+        for index, input_socket in enumerate(self._input_sockets):
+            process = spawn.Process(
+                target=run_engine_core,
+                name=f"tinyserve-engine-{index}",
+                kwargs=dict(
+                    args=self.args,
+                    engine_index=index,
+                    input_address=bound_endpoint(input_socket),
+                    output_address=output_address,
+                    parent_pid=os.getpid(),
+                    model_info=self.model_info,
+                    num_threads=num_threads,
+                ),
+                daemon=True,  # multiprocessing terminates it if this interpreter exits normally
+            )
+            process.start()
+            self._processes.append(process)
+
+    async def _wait_for_handshakes(self) -> None:
+        ready = {}
+        while len(ready) < self.data_parallel_size:
+            while await self._output_socket.poll(timeout=100):
+                try:
+                    kind, message = self._decoder.decode(await self._output_socket.recv_multipart())
+                except ValueError as error:
+                    logger.warning("dropped a malformed message from an engine: %s", error)
+                    continue
+                if kind is EngineOutputKind.READY:
+                    ready[message.engine_index] = message
+                elif kind is EngineOutputKind.FAILED:
+                    raise EngineStartupError(f"engine {message.engine_index} failed to start: {message.error}")
+            for index, process in enumerate(self._processes):
+                if index not in ready and process.exitcode is not None:
+                    if await self._output_socket.poll(timeout=200):
+                        continue  # its last words are still on the way: read them first
+                    raise EngineStartupError(
+                        f"engine {index} exited during start-up ({_describe_exit(process.exitcode)}) "
+                        "without reporting an error; see its log above"
+                    )
+        self.num_kv_blocks = [ready[i].num_kv_blocks for i in range(self.data_parallel_size)]
+        self.max_model_len = min(r.max_model_len for r in ready.values())
+        logger.info("%d engine(s) ready: KV blocks %s", self.data_parallel_size, self.num_kv_blocks)
+
+    # ---- requests ----------------------------------------------------------------
+
+    async def add_request(self, request: EngineCoreRequest) -> int:
+        """Send a request to the least loaded engine; returns that engine's index."""
+        self._check_alive()
+        index = self.load_balancer.choose_engine()
+        self._send(index, EngineInputKind.ADD, request)
+        self.in_flight[request.request_id] = index
+        self.load_balancer.on_request_sent(index)
+        return index
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort requests on the engines that own them; ids that already finished are ignored."""
+        self._check_alive()
+        by_engine: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            index = self.in_flight.pop(request_id, None)
+            if index is not None:
+                by_engine.setdefault(index, []).append(request_id)
+        for index, ids in by_engine.items():
+            self._send(index, EngineInputKind.ABORT, EngineCoreAbort(ids))
+
+    async def get_outputs(self) -> EngineCoreOutputs:
+        """The next EngineCoreOutputs from any engine; raises EngineDeadError once one has died."""
+        item = await self._outputs.get()
+        if isinstance(item, EngineDeadError):
+            self._outputs.put_nowait(item)  # every later call raises too
+            raise item
+        return item
+
+    async def call_utility(self, method: str, *args, engine_index: int = 0):
+        """Run one of ipc.UTILITY_METHODS on an engine, between two of its steps."""
+        if method not in UTILITY_METHODS:
+            raise ValueError(f"method must be one of {sorted(UTILITY_METHODS)}, got {method!r}")
+        if not 0 <= engine_index < self.data_parallel_size:
+            raise ValueError(f"engine_index must be in [0, {self.data_parallel_size}), got {engine_index}")
+        self._check_alive()
+        call_id = next(self._call_ids)
+        future = self._loop.create_future()
+        self._utility_calls[call_id] = future
+        try:
+            self._send(engine_index, EngineInputKind.UTILITY, UtilityCall(call_id, method, list(args)))
+            reply = await future
+        finally:
+            self._utility_calls.pop(call_id, None)
+        if reply.error is not None:
+            raise RuntimeError(f"{method} on engine {engine_index} failed: {reply.error}")
+        return msgspec.msgpack.decode(reply.result, type=UTILITY_METHODS[method])
+
+    def _send(self, index: int, kind: EngineInputKind, message) -> None:
+        # With no high-water mark a send never blocks while the engine is
+        # connected; "would block" therefore means the engine's end is gone.
+        try:
+            self._input_sockets[index].send_multipart([kind.value, self._encoder.encode(message)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise EngineDeadError(f"engine {index} is not connected") from None
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self._closed:
+            raise EngineDeadError("the engine client was shut down")
+
+    # ---- what comes back ---------------------------------------------------------
+
+    async def _output_loop(self) -> None:
+        while True:
+            frames = await self._output_socket.recv_multipart()
+            try:
+                kind, message = self._decoder.decode(frames)
+            except ValueError as error:
+                logger.warning("dropped a malformed message from an engine: %s", error)
+                continue
+            if kind is EngineOutputKind.OUTPUTS:
+                self._on_outputs(message)
+            elif kind is EngineOutputKind.UTILITY_RESULT:
+                future = self._utility_calls.get(message.call_id)
+                if future is not None and not future.done():
+                    future.set_result(message)
+            elif kind is EngineOutputKind.FAILED:
+                self._mark_dead(message.engine_index, message.error)
+
+    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if self.dead_error is not None:
+            return  # the caller has been told; these requests are failed already
+        if not 0 <= outputs.engine_index < self.data_parallel_size:
+            logger.warning("dropped outputs from unknown engine %d", outputs.engine_index)
+            return
+        for output in outputs.outputs:
+            if output.finished:
+                self.in_flight.pop(output.request_id, None)
+        if outputs.scheduler_stats is not None:
+            self.load_balancer.on_stats(outputs.engine_index, outputs.scheduler_stats)
+        self._outputs.put_nowait(outputs)
+
+    def _on_engine_exit(self, index: int) -> None:
+        process = self._processes[index]
+        self._loop.remove_reader(process.sentinel)
+        process.join(timeout=0.1)  # reap it, so exitcode is known
+        self._mark_dead(index, f"process {process.pid} exited ({_describe_exit(process.exitcode)})")
+
+    def _mark_dead(self, index: int, reason: str) -> None:
+        if self.dead_error is not None or self._closed:
+            return
+        lost = sum(1 for owner in self.in_flight.values() if owner == index)
+        self.dead_error = EngineDeadError(f"engine {index} died: {reason}; {lost} in-flight request(s) lost")
+        logger.error("%s", self.dead_error)
+        self._fail_waiters(self.dead_error)
+        for process in self._processes:
+            if process.exitcode is None:
+                process.terminate()
+
+    def _fail_waiters(self, error: EngineDeadError) -> None:
+        for future in self._utility_calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._outputs.put_nowait(error)
+
+    # ---- state and shutdown ----------------------------------------------------------
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead_error is None and not self._closed and bool(self._processes)
+
+    @property
+    def engine_pids(self) -> list[int]:
+        return [process.pid for process in self._processes]
+
+    def shutdown(self) -> None:
+        """Stop every engine, close the sockets, remove the socket directory. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        loop_open = self._loop is not None and not self._loop.is_closed()
+        if loop_open:
+            if self.dead_error is None:
+                self._fail_waiters(EngineDeadError("the engine client was shut down"))
+            for process in self._processes:
+                self._loop.remove_reader(process.sentinel)
+            if self._output_task is not None:
+                self._output_task.cancel()
+        for process in self._processes:
+            if process.exitcode is None:
+                process.terminate()  # SIGTERM: the engine closes its sockets and exits
+        for process in self._processes:
+            process.join(SHUTDOWN_TIMEOUT_S)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+        for socket in [*self._input_sockets, self._output_socket]:
+            if socket is not None:
+                socket.close(linger=0)
+        if self._context is not None:
+            self._context.term()
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"

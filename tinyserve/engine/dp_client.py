@@ -1,0 +1,34 @@
+"""Data parallel: which engine gets the next request (stage ④, before the send).
+
+With `--data-parallel-size N` there are N engines, each with its own scheduler
+and KV cache, and nothing is shared between them. The client sends each new
+request to the least loaded engine, as vLLM's DPLB client does: fewest waiting
+requests, then fewest running ones, where "waiting" is what the engine last
+reported plus the requests sent to it since that report. The second term is what
+spreads a burst: the engines cannot report in between, so without it every
+request of the burst would go to the same engine.
+"""
+
+from tinyserve.engine.messages import SchedulerStats
+
+
+class DPLoadBalancer:
+    def __init__(self, num_engines: int) -> None:
+        self.stats = [SchedulerStats() for _ in range(num_engines)]  # latest report per engine
+        self.sent_since_report = [0] * num_engines
+
+    def choose_engine(self) -> int:
+        def load(index: int) -> tuple[int, int]:
+            stats = self.stats[index]
+            return (stats.num_waiting_reqs + self.sent_since_report[index], stats.num_running_reqs)
+
+        return min(range(len(self.stats)), key=load)
+
+    def on_request_sent(self, engine_index: int) -> None:
+        self.sent_since_report[engine_index] += 1
+
+    def on_stats(self, engine_index: int, stats: SchedulerStats) -> None:
+        # A request sent after the engine made this report but before it arrived
+        # is forgotten until the next report, one step later (vLLM does the same).
+        self.stats[engine_index] = stats
+        self.sent_since_report[engine_index] = 0

@@ -1,0 +1,147 @@
+"""The wire between the API process and its engine processes (stages ④ and ⑦).
+
+Each engine has one input socket (client PUSH, bound → engine PULL, connected) and
+all engines share one output socket (engines PUSH, connected → client PULL, bound):
+
+    client ── PUSH input-0 ─────► engine 0 ──┐
+    client ── PUSH input-1 ─────► engine 1 ──┤ PUSH
+    client ◄── PULL output ◄──────────────────┘
+
+The client binds every socket, so it owns the addresses: `ipc://` paths in a
+private directory (mode 0700) by default, or `tcp://127.0.0.1:<port>`.
+
+Every message is two frames, `[kind, msgpack payload]`. The kind byte picks the
+one msgspec type the payload is decoded into; nothing is pickled, and bytes that
+do not decode into that type are dropped and logged by the receiver.
+"""
+
+import enum
+import os
+import tempfile
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from tinyserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+
+# A request the engine refused finishes at once with this reason; stop_reason
+# carries the error message. The front end validates first, so this is a fallback.
+FINISH_REASON_ERROR = "error"
+
+
+class EngineInputKind(bytes, enum.Enum):
+    """Client → engine."""
+
+    ADD = b"A"  # payload: EngineCoreRequest
+    ABORT = b"B"  # payload: EngineCoreAbort
+    UTILITY = b"U"  # payload: UtilityCall
+
+
+class EngineOutputKind(bytes, enum.Enum):
+    """Engine → client."""
+
+    OUTPUTS = b"O"  # payload: EngineCoreOutputs
+    READY = b"R"  # payload: EngineReady
+    FAILED = b"F"  # payload: EngineFailed
+    UTILITY_RESULT = b"U"  # payload: UtilityResult
+
+
+class EngineCoreAbort(msgspec.Struct, array_like=True):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, array_like=True):
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class UtilityResult(msgspec.Struct, array_like=True):
+    call_id: int
+    result: msgspec.Raw = msgspec.Raw(b"\xc0")  # msgpack of the method's return type (nil by default)
+    error: str | None = None
+
+
+class EngineReady(msgspec.Struct, array_like=True):
+    """The handshake: the engine has loaded its model and is listening."""
+
+    engine_index: int
+    pid: int
+    num_kv_blocks: int
+    max_model_len: int
+
+
+class EngineFailed(msgspec.Struct, array_like=True):
+    """Sent just before an engine exits with an error (start-up or a failed step)."""
+
+    engine_index: int
+    error: str
+
+
+# The engine methods a client may call, and the type each one returns. Anything
+# else is refused: a utility call is not a way to run arbitrary code remotely.
+UTILITY_METHODS: dict[str, type] = {
+    "get_stats": SchedulerStats,
+    "reset_prefix_cache": bool,
+}
+
+INPUT_TYPES: dict[EngineInputKind, type] = {
+    EngineInputKind.ADD: EngineCoreRequest,
+    EngineInputKind.ABORT: EngineCoreAbort,
+    EngineInputKind.UTILITY: UtilityCall,
+}
+OUTPUT_TYPES: dict[EngineOutputKind, type] = {
+    EngineOutputKind.OUTPUTS: EngineCoreOutputs,
+    EngineOutputKind.READY: EngineReady,
+    EngineOutputKind.FAILED: EngineFailed,
+    EngineOutputKind.UTILITY_RESULT: UtilityResult,
+}
+
+
+class MessageDecoder:
+    """Decodes `[kind, payload]` frames into the typed message for that kind."""
+
+    def __init__(self, kinds: type[enum.Enum], types: dict) -> None:
+        self.kinds = kinds
+        self.decoders = {kind: msgspec.msgpack.Decoder(struct) for kind, struct in types.items()}
+
+    def decode(self, frames: list[bytes]):
+        """Return (kind, message); raise ValueError for anything that is not a valid message."""
+        if len(frames) != 2:
+            raise ValueError(f"expected 2 frames [kind, payload], got {len(frames)}")
+        try:
+            kind = self.kinds(bytes(frames[0]))
+        except ValueError:
+            raise ValueError(f"unknown message kind {bytes(frames[0])[:8]!r}") from None
+        try:
+            return kind, self.decoders[kind].decode(frames[1])
+        except msgspec.DecodeError as error:  # ValidationError is a DecodeError too
+            raise ValueError(f"malformed {kind.name} message: {error}") from None
+
+
+def error_output(request_id: str, error: str) -> EngineCoreOutput:
+    """A finished output for a request the engine refused to queue."""
+    return EngineCoreOutput(request_id, new_token_ids=[], finish_reason=FINISH_REASON_ERROR, stop_reason=error)
+
+
+def outputs_message(engine_index: int, outputs: list[EngineCoreOutput], stats: SchedulerStats) -> EngineCoreOutputs:
+    return EngineCoreOutputs(engine_index=engine_index, timestamp=time.time(), outputs=outputs, scheduler_stats=stats)
+
+
+def make_ipc_dir(parent: str | None = None) -> str:
+    """A fresh private directory for the ipc:// sockets (mkdtemp creates it with mode 0700)."""
+    return tempfile.mkdtemp(prefix="tinyserve-ipc-", dir=parent)
+
+
+def bind_address(transport: str, ipc_dir: str | None, name: str) -> str:
+    """Where the client binds socket `name`; a TCP port of 0 is chosen at bind time."""
+    if transport == "ipc":
+        return f"ipc://{os.path.join(ipc_dir, name)}"
+    return "tcp://127.0.0.1:*"
+
+
+def bound_endpoint(socket: zmq.Socket) -> str:
+    """The address a bound socket really listens on (the port a wildcard resolved to)."""
+    return socket.getsockopt(zmq.LAST_ENDPOINT).decode()
