@@ -32,6 +32,9 @@ class EngineArgs:
     seed: int = 0
     device: str | None = None  # None: cuda if available, else cpu
     scheduling_policy: str = "fcfs"
+    # Tracing of the engine process(es): the run folder for engine-<i>.jsonl, and/or an OTLP/HTTP endpoint.
+    trace_run_dir: str | None = None
+    otlp_endpoint: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -103,6 +106,17 @@ class ModelInfo:
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
             raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
+
+def check_kv_fit(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, block_size: int, num_kv_blocks: int) -> None:
+    """Raise ValueError if one request could outgrow the whole KV pool (it would wait forever)."""
+    longest = min(num_prompt_tokens + (max_tokens or max_model_len), max_model_len)
+    needed = -(-longest // block_size)
+    if needed > num_kv_blocks:
+        raise ValueError(
+            f"request needs up to {needed} KV blocks ({longest} tokens) but the pool has only {num_kv_blocks}; "
+            f"lower max_tokens or raise num_kv_blocks"
+        )
 
 
 def _eos_token_ids(path: Path, config: dict) -> list[int]:

@@ -18,6 +18,8 @@ in the engine so its KV blocks are freed at once.
 import asyncio
 import logging
 import time
+
+import msgspec
 from collections.abc import AsyncIterator
 
 from tinyserve.config import EngineArgs, ModelInfo, check_kv_fit
@@ -26,6 +28,8 @@ from tinyserve.engine.inproc_client import InprocClient
 from tinyserve.engine.input_processor import InputProcessor, ProcessedPrompt
 from tinyserve.engine.messages import SchedulerStats
 from tinyserve.engine.output_processor import OutputKind, OutputProcessor
+from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.request_spans import NO_SPANS
 from tinyserve.models.tokenizer import load_tokenizer
 from tinyserve.outputs import RequestOutput
 from tinyserve.sampling_params import SamplingParams
@@ -96,7 +100,7 @@ class AsyncLLM:
         *,
         output_kind: OutputKind = OutputKind.DELTA,
         priority: int = 0,
-        trace_context: dict[str, str] | None = None,
+        spans=NO_SPANS,
     ) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutputs (deltas by default) until the request finishes."""
         if self._dead is not None:
@@ -109,7 +113,7 @@ class AsyncLLM:
             )
             # Ids are assigned by the output processor below; validate first so nothing leaks.
             request = self.input_processor.make_request(
-                request_id, prompt, child_params, priority=priority, trace_context=trace_context
+                request_id, prompt, child_params, priority=priority, trace_context=spans.carrier()
             )
             check_kv_fit(
                 len(prompt.prompt_token_ids), child_params.max_tokens, self.model_info.max_model_len,
@@ -119,17 +123,24 @@ class AsyncLLM:
         if self.log_requests:
             log_inputs(request_id, prompt, sampling_params)
         queue: asyncio.Queue = asyncio.Queue()
-        child_ids = self.output_processor.add_request(
-            request_id, prompt.prompt, prompt.prompt_token_ids, sampling_params, output_kind
-        )
-        self.queues[request_id] = queue
         finished = False
         try:
-            for child_id, request in zip(child_ids, child_requests):
-                request.request_id = child_id
-                await self.client.add_request(request)
-                for logger in self.stat_loggers:
-                    logger.on_request(request)
+            with spans.stage(schema.ENQUEUE, {schema.REQUEST_ID: request_id}) as enqueue_span:
+                child_ids = self.output_processor.add_request(
+                    request_id, prompt.prompt, prompt.prompt_token_ids, sampling_params, output_kind, spans
+                )
+                self.queues[request_id] = queue
+                for child_id, request in zip(child_ids, child_requests):
+                    request.request_id = child_id
+                    with spans.stage(schema.IPC_SEND, {schema.REQUEST_ID: child_id}) as send_span:
+                        engine_index = await self.client.add_request(request)
+                        if send_span is not None:
+                            send_span.set_attributes({schema.ENGINE_INDEX: engine_index,
+                                                      schema.IPC_BYTES: len(msgspec.msgpack.encode(request))})
+                    for logger in self.stat_loggers:
+                        logger.on_request(request)
+                if enqueue_span is not None:
+                    enqueue_span.set_attribute(schema.ENGINE_INDEX, engine_index)
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -138,6 +149,9 @@ class AsyncLLM:
                 yield item
                 if finished:
                     return
+        except Exception as error:  # a disconnect (cancellation) ends the spans through the abort below
+            spans.fail(error)
+            raise
         finally:
             self.queues.pop(request_id, None)
             if not finished:

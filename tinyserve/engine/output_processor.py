@@ -10,10 +10,12 @@ FINAL_ONLY (one output when the request is done: offline generate).
 """
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from tinyserve.engine.detokenizer import IncrementalDetokenizer
 from tinyserve.engine.messages import EngineCoreOutput, RequestTimes, TokenLogprobs
+from tinyserve.lifecycle.request_spans import NO_SPANS
 from tinyserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from tinyserve.sampling_params import SamplingParams
 
@@ -37,10 +39,24 @@ class ParentRequest:
     num_finished: int = 0
     num_cached_tokens: int = 0
     metrics: RequestTimes | None = None
+    spans: object = NO_SPANS  # lifecycle.request_spans: ended here when the request finishes
+    final: dict[int, CompletionOutput] = field(default_factory=dict)  # cumulative, per finished child
+    # Detokenization, measured for the tinyserve.detokenize span.
+    detokenize_first: float | None = None
+    detokenize_last: float = 0.0
+    detokenize_calls: int = 0
+    detokenize_seconds: float = 0.0
+    stop_string: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.num_finished == self.n
+
+    def end_spans(self) -> None:
+        if self.detokenize_first is not None:
+            self.spans.detokenized(self.detokenize_first, self.detokenize_last, self.detokenize_calls,
+                                   self.detokenize_seconds, self.stop_string)
+        self.spans.finish(list(self.final.values()))
 
 
 @dataclass(eq=False)
@@ -70,11 +86,12 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
+        spans=NO_SPANS,
     ) -> list[str]:
         """Register a request; returns the engine request ids of its children."""
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        parent = ParentRequest(request_id, prompt, prompt_token_ids, params.n, output_kind)
+        parent = ParentRequest(request_id, prompt, prompt_token_ids, params.n, output_kind, spans=spans)
         self.parents[request_id] = parent
         child_ids = []
         for index in range(params.n):
@@ -101,22 +118,32 @@ class OutputProcessor:
             child = self.children.get(output.request_id)
             if child is None:  # finished here already (a stop string), the engine had one more step
                 continue
+            parent = child.parent
+            started = time.perf_counter()
             delta_text = child.detokenizer.update(output.new_token_ids)
+            now = time.time()
+            parent.detokenize_seconds += time.perf_counter() - started
+            parent.detokenize_calls += 1
+            parent.detokenize_last = now
+            if parent.detokenize_first is None:
+                parent.detokenize_first = now
             child.token_ids += output.new_token_ids
             new_logprobs = [self._convert_logprobs(lp) for lp in output.new_logprobs or ()]
             child.logprobs += new_logprobs
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
             if finish_reason is None and child.detokenizer.stop_reason is not None:
                 finish_reason, stop_reason = "stop", child.detokenizer.stop_reason
+                parent.stop_string = stop_reason
                 to_abort.append(output.request_id)
-            parent = child.parent
             parent.num_cached_tokens = max(parent.num_cached_tokens, output.num_cached_tokens)
             if finish_reason is not None:
                 del self.children[output.request_id]
                 parent.num_finished += 1
                 parent.metrics = output.times or parent.metrics
+                parent.final[child.index] = self._cumulative(child, finish_reason, stop_reason)
                 if parent.finished:
                     del self.parents[parent.request_id]
+                    parent.end_spans()
             delta = parent.output_kind == OutputKind.DELTA
             completion = CompletionOutput(
                 index=child.index,
@@ -137,8 +164,19 @@ class OutputProcessor:
         parent = self.parents.pop(request_id, None)
         if parent is None:
             return []
-        ids = [child_request_id(request_id, i, parent.n) for i in range(parent.n)]
-        return [child_id for child_id in ids if self.children.pop(child_id, None) is not None]
+        aborted = []
+        for index in range(parent.n):
+            child_id = child_request_id(request_id, index, parent.n)
+            child = self.children.pop(child_id, None)
+            if child is not None:
+                aborted.append(child_id)
+                parent.final[index] = self._cumulative(child, "abort", None)
+        parent.end_spans()
+        return aborted
+
+    @staticmethod
+    def _cumulative(child: ChildState, finish_reason: str, stop_reason) -> CompletionOutput:
+        return CompletionOutput(child.index, child.detokenizer.output_text, list(child.token_ids), finish_reason, stop_reason)
 
     def _request_output(self, parent: ParentRequest, completion: CompletionOutput) -> RequestOutput | None:
         if parent.output_kind == OutputKind.FINAL_ONLY and not parent.finished:

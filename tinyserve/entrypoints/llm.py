@@ -5,7 +5,10 @@ handed to an EngineCore, and the engine is stepped until every request is done;
 the output processor (stage ⑧) turns token ids back into text.
 """
 
+import atexit
 import itertools
+from dataclasses import asdict
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
@@ -13,6 +16,16 @@ from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.engine.core.engine_core import EngineCore
 from tinyserve.engine.input_processor import InputProcessor, ProcessedPrompt
 from tinyserve.engine.output_processor import OutputKind, OutputProcessor, child_request_id
+from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.request_spans import start_request_spans
+from tinyserve.lifecycle.tracing import (
+    flush_tracing,
+    new_run_dir,
+    setup_tracing,
+    shutdown_tracing,
+    tracing_enabled,
+    write_manifest,
+)
 from tinyserve.models.tokenizer import load_tokenizer
 from tinyserve.outputs import RequestOutput
 from tinyserve.sampling_params import SamplingParams
@@ -21,8 +34,14 @@ _PROGRESS_BAR_MIN_PROMPTS = 8
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args) -> None:
+    """Offline generation. `trace_dir` writes a traced run folder (offline.jsonl) there;
+    `otlp_endpoint` exports the same spans over OTLP/HTTP."""
+
+    def __init__(self, model: str | None = None, *, trace_dir: str | None = None, otlp_endpoint: str | None = None,
+                 **engine_args) -> None:
         self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
+        self.model_name = model or "tinyserve-default"
+        self.trace_run_dir = self._start_tracing(trace_dir, otlp_endpoint)
         self.model_info = ModelInfo.from_args(self.engine_args)
         self.tokenizer = load_tokenizer(self.model_info.path)
         self.input_processor = InputProcessor(self.model_info, self.tokenizer)
@@ -39,41 +58,75 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, list) or not prompts:
             raise ValueError("prompts must be a string, a prompt dict, or a non-empty list of them")
-        processed = [self.input_processor.tokenize_prompt(p) for p in prompts]
-        return self._run(processed, sampling_params, use_tqdm)
+        return self._run(prompts, self.input_processor.tokenize_prompt, schema.OPERATION_TEXT_COMPLETION,
+                         sampling_params, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, *, chat_template: str | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"}) or a list of conversations."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        processed = []
-        for conversation in conversations:
+
+        def render(conversation) -> ProcessedPrompt:
             text = self.input_processor.render_chat(
                 conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template
             )
-            processed.append(self.input_processor.tokenize_prompt(text, add_special_tokens=False))
-        return self._run(processed, sampling_params, use_tqdm)
+            return self.input_processor.tokenize_prompt(text, add_special_tokens=False)
 
-    def _run(self, prompts: list[ProcessedPrompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        return self._run(conversations, render, schema.OPERATION_CHAT, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list, render, operation: str, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         params = self._params_per_prompt(sampling_params, len(prompts))
         # Build and check every request before the first one is queued: one bad
         # prompt rejects the call and leaves the engine untouched.
         requests = []
-        for prompt, p in zip(prompts, params):
-            request_id = str(next(self._request_counter))
-            for index in range(p.n):
-                child_id = child_request_id(request_id, index, p.n)
-                child_params = p.clone(n=1, seed=None if p.seed is None else p.seed + index)
-                engine_request = self.input_processor.make_request(child_id, prompt, child_params)
-                self.engine_core.check_request(engine_request)
-                requests.append((request_id, prompt, p, engine_request))
+        try:
+            for raw_prompt, p in zip(prompts, params):
+                request_id = str(next(self._request_counter))
+                spans = start_request_spans(operation, self.model_name, request_id)
+                requests.append((request_id, spans, p, []))
+                with spans.stage(schema.RENDER) as render_span:
+                    prompt = render(raw_prompt)
+                    messages = raw_prompt if operation == schema.OPERATION_CHAT else None
+                    spans.log_inputs(render_span, prompt=prompt.prompt, prompt_token_ids=prompt.prompt_token_ids,
+                                     sampling_params=p, messages=messages)
+                for index in range(p.n):
+                    child_id = child_request_id(request_id, index, p.n)
+                    child_params = p.clone(n=1, seed=None if p.seed is None else p.seed + index)
+                    engine_request = self.input_processor.make_request(
+                        child_id, prompt, child_params, trace_context=spans.carrier()
+                    )
+                    self.engine_core.check_request(engine_request)
+                    requests[-1][3].append((prompt, engine_request))
+        except Exception as error:
+            for _, spans, _, _ in requests:
+                spans.fail(error)
+            raise
         order = {}
-        for request_id, prompt, p, engine_request in requests:
-            if request_id not in order:
-                order[request_id] = len(order)
-                self.output_processor.add_request(request_id, prompt.prompt, prompt.prompt_token_ids, p, OutputKind.FINAL_ONLY)
-            self.engine_core.add_request(engine_request)
-        return self._run_engine(order, use_tqdm and len(order) >= _PROGRESS_BAR_MIN_PROMPTS)
+        for request_id, spans, p, children in requests:
+            order[request_id] = len(order)
+            prompt = children[0][0]
+            with spans.stage(schema.ENQUEUE, {schema.REQUEST_ID: request_id}):
+                self.output_processor.add_request(
+                    request_id, prompt.prompt, prompt.prompt_token_ids, p, OutputKind.FINAL_ONLY, spans
+                )
+                for _, engine_request in children:
+                    self.engine_core.add_request(engine_request)
+        outputs = self._run_engine(order, use_tqdm and len(order) >= _PROGRESS_BAR_MIN_PROMPTS)
+        if self.trace_run_dir is not None or tracing_enabled():
+            self.engine_core.flush_spans()
+            flush_tracing()
+        return outputs
+
+    def _start_tracing(self, trace_dir: str | None, otlp_endpoint: str | None) -> Path | None:
+        if trace_dir is None and otlp_endpoint is None:
+            return None
+        run_dir = new_run_dir(trace_dir) if trace_dir is not None else None
+        if run_dir is not None:
+            write_manifest(run_dir, model=self.engine_args.model, served_model_name=self.model_name,
+                           engine_args=asdict(self.engine_args), data_parallel_size=1)
+        setup_tracing(schema.SERVICE_OFFLINE, run_dir / schema.OFFLINE_TRACE_FILE if run_dir else None, otlp_endpoint)
+        atexit.register(shutdown_tracing)
+        return run_dir
 
     def _run_engine(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         finished: list[RequestOutput] = []

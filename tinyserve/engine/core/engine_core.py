@@ -10,7 +10,7 @@ returns EngineCoreOutputs with the new tokens. The in-process client calls
 import time
 from dataclasses import dataclass
 
-from tinyserve.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs, ModelInfo
+from tinyserve.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs, ModelInfo, check_kv_fit
 from tinyserve.engine.core.kv_cache_manager import KVCacheManager
 from tinyserve.engine.core.request import Request
 from tinyserve.engine.core.scheduler import Scheduler
@@ -18,6 +18,8 @@ from tinyserve.engine.core.scheduler_output import SchedulerOutput
 from tinyserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tinyserve.engine.worker.model_runner import ModelRunner
 from tinyserve.kernels.backend import default_attention_backend, get_attention_backend
+from tinyserve.lifecycle.engine_spans import EngineSpanBuilder, FinishedRequest
+from tinyserve.lifecycle.tracing import tracing_enabled
 
 
 @dataclass(slots=True)
@@ -43,7 +45,9 @@ class EngineCore:
         device = args.torch_device
         backend_name = args.attention_backend or default_attention_backend(device)
         backend = get_attention_backend(backend_name, device)
-        model, _ = load_model(self.model_info.path, self.model_info.torch_dtype, device, backend)
+        model, _ = load_model(
+            self.model_info.path, self.model_info.torch_dtype, device, backend, max_model_len=self.model_info.max_model_len
+        )
         num_blocks = args.num_kv_blocks or self._blocks_from_memory(model)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -62,6 +66,9 @@ class EngineCore:
             seed=args.seed,
         )
         self.last_step: StepRecord | None = None
+        # Tracing: spans are built on the builder's own thread from what each step recorded.
+        self.span_builder = EngineSpanBuilder(engine_index) if tracing_enabled() else None
+        self._traced: dict[str, tuple[dict[str, str], int, int]] = {}  # id -> (context, prompt len, queue depth)
 
     def _blocks_from_memory(self, model) -> int:
         budget = self.args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
@@ -79,22 +86,28 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Validate and queue a request; raises ValueError before anything is scheduled."""
         self.check_request(request)
+        if self.span_builder is not None:
+            self._traced[request.request_id] = (
+                request.trace_context, len(request.prompt_token_ids), len(self.scheduler.waiting)
+            )
         self.scheduler.add_request(Request.from_engine_core_request(request))
 
     def check_request(self, request: EngineCoreRequest) -> None:
         """Raise ValueError if this request could never be served by this engine."""
-        params = request.sampling_params
         self.model_info.validate_prompt(request.prompt_token_ids)
-        max_len = len(request.prompt_token_ids) + (params.max_tokens or self.model_info.max_model_len)
-        needed = self.kv_cache_manager.blocks_needed(min(max_len, self.model_info.max_model_len))
-        if needed > self.num_kv_blocks:
-            raise ValueError(
-                f"request needs up to {needed} KV blocks but the pool has only {self.num_kv_blocks}; "
-                f"lower max_tokens or raise num_kv_blocks"
-            )
+        check_kv_fit(
+            len(request.prompt_token_ids),
+            request.sampling_params.max_tokens,
+            self.model_info.max_model_len,
+            self.args.block_size,
+            self.num_kv_blocks,
+        )
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
-        return self.scheduler.abort_requests(request_ids)
+        outputs = self.scheduler.abort_requests(request_ids)
+        if self.span_builder is not None and outputs:
+            self.span_builder.submit(None, {}, self._finished_for_tracing(outputs))
+        return outputs
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -117,9 +130,33 @@ class EngineCore:
         self.last_step = StepRecord(
             scheduler_output, start, scheduled, executed, end, stats, stats.prefix_cache_hits - hits_before
         )
+        if self.span_builder is not None and not scheduler_output.is_empty:
+            served = {s.request_id: self._traced[s.request_id][0] for s in scheduler_output.scheduled if s.request_id in self._traced}
+            self.span_builder.submit(self.last_step, served, self._finished_for_tracing(outputs))
         return EngineCoreOutputs(
             engine_index=self.engine_index, timestamp=end, outputs=outputs, scheduler_stats=stats
         )
+
+    def _finished_for_tracing(self, outputs: list[EngineCoreOutput]) -> list[FinishedRequest]:
+        finished = []
+        for output in outputs:
+            if output.finished and output.request_id in self._traced:
+                context, num_prompt_tokens, queue_depth = self._traced.pop(output.request_id)
+                finished.append(FinishedRequest(
+                    output.request_id, context, output.times, output.finish_reason, output.num_cached_tokens,
+                    num_prompt_tokens, len(output.times.token_times), queue_depth,
+                ))
+        return finished
+
+    def flush_spans(self) -> None:
+        if self.span_builder is not None:
+            self.span_builder.flush()
+
+    def shutdown(self) -> None:
+        """Finish building spans (the caller then flushes the tracer)."""
+        if self.span_builder is not None:
+            self.span_builder.close()
+            self.span_builder = None
 
     # ---- utilities -------------------------------------------------------------
 

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 
 import msgspec
 import setproctitle
@@ -49,6 +50,8 @@ from tinyserve.engine.ipc import (
     outputs_message,
 )
 from tinyserve.engine.messages import EngineCoreOutput, EngineCoreRequest
+from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.tracing import setup_tracing, shutdown_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -81,12 +84,25 @@ def run_engine_core(
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
+    _start_tracing(args, engine_index)
     proc = EngineCoreProc(engine_index, input_address, output_address)
     proc.wake_on_signals()
     try:
         proc.run(args, model_info)
     finally:
+        # Spans first (they are built from what already happened), then the sockets.
+        if getattr(proc, "engine_core", None) is not None:
+            proc.engine_core.shutdown()
+        shutdown_tracing()
         proc.close()
+
+
+def _start_tracing(args: EngineArgs, engine_index: int) -> None:
+    """This engine's own tracer: engine-<i>.jsonl in the run folder and/or the OTLP endpoint."""
+    trace_file = None
+    if args.trace_run_dir is not None:
+        trace_file = Path(args.trace_run_dir) / schema.engine_trace_file(engine_index)
+    setup_tracing(schema.engine_service_name(engine_index), trace_file, args.otlp_endpoint)
 
 
 def _exit_on_sigterm(signum, frame) -> None:

@@ -15,8 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tinyserve.engine.core_client import EngineDeadError
 from tinyserve.engine.output_processor import OutputKind
-from tinyserve.entrypoints.api.errors import APIError, anthropic_error_body
-from tinyserve.entrypoints.api.openai_serving import ServingContext, _final_output, _tokenize
+from tinyserve.entrypoints.api.errors import anthropic_error_body
+from tinyserve.entrypoints.api.openai_serving import ServingContext, _final_output, render_and_tokenize
+from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.request_spans import start_request_spans
 from tinyserve.entrypoints.api.sse import run_unless_disconnected, sse_event
 from tinyserve.sampling_params import SamplingParams
 
@@ -69,29 +71,30 @@ def _stop_reason(finish_reason: str | None, stop_reason) -> str:
 
 async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request: Request) -> Response:
     model = ctx.check_model(body.model)
-    try:
-        text = ctx.engine.input_processor.render_chat(body.conversation())
-    except ValueError as error:
-        raise APIError(400, str(error), "messages") from error
-    prompt = _tokenize(ctx, text, add_special_tokens=False)
-    max_tokens = ctx.max_tokens_for(len(prompt.prompt_token_ids), body.max_tokens)
-    try:
-        params = SamplingParams(
+    message_id = f"msg_{uuid.uuid4().hex}"
+    spans = start_request_spans(schema.OPERATION_CHAT, model, message_id, redact_inputs=ctx.redact_inputs)
+
+    def make_params(max_tokens: int) -> SamplingParams:
+        return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=body.top_k or 0,
             stop=body.stop_sequences or None,
         )
-    except ValueError as error:
-        raise APIError(400, str(error)) from error
-    message_id = f"msg_{uuid.uuid4().hex}"
+
+    try:
+        prompt, params = render_and_tokenize(ctx, spans, body.conversation(), True, body.max_tokens, make_params)
+    except Exception as error:
+        spans.fail(error)
+        raise
     num_prompt = len(prompt.prompt_token_ids)
 
     if body.stream:
-        return StreamingResponse(_stream(ctx, prompt, params, message_id, model, num_prompt), media_type="text/event-stream")
+        return StreamingResponse(_stream(ctx, prompt, params, message_id, model, num_prompt, spans),
+                                 media_type="text/event-stream")
 
-    output = await run_unless_disconnected(_final_output(ctx, prompt, params, message_id, 0), raw_request)
+    output = await run_unless_disconnected(_final_output(ctx, prompt, params, message_id, 0, spans), raw_request)
     if output is None:
         return Response(status_code=499)
     completion = output.outputs[0]
@@ -107,7 +110,7 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request
     })
 
 
-async def _stream(ctx, prompt, params, message_id, model, num_prompt):
+async def _stream(ctx, prompt, params, message_id, model, num_prompt, spans):
     yield sse_event("message_start", {"type": "message_start", "message": {
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": num_prompt, "output_tokens": 0},
@@ -116,7 +119,7 @@ async def _stream(ctx, prompt, params, message_id, model, num_prompt):
                                             "content_block": {"type": "text", "text": ""}})
     num_generated, finish_reason, stop_reason = 0, None, None
     try:
-        async for output in ctx.engine.generate(prompt, params, message_id, output_kind=OutputKind.DELTA):
+        async for output in ctx.engine.generate(prompt, params, message_id, output_kind=OutputKind.DELTA, spans=spans):
             completion = output.outputs[0]
             num_generated += len(completion.token_ids)
             finish_reason, stop_reason = completion.finish_reason, completion.stop_reason

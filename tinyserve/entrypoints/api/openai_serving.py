@@ -21,6 +21,8 @@ from tinyserve.engine.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError, openai_error_body
 from tinyserve.entrypoints.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tinyserve.entrypoints.api.sse import run_unless_disconnected, sse_data
+from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.request_spans import NO_SPANS, start_request_spans
 from tinyserve.outputs import CompletionOutput, RequestOutput
 
 
@@ -28,6 +30,7 @@ from tinyserve.outputs import CompletionOutput, RequestOutput
 class ServingContext:
     engine: AsyncLLM
     model_names: list[str]  # the first is the one reported in responses
+    redact_inputs: bool = False  # traces keep token counts but no text or token ids
 
     def check_model(self, model: str | None) -> str:
         if model is not None and model not in self.model_names:
@@ -66,9 +69,10 @@ def _tokenize(ctx: ServingContext, prompt, *, add_special_tokens: bool = True) -
     return processed
 
 
-async def _final_output(ctx: ServingContext, prompt, params, request_id, priority) -> RequestOutput:
+async def _final_output(ctx: ServingContext, prompt, params, request_id, priority, spans=NO_SPANS) -> RequestOutput:
     final = None
-    async for output in ctx.engine.generate(prompt, params, request_id, output_kind=OutputKind.FINAL_ONLY, priority=priority):
+    async for output in ctx.engine.generate(prompt, params, request_id, output_kind=OutputKind.FINAL_ONLY,
+                                            priority=priority, spans=spans):
         final = output
     return final
 
@@ -110,29 +114,45 @@ def chat_logprobs(tokenizer, output: CompletionOutput, num_top: int) -> dict | N
     return {"content": content}
 
 
+def render_and_tokenize(ctx: ServingContext, spans, messages: list[dict], add_generation_prompt: bool,
+                        requested_max_tokens: int | None, make_params):
+    """Stage ②: template, tokenize, check lengths, build SamplingParams — logged on the render span."""
+    with spans.stage(schema.RENDER) as render_span:
+        try:
+            text = ctx.engine.input_processor.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        except ValueError as error:
+            raise APIError(400, str(error), "messages") from error
+        prompt = _tokenize(ctx, text, add_special_tokens=False)
+        max_tokens = ctx.max_tokens_for(len(prompt.prompt_token_ids), requested_max_tokens)
+        try:
+            params = make_params(max_tokens)
+        except ValueError as error:
+            raise APIError(400, str(error)) from error
+        spans.log_inputs(render_span, prompt=text, prompt_token_ids=prompt.prompt_token_ids, sampling_params=params,
+                         messages=messages)
+    return prompt, params
+
+
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw_request: Request) -> Response:
     model = ctx.check_model(body.model)
     engine = ctx.engine
-    try:
-        text = engine.input_processor.render_chat(
-            [m.as_template_message() for m in body.messages], add_generation_prompt=body.add_generation_prompt
-        )
-    except ValueError as error:
-        raise APIError(400, str(error), "messages") from error
-    prompt = _tokenize(ctx, text, add_special_tokens=False)
-    max_tokens = ctx.max_tokens_for(len(prompt.prompt_token_ids), body.requested_max_tokens)
-    try:
-        params = body.sampling_params(max_tokens, body.num_logprobs)
-    except ValueError as error:
-        raise APIError(400, str(error)) from error
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    spans = start_request_spans(schema.OPERATION_CHAT, model, request_id, redact_inputs=ctx.redact_inputs)
+    try:
+        prompt, params = render_and_tokenize(
+            ctx, spans, [m.as_template_message() for m in body.messages], body.add_generation_prompt,
+            body.requested_max_tokens, lambda max_tokens: body.sampling_params(max_tokens, body.num_logprobs),
+        )
+    except Exception as error:
+        spans.fail(error)
+        raise
     created = int(time.time())
     num_top = body.top_logprobs or 0
 
     if body.stream:
-        return _stream_response(_guard_stream(_chat_stream(ctx, body, prompt, params, request_id, created, model, num_top)))
+        return _stream_response(_guard_stream(_chat_stream(ctx, body, prompt, params, request_id, created, model, num_top, spans)))
 
-    output = await run_unless_disconnected(_final_output(ctx, prompt, params, request_id, body.priority), raw_request)
+    output = await run_unless_disconnected(_final_output(ctx, prompt, params, request_id, body.priority, spans), raw_request)
     if output is None:
         return Response(status_code=499)
     choices = [
@@ -156,7 +176,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     })
 
 
-async def _chat_stream(ctx, body, prompt, params, request_id, created, model, num_top) -> AsyncIterator[str]:
+async def _chat_stream(ctx, body, prompt, params, request_id, created, model, num_top, spans) -> AsyncIterator[str]:
     def chunk(choices, **extra):
         return sse_data({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                          "choices": choices, **extra})
@@ -164,7 +184,8 @@ async def _chat_stream(ctx, body, prompt, params, request_id, created, model, nu
     for index in range(params.n):
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
     num_generated = 0
-    async for output in ctx.engine.generate(prompt, params, request_id, output_kind=OutputKind.DELTA, priority=body.priority):
+    async for output in ctx.engine.generate(prompt, params, request_id, output_kind=OutputKind.DELTA,
+                                            priority=body.priority, spans=spans):
         for c in output.outputs:
             num_generated += len(c.token_ids)
             if not c.text and not c.finished and c.logprobs is None:
@@ -200,15 +221,28 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
     prompts = body.prompts
     if not prompts:
         raise APIError(400, "prompt must not be empty", "prompt")
-    processed = [_tokenize(ctx, p) for p in prompts]
-    params_list = []
-    for prompt in processed:
-        max_tokens = ctx.max_tokens_for(len(prompt.prompt_token_ids), body.max_tokens)
-        try:
-            params_list.append(body.sampling_params(max_tokens, body.logprobs))
-        except ValueError as error:
-            raise APIError(400, str(error)) from error
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    processed, params_list, spans_list = [], [], []
+    for index, text_or_ids in enumerate(prompts):
+        spans = start_request_spans(schema.OPERATION_TEXT_COMPLETION, model, f"{request_id}-{index}",
+                                    redact_inputs=ctx.redact_inputs)
+        spans_list.append(spans)
+        try:
+            with spans.stage(schema.RENDER) as render_span:
+                prompt = _tokenize(ctx, text_or_ids)
+                max_tokens = ctx.max_tokens_for(len(prompt.prompt_token_ids), body.max_tokens)
+                try:
+                    params = body.sampling_params(max_tokens, body.logprobs)
+                except ValueError as error:
+                    raise APIError(400, str(error)) from error
+                spans.log_inputs(render_span, prompt=prompt.prompt, prompt_token_ids=prompt.prompt_token_ids,
+                                 sampling_params=params)
+        except Exception as error:
+            for opened in spans_list:
+                opened.fail(error)
+            raise
+        processed.append(prompt)
+        params_list.append(params)
     created = int(time.time())
     tokenizer = ctx.engine.tokenizer
     echo_texts = [
@@ -218,13 +252,13 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
 
     if body.stream:
         return _stream_response(_guard_stream(
-            _completion_stream(ctx, body, processed, params_list, request_id, created, model, echo_texts, num_top)
+            _completion_stream(ctx, body, processed, params_list, spans_list, request_id, created, model, echo_texts, num_top)
         ))
 
     async def run_all():
         return await asyncio.gather(*[
-            _final_output(ctx, p, params, f"{request_id}-{i}", body.priority)
-            for i, (p, params) in enumerate(zip(processed, params_list))
+            _final_output(ctx, p, params, f"{request_id}-{i}", body.priority, spans)
+            for i, (p, params, spans) in enumerate(zip(processed, params_list, spans_list))
         ])
 
     outputs = await run_unless_disconnected(run_all(), raw_request)
@@ -249,20 +283,22 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
     })
 
 
-async def _completion_stream(ctx, body, processed, params_list, request_id, created, model, echo_texts, num_top):
+async def _completion_stream(ctx, body, processed, params_list, spans_list, request_id, created, model, echo_texts,
+                             num_top):
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(prompt_index, prompt, params):
+    async def pump(prompt_index, prompt, params, spans):
         try:
             async for output in ctx.engine.generate(prompt, params, f"{request_id}-{prompt_index}",
-                                                    output_kind=OutputKind.DELTA, priority=body.priority):
+                                                    output_kind=OutputKind.DELTA, priority=body.priority, spans=spans):
                 await queue.put((prompt_index, output))
         except BaseException as error:  # delivered to the consumer, which re-raises it
             await queue.put((prompt_index, error))
         finally:
             await queue.put((prompt_index, None))
 
-    tasks = [asyncio.create_task(pump(i, p, params)) for i, (p, params) in enumerate(zip(processed, params_list))]
+    tasks = [asyncio.create_task(pump(i, p, params, spans))
+             for i, (p, params, spans) in enumerate(zip(processed, params_list, spans_list))]
     echoed = set()
     num_generated, remaining = 0, len(tasks)
     try:

@@ -26,6 +26,8 @@ from tinyserve.entrypoints.api.openai_protocol import (
     TokenizeRequest,
 )
 from tinyserve.entrypoints.api.openai_serving import ServingContext, create_chat_completion, create_completion
+from tinyserve.lifecycle.http_spans import TracingMiddleware
+from tinyserve.lifecycle.tracing import shutdown_tracing
 
 logger = logging.getLogger("tinyserve.api")
 
@@ -45,6 +47,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, *, api_key: str | Non
         ctx.engine.stat_loggers.append(metrics)
         yield
         await ctx.engine.shutdown()
+        shutdown_tracing()  # after the engines: every span of this process is flushed
 
     app = FastAPI(title="tinyserve", version=tinyserve.__version__, lifespan=lifespan)
     app.state.ctx = ctx
@@ -147,4 +150,6 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, *, api_key: str | Non
             raise APIError(400, f"tokens contains ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", "tokens")
         return {"prompt": ctx.engine.tokenizer.decode(body.tokens)}
 
+    # Outermost, so the HTTP span covers authentication and errors too.
+    app.add_middleware(TracingMiddleware)
     return app

@@ -1,0 +1,166 @@
+"""Engine-side spans, built from timestamps the engine already recorded.
+
+The busy loop never touches OpenTelemetry. After each step it hands this module
+the step's record and the requests that finished; a background thread turns them
+into spans with the recorded start and end times:
+
+- per finished request, in the request's own trace (parent = the API's request
+  span, carried in EngineCoreRequest.trace_context):
+      tinyserve.queue    queued → first scheduled
+      tinyserve.prefill  first scheduled → first token (one event per prompt chunk)
+      tinyserve.decode   first token → finished (token timestamps, preemptions)
+- per step, in a trace of its own: tinyserve.step with schedule/execute/update
+  children, the batch and KV attributes, and a link to each request it served.
+"""
+
+import queue
+import threading
+from dataclasses import dataclass
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, Status, StatusCode
+
+from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.tracing import extract_context, get_tracer
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+@dataclass(slots=True)
+class FinishedRequest:
+    request_id: str
+    trace_context: dict[str, str]
+    times: object  # engine.messages.RequestTimes
+    finish_reason: str
+    num_cached_tokens: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    queue_depth_at_arrival: int
+
+
+class EngineSpanBuilder:
+    def __init__(self, engine_index: int) -> None:
+        self.engine_index = engine_index
+        self.tracer = get_tracer()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"tinyserve-spans-{engine_index}", daemon=True)
+        self._thread.start()
+
+    # ---- called from the engine loop: cheap -------------------------------------
+
+    def submit(self, step_record, served_contexts: dict[str, dict[str, str]], finished: list[FinishedRequest]) -> None:
+        self._queue.put((step_record, served_contexts, finished))
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Return once every span submitted so far has been built."""
+        done = threading.Event()
+        self._queue.put(done)
+        done.wait(timeout)
+
+    def close(self) -> None:
+        """Build every span still queued, then stop the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    # ---- the background thread -----------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            step_record, served_contexts, finished = item
+            if step_record is not None:
+                self._step_spans(step_record, served_contexts)
+            for request in finished:
+                self._request_spans(request)
+
+    def _request_spans(self, request: FinishedRequest) -> None:
+        parent = extract_context(request.trace_context)
+        times = request.times
+        common = {schema.REQUEST_ID: request.request_id, schema.ENGINE_INDEX: self.engine_index}
+        end = times.finished_time
+        scheduled = times.first_scheduled_time or end
+        queue_span = self.tracer.start_span(schema.QUEUE, context=parent, start_time=_ns(times.queued_time),
+                                            attributes={**common, schema.QUEUE_DEPTH_AT_ARRIVAL: request.queue_depth_at_arrival})
+        queue_span.end(end_time=_ns(scheduled))
+        if times.first_scheduled_time is None:  # aborted while waiting: nothing else happened
+            return
+        first_token = times.first_token_time or end
+        prefill = self.tracer.start_span(schema.PREFILL, context=parent, start_time=_ns(scheduled), attributes={
+            **common, schema.NUM_CACHED_TOKENS: request.num_cached_tokens, schema.NUM_PROMPT_TOKENS: request.num_prompt_tokens,
+        })
+        for chunk_time, num_tokens in times.prefill_chunks:
+            if chunk_time <= first_token:
+                prefill.add_event(schema.EVENT_PREFILL_CHUNK, {schema.CHUNK_TOKENS: num_tokens}, timestamp=_ns(chunk_time))
+        decode_preemptions = []
+        for preempted in times.preemption_times:
+            if preempted <= first_token:
+                prefill.add_event(schema.EVENT_PREEMPTED, timestamp=_ns(preempted))
+            else:
+                decode_preemptions.append(preempted)
+        self._end(prefill, first_token, request.finish_reason if times.first_token_time is None else None)
+        if times.first_token_time is None:
+            return
+        decode = self.tracer.start_span(schema.DECODE, context=parent, start_time=_ns(first_token), attributes={
+            **common,
+            schema.NUM_OUTPUT_TOKENS: request.num_output_tokens,
+            schema.TOKEN_TIMES: [_ns(t) for t in times.token_times],
+            schema.NUM_PREEMPTIONS: len(times.preemption_times),
+            schema.FINISH_REASON: request.finish_reason,
+        })
+        for preempted in decode_preemptions:
+            decode.add_event(schema.EVENT_PREEMPTED, timestamp=_ns(preempted))
+        self._end(decode, end, request.finish_reason)
+
+    @staticmethod
+    def _end(span, end_time: float, finish_reason: str | None) -> None:
+        if finish_reason == "abort":
+            span.set_status(Status(StatusCode.ERROR, "aborted"))
+        span.end(end_time=_ns(end_time))
+
+    def _step_spans(self, record, served_contexts: dict[str, dict[str, str]]) -> None:
+        out = record.scheduler_output
+        stats = record.stats
+        links = []
+        for scheduled in out.scheduled:
+            context = extract_context(served_contexts.get(scheduled.request_id, {}))
+            if context is not None:
+                links.append(Link(trace.get_current_span(context).get_span_context(),
+                                  {schema.REQUEST_ID: scheduled.request_id}))
+        attributes = {
+            schema.STEP_ID: out.step_id,
+            schema.ENGINE_INDEX: self.engine_index,
+            schema.STEP_REQUEST_IDS: [s.request_id for s in out.scheduled],
+            schema.STEP_TOKENS_PER_REQUEST: [s.num_new_tokens for s in out.scheduled],
+            schema.STEP_NUM_PREFILL_REQUESTS: out.num_prefill_requests,
+            schema.STEP_NUM_DECODE_REQUESTS: out.num_decode_requests,
+            schema.STEP_NUM_PREFILL_TOKENS: out.num_prefill_tokens,
+            schema.STEP_NUM_DECODE_TOKENS: out.num_decode_tokens,
+            schema.STEP_NUM_SCHEDULED_TOKENS: out.total_num_scheduled_tokens,
+            schema.STEP_TOKEN_BUDGET: out.token_budget,
+            schema.STEP_PREEMPTED_REQUEST_IDS: out.preempted_request_ids,
+            schema.KV_BLOCKS_USED: stats.num_kv_blocks_used,
+            schema.KV_BLOCKS_FREE: stats.num_kv_blocks_total - stats.num_kv_blocks_used,
+            schema.KV_BLOCKS_TOTAL: stats.num_kv_blocks_total,
+            schema.KV_USAGE: stats.kv_cache_usage,
+            schema.PREFIX_CACHE_HIT_TOKENS: record.prefix_cache_hit_tokens,
+            schema.NUM_WAITING: stats.num_waiting_reqs,
+            schema.NUM_RUNNING: stats.num_running_reqs,
+        }
+        step = self.tracer.start_span(schema.STEP, context=Context(), start_time=_ns(record.start_time),
+                                      attributes=attributes, links=links)
+        step_context = trace.set_span_in_context(step)
+        for name, start, end in (
+            (schema.SCHEDULE, record.start_time, record.schedule_end_time),
+            (schema.EXECUTE, record.schedule_end_time, record.execute_end_time),
+            (schema.UPDATE, record.execute_end_time, record.end_time),
+        ):
+            self.tracer.start_span(name, context=step_context, start_time=_ns(start)).end(end_time=_ns(end))
+        step.end(end_time=_ns(record.end_time))

@@ -1,0 +1,145 @@
+"""The spans of one request on the API side (or offline): the request span and its stages.
+
+    spans = start_request_spans("chat", model, request_id)   # child of the HTTP span
+    with spans.stage(schema.RENDER) as render:                # template + tokenize
+        ...
+        spans.log_inputs(render, prompt=..., prompt_token_ids=..., sampling_params=...)
+    carrier = spans.carrier()                                 # into EngineCoreRequest.trace_context
+    ...
+    spans.finish(completions)                                  # or spans.fail(error)
+
+With tracing off, start_request_spans returns NO_SPANS, whose methods do nothing.
+"""
+
+import json
+from contextlib import contextmanager, nullcontext
+
+import msgspec
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.tracing import get_tracer, inject_context, tracing_enabled
+
+
+class RequestSpans:
+    def __init__(self, operation: str, model: str, request_id: str, *, redact_inputs: bool = False) -> None:
+        self.tracer = get_tracer()
+        self.redact_inputs = redact_inputs
+        self.span = self.tracer.start_span(
+            schema.request_span_name(operation, model),
+            attributes={
+                schema.GEN_AI_OPERATION_NAME: operation,
+                schema.GEN_AI_PROVIDER_NAME: schema.PROVIDER,
+                schema.GEN_AI_REQUEST_MODEL: model,
+                schema.GEN_AI_RESPONSE_ID: request_id,
+                schema.REQUEST_ID: request_id,
+            },
+        )
+        self.context = trace.set_span_in_context(self.span)
+        self._ended = False
+
+    @contextmanager
+    def stage(self, name: str, attributes: dict | None = None):
+        with self.tracer.start_as_current_span(name, context=self.context, attributes=attributes) as span:
+            yield span
+
+    def carrier(self) -> dict[str, str]:
+        return inject_context(self.context)
+
+    def log_inputs(self, span, *, prompt: str | None, prompt_token_ids: list[int], sampling_params,
+                   messages: list[dict] | None = None) -> None:
+        """Everything replay needs, on the render span; the request span gets the GenAI request attributes."""
+        params = sampling_params
+        self.span.set_attributes({
+            schema.GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens or 0,
+            schema.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
+            schema.GEN_AI_REQUEST_TOP_P: params.top_p,
+            schema.GEN_AI_USAGE_INPUT_TOKENS: len(prompt_token_ids),
+            **({schema.GEN_AI_REQUEST_SEED: params.seed} if params.seed is not None else {}),
+        })
+        attributes = {
+            schema.NUM_PROMPT_TOKENS: len(prompt_token_ids),
+            schema.SAMPLING_PARAMS: msgspec.json.encode(params).decode(),
+        }
+        if self.redact_inputs:
+            attributes[schema.INPUTS_REDACTED] = True
+        else:
+            attributes[schema.PROMPT_TOKEN_IDS] = prompt_token_ids
+            if prompt is not None:
+                attributes[schema.PROMPT] = prompt
+            if messages is not None:
+                attributes[schema.MESSAGES] = json.dumps(messages, ensure_ascii=False)
+        span.set_attributes(attributes)
+
+    def detokenized(self, first_call: float, last_call: float, calls: int, seconds: float, stop_string: str | None) -> None:
+        """The detokenize span, built at the end from what the output processor measured."""
+        span = self.tracer.start_span(schema.DETOKENIZE, context=self.context, start_time=int(first_call * 1e9),
+                                      attributes={schema.DETOKENIZE_CALLS: calls, schema.DETOKENIZE_TIME: seconds})
+        if stop_string is not None and not self.redact_inputs:
+            span.set_attribute(schema.STOP_STRING, stop_string)
+        span.end(end_time=int(last_call * 1e9))
+
+    def finish(self, completions) -> None:
+        """End the request span with its outputs (CompletionOutputs, cumulative)."""
+        if self._ended:
+            return
+        completions = sorted(completions, key=lambda c: c.index)
+        attributes = {
+            schema.GEN_AI_RESPONSE_FINISH_REASONS: [c.finish_reason or "abort" for c in completions],
+            schema.GEN_AI_USAGE_OUTPUT_TOKENS: sum(len(c.token_ids) for c in completions),
+        }
+        if not self.redact_inputs and completions:
+            attributes[schema.OUTPUT_TOKEN_IDS] = completions[0].token_ids
+            attributes[schema.OUTPUT_TEXT] = completions[0].text
+            attributes[schema.COMPLETIONS] = json.dumps([
+                {"index": c.index, "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason}
+                for c in completions
+            ], ensure_ascii=False)
+        self.span.set_attributes(attributes)
+        if any(c.finish_reason == "abort" for c in completions):
+            self.span.set_status(Status(StatusCode.ERROR, "aborted"))
+        self._end()
+
+    def fail(self, error: BaseException) -> None:
+        if self._ended:
+            return
+        self.span.record_exception(error)
+        self.span.set_attribute(schema.ERROR_REASON, str(error))
+        self.span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        self._end()
+
+    def _end(self) -> None:
+        self._ended = True
+        self.span.end()
+
+
+class _NoSpans:
+    """Tracing is off: every call is a no-op."""
+
+    def stage(self, name: str, attributes: dict | None = None):
+        return nullcontext()
+
+    def carrier(self) -> dict[str, str]:
+        return {}
+
+    def log_inputs(self, span, **kwargs) -> None:
+        pass
+
+    def detokenized(self, *args) -> None:
+        pass
+
+    def finish(self, completions) -> None:
+        pass
+
+    def fail(self, error: BaseException) -> None:
+        pass
+
+
+NO_SPANS = _NoSpans()
+
+
+def start_request_spans(operation: str, model: str, request_id: str, *, redact_inputs: bool = False):
+    if not tracing_enabled():
+        return NO_SPANS
+    return RequestSpans(operation, model, request_id, redact_inputs=redact_inputs)

@@ -1,0 +1,139 @@
+"""The span schema: every span name and attribute key tinyserve emits, in one place.
+
+No other module invents a span name or an attribute key; they import them from
+here, and so do the readers (load_run, exporters, plots). A request's trace:
+
+    POST /v1/chat/completions                    api      (HTTP server span, the root)
+    └── chat {model}                             api      (the request, GenAI attributes)
+        ├── tinyserve.render                     api      (template + tokenize; logged inputs)
+        ├── tinyserve.enqueue                    api      (add_request, engine chosen)
+        ├── tinyserve.ipc.send                   api      (encode + send over ZeroMQ)
+        ├── tinyserve.queue                      engine   (arrival → first scheduled)
+        ├── tinyserve.prefill                    engine   (first scheduled → first token)
+        ├── tinyserve.decode                     engine   (first token → finish)
+        └── tinyserve.detokenize                 api      (incremental detokenization)
+    └── tinyserve.respond                        api      (first byte → last byte sent)
+
+Each engine also writes one trace per step:
+
+    tinyserve.step  (links → the `chat {model}` span of every request it served)
+    ├── tinyserve.schedule
+    ├── tinyserve.execute
+    └── tinyserve.update
+"""
+
+# ---- services (resource attribute service.name) ------------------------------
+SERVICE_API = "tinyserve-api"
+SERVICE_OFFLINE = "tinyserve-offline"
+
+
+def engine_service_name(engine_index: int) -> str:
+    return f"tinyserve-engine-{engine_index}"
+
+
+# ---- span names ----------------------------------------------------------------
+def request_span_name(operation: str, model: str) -> str:
+    """`chat {model}` or `text_completion {model}` (GenAI semantic conventions)."""
+    return f"{operation} {model}"
+
+
+OPERATION_CHAT = "chat"
+OPERATION_TEXT_COMPLETION = "text_completion"
+
+RENDER = "tinyserve.render"
+ENQUEUE = "tinyserve.enqueue"
+IPC_SEND = "tinyserve.ipc.send"
+QUEUE = "tinyserve.queue"
+PREFILL = "tinyserve.prefill"
+DECODE = "tinyserve.decode"
+DETOKENIZE = "tinyserve.detokenize"
+RESPOND = "tinyserve.respond"
+STEP = "tinyserve.step"
+SCHEDULE = "tinyserve.schedule"
+EXECUTE = "tinyserve.execute"
+UPDATE = "tinyserve.update"
+
+API_STAGES = (RENDER, ENQUEUE, IPC_SEND, DETOKENIZE)
+ENGINE_STAGES = (QUEUE, PREFILL, DECODE)
+REQUEST_STAGES = (RENDER, ENQUEUE, IPC_SEND, QUEUE, PREFILL, DECODE, DETOKENIZE, RESPOND)
+
+# ---- events ----------------------------------------------------------------------
+EVENT_PREFILL_CHUNK = "prefill_chunk"  # on tinyserve.prefill, one per step that computed prompt tokens
+EVENT_PREEMPTED = "preempted"  # on tinyserve.prefill / tinyserve.decode
+
+# ---- GenAI semantic-convention attributes (on `chat {model}`) ------------------
+GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
+GEN_AI_PROVIDER_NAME = "gen_ai.provider.name"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
+GEN_AI_REQUEST_SEED = "gen_ai.request.seed"
+GEN_AI_RESPONSE_ID = "gen_ai.response.id"
+GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+PROVIDER = "tinyserve"
+
+# ---- tinyserve's own attributes --------------------------------------------------
+REQUEST_ID = "tinyserve.request_id"  # the engine request id (a child id when n > 1)
+PARENT_REQUEST_ID = "tinyserve.parent_request_id"
+ENGINE_INDEX = "tinyserve.engine_index"
+# logged inputs (tinyserve.render) and outputs (the request span): all replay needs
+MESSAGES = "tinyserve.messages"  # JSON of the chat messages
+PROMPT = "tinyserve.prompt"  # the prompt text (rendered, for chat)
+PROMPT_TOKEN_IDS = "tinyserve.prompt_token_ids"
+NUM_PROMPT_TOKENS = "tinyserve.num_prompt_tokens"
+SAMPLING_PARAMS = "tinyserve.sampling_params"  # JSON, with the seed
+OUTPUT_TOKEN_IDS = "tinyserve.output_token_ids"  # first completion's ids
+OUTPUT_TEXT = "tinyserve.output_text"  # first completion's text
+COMPLETIONS = "tinyserve.completions"  # JSON list: index, token_ids, text, finish_reason per completion
+INPUTS_REDACTED = "tinyserve.inputs_redacted"
+ERROR_REASON = "tinyserve.error"
+# ipc.send
+IPC_BYTES = "tinyserve.ipc.bytes"
+IPC_SOCKET = "tinyserve.ipc.socket"
+# queue / prefill / decode
+QUEUE_DEPTH_AT_ARRIVAL = "tinyserve.queue_depth_at_arrival"
+NUM_CACHED_TOKENS = "tinyserve.num_cached_tokens"
+CHUNK_TOKENS = "tinyserve.chunk_tokens"  # on a prefill_chunk event
+NUM_OUTPUT_TOKENS = "tinyserve.num_output_tokens"
+TOKEN_TIMES = "tinyserve.token_times_unix_nano"  # one timestamp per output token
+NUM_PREEMPTIONS = "tinyserve.num_preemptions"
+FINISH_REASON = "tinyserve.finish_reason"
+# detokenize
+DETOKENIZE_CALLS = "tinyserve.detokenize.calls"
+DETOKENIZE_TIME = "tinyserve.detokenize.time_s"  # time actually spent detokenizing
+STOP_STRING = "tinyserve.stop_string"
+# respond
+RESPOND_CHUNKS = "tinyserve.respond.chunks"
+RESPOND_BYTES = "tinyserve.respond.bytes"
+STREAMED = "tinyserve.streamed"
+# step
+STEP_ID = "tinyserve.step.id"
+STEP_REQUEST_IDS = "tinyserve.step.request_ids"
+STEP_TOKENS_PER_REQUEST = "tinyserve.step.num_tokens_per_request"  # aligned with request_ids
+STEP_NUM_PREFILL_REQUESTS = "tinyserve.step.num_prefill_requests"
+STEP_NUM_DECODE_REQUESTS = "tinyserve.step.num_decode_requests"
+STEP_NUM_PREFILL_TOKENS = "tinyserve.step.num_prefill_tokens"
+STEP_NUM_DECODE_TOKENS = "tinyserve.step.num_decode_tokens"
+STEP_NUM_SCHEDULED_TOKENS = "tinyserve.step.num_scheduled_tokens"
+STEP_TOKEN_BUDGET = "tinyserve.step.token_budget"
+STEP_PREEMPTED_REQUEST_IDS = "tinyserve.step.preempted_request_ids"
+STEP_FINISHED_REQUEST_IDS = "tinyserve.step.finished_request_ids"
+KV_BLOCKS_USED = "tinyserve.kv.blocks_used"
+KV_BLOCKS_FREE = "tinyserve.kv.blocks_free"
+KV_BLOCKS_TOTAL = "tinyserve.kv.blocks_total"
+KV_USAGE = "tinyserve.kv.usage"
+PREFIX_CACHE_HIT_TOKENS = "tinyserve.prefix_cache.hit_tokens"
+NUM_WAITING = "tinyserve.num_waiting"
+NUM_RUNNING = "tinyserve.num_running"
+
+# ---- trace files -------------------------------------------------------------------
+MANIFEST_FILE = "manifest.json"
+API_TRACE_FILE = "api.jsonl"
+OFFLINE_TRACE_FILE = "offline.jsonl"
+
+
+def engine_trace_file(engine_index: int) -> str:
+    return f"engine-{engine_index}.jsonl"

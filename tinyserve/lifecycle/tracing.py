@@ -1,0 +1,129 @@
+"""Tracer set-up for one process: where its spans go, and turning it all off.
+
+Each process (the API server, every engine, or the offline LLM) has its own
+TracerProvider with its own `service.name`. Spans go through a batch processor
+to an OTLP/JSON-lines file in the run folder and/or to an OTLP/HTTP endpoint
+(Jaeger, Tempo, a collector). The queue is made large enough that a burst of
+requests never drops a span, and `shutdown_tracing()` flushes everything.
+
+When tracing is off, `get_tracer()` returns OpenTelemetry's no-op tracer and the
+code that builds spans checks `tracing_enabled()` first, so off costs nothing.
+"""
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.propagators.textmap import DefaultGetter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+import tinyserve
+from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.otlp_file import OTLPJsonFileExporter
+
+logger = logging.getLogger(__name__)
+
+_QUEUE_SIZE = 1 << 20  # spans held before export: far more than any run produces between flushes
+_MAX_LINKS = 1024  # a step serving 256 requests keeps every link
+_propagator = TraceContextTextMapPropagator()
+_provider: TracerProvider | None = None
+
+
+def setup_tracing(service_name: str, trace_file: str | Path | None = None, otlp_endpoint: str | None = None) -> bool:
+    """Install this process's tracer provider. Returns False (and stays a no-op) if given nowhere to send."""
+    global _provider
+    if trace_file is None and otlp_endpoint is None:
+        return False
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": service_name, "service.version": tinyserve.__version__}),
+        span_limits=SpanLimits(max_links=_MAX_LINKS, max_attributes=256, max_events=4096, max_span_attributes=256),
+    )
+    if trace_file is not None:
+        provider.add_span_processor(_batch(OTLPJsonFileExporter(trace_file)))
+    if otlp_endpoint is not None:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(_batch(OTLPSpanExporter(endpoint=_traces_url(otlp_endpoint))))
+    _provider = provider
+    return True
+
+
+def _batch(exporter) -> BatchSpanProcessor:
+    return BatchSpanProcessor(exporter, max_queue_size=_QUEUE_SIZE, schedule_delay_millis=500, max_export_batch_size=4096)
+
+
+def _traces_url(endpoint: str) -> str:
+    """Accept a collector's base URL (http://host:4318) or the full /v1/traces URL."""
+    endpoint = endpoint.rstrip("/")
+    return endpoint if endpoint.endswith("/v1/traces") else f"{endpoint}/v1/traces"
+
+
+def tracing_enabled() -> bool:
+    return _provider is not None
+
+
+def get_tracer() -> trace.Tracer:
+    if _provider is None:
+        return trace.NoOpTracer()
+    return _provider.get_tracer("tinyserve", tinyserve.__version__)
+
+
+def flush_tracing() -> None:
+    """Export every span ended so far (the run folder's files are then complete up to now)."""
+    if _provider is not None:
+        _provider.force_flush()
+
+
+def shutdown_tracing() -> None:
+    """Flush every pending span and close the exporters (idempotent)."""
+    global _provider
+    if _provider is not None:
+        _provider.force_flush()
+        _provider.shutdown()
+        _provider = None
+
+
+# ---- W3C trace context across the process boundary --------------------------
+
+
+def inject_context(context: Context | None = None) -> dict[str, str]:
+    """The traceparent/tracestate carrier for EngineCoreRequest.trace_context."""
+    carrier: dict[str, str] = {}
+    _propagator.inject(carrier, context=context)
+    return carrier
+
+
+def extract_context(carrier: dict[str, str]) -> Context | None:
+    if not carrier:
+        return None
+    return _propagator.extract(carrier, getter=DefaultGetter())
+
+
+# ---- run folders -----------------------------------------------------------------
+
+
+def new_run_dir(trace_dir: str | Path) -> Path:
+    """traces/<YYYYmmdd-HHMMSS>-<pid>: one folder per run."""
+    name = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+    run_dir = Path(trace_dir) / name
+    run_dir.mkdir(parents=True, exist_ok=False)
+    return run_dir
+
+
+def write_manifest(run_dir: Path, *, model: str | None, served_model_name: str, engine_args: dict, data_parallel_size: int) -> None:
+    manifest = {
+        "tinyserve_version": tinyserve.__version__,
+        "model": model,
+        "served_model_name": served_model_name,
+        "engine_args": engine_args,
+        "data_parallel_size": data_parallel_size,
+        "start_time_unix_nano": time.time_ns(),
+    }
+    (run_dir / schema.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, default=str))
