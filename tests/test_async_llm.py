@@ -1,0 +1,100 @@
+"""AsyncLLM: the same outputs in-process, over one engine process, and over two (data parallel)."""
+
+import asyncio
+
+import pytest
+
+from tests.tiny_checkpoints import tiny_model_with_tokenizer
+from tinyserve import LLM, SamplingParams
+from tinyserve.config import EngineArgs
+from tinyserve.engine.async_llm import AsyncLLM
+from tinyserve.engine.output_processor import OutputKind
+
+PROMPTS = ["Beautiful is better than ugly.", "Explicit is better", "Simple", "Complex is better than complicated."]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+def engine_args() -> EngineArgs:
+    return EngineArgs(model=str(tiny_model_with_tokenizer("llama")), num_kv_blocks=64)
+
+
+async def generate_all(engine: AsyncLLM, params=GREEDY, kind=OutputKind.FINAL_ONLY):
+    async def one(i, prompt):
+        outputs = [o async for o in engine.generate(prompt, params, f"req-{i}", output_kind=kind)]
+        return outputs
+    return await asyncio.gather(*[one(i, p) for i, p in enumerate(PROMPTS)])
+
+
+def run(coroutine_factory, **kwargs):
+    async def main():
+        engine = await AsyncLLM.create(engine_args(), **kwargs)
+        try:
+            return await coroutine_factory(engine)
+        finally:
+            await engine.shutdown()
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def offline_outputs():
+    outputs = LLM(engine_args().model, num_kv_blocks=64).generate(PROMPTS, GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("kwargs", [{"in_process": True}, {}, {"data_parallel_size": 2}],
+                         ids=["in-process", "one-engine-process", "two-engine-processes"])
+def test_same_greedy_outputs_through_every_client(offline_outputs, kwargs):
+    results = run(generate_all, **kwargs)
+    assert [r[-1].outputs[0].token_ids for r in results] == offline_outputs
+
+
+def test_streamed_deltas_concatenate_to_the_full_output(offline_outputs):
+    async def both(engine):
+        full = await generate_all(engine)
+        deltas = await generate_all(engine, kind=OutputKind.DELTA)
+        return full, deltas
+
+    full, deltas = run(both, in_process=True)
+    for whole, pieces in zip(full, deltas):
+        assert len(pieces) > 1 and pieces[-1].finished and not any(p.finished for p in pieces[:-1])
+        assert "".join(p.outputs[0].text for p in pieces) == whole[-1].outputs[0].text
+        assert [t for p in pieces for t in p.outputs[0].token_ids] == whole[-1].outputs[0].token_ids
+
+
+def test_n_3_fans_out_and_back_into_one_output():
+    async def three(engine):
+        params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6)
+        return [o async for o in engine.generate("Readability counts.", params, "fan", output_kind=OutputKind.FINAL_ONLY)]
+
+    [output] = run(three)
+    assert [c.index for c in output.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 6 for c in output.outputs)
+
+
+def test_leaving_a_stream_early_aborts_the_request_and_frees_its_blocks():
+    async def leave(engine):
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        async for output in engine.generate("Now is better than never.", params, "leaver"):
+            if len(output.outputs[0].token_ids):
+                break
+        for _ in range(50):
+            [stats] = await engine.get_stats()
+            if stats.num_running_reqs == 0 and stats.num_kv_blocks_used == 0:
+                return stats
+            await asyncio.sleep(0.1)
+        return stats
+
+    stats = run(leave)
+    assert stats.num_running_reqs == 0 and stats.num_kv_blocks_used == 0
+
+
+def test_bad_input_raises_before_anything_is_sent():
+    async def bad(engine):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            async for _ in engine.generate({"prompt_token_ids": [10**7]}, GREEDY, "bad"):
+                pass
+        assert not engine.output_processor.parents
+        return [o async for o in engine.generate("still fine", GREEDY, "good", output_kind=OutputKind.FINAL_ONLY)]
+
+    [output] = run(bad, in_process=True)
+    assert output.finished
