@@ -7,7 +7,6 @@ end-of-sequence tokens. Prompts are validated against it at the boundary.
 """
 
 import json
-import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -140,9 +139,3 @@ def _resolve_dtype(args: EngineArgs, config: dict) -> torch.dtype:
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
     return DTYPES.get(name, torch.float32) or torch.float32
 
-
-def cache_dir() -> Path:
-    """Where tinyserve keeps what it builds: $TINYSERVE_CACHE_DIR, else the XDG cache."""
-    if os.environ.get("TINYSERVE_CACHE_DIR"):
-        return Path(os.environ["TINYSERVE_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tinyserve"
