@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from tinyserve.cli import clients, run_batch, serve
+from tinyserve.cli import bench, clients, run_batch, serve, trace
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -12,6 +12,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(commands)
     clients.add_parsers(commands)
     run_batch.add_parser(commands)
+    bench.add_parser(commands)
+    trace.add_parser(commands)
     return parser
 
 

@@ -146,6 +146,7 @@ class EngineSpanBuilder:
             schema.STEP_NUM_SCHEDULED_TOKENS: out.total_num_scheduled_tokens,
             schema.STEP_TOKEN_BUDGET: out.token_budget,
             schema.STEP_PREEMPTED_REQUEST_IDS: out.preempted_request_ids,
+            schema.STEP_FINISHED_REQUEST_IDS: record.finished_request_ids,
             schema.KV_BLOCKS_USED: stats.num_kv_blocks_used,
             schema.KV_BLOCKS_FREE: stats.num_kv_blocks_total - stats.num_kv_blocks_used,
             schema.KV_BLOCKS_TOTAL: stats.num_kv_blocks_total,

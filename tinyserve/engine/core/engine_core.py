@@ -33,6 +33,7 @@ class StepRecord:
     end_time: float
     stats: SchedulerStats
     prefix_cache_hit_tokens: int
+    finished_request_ids: list[str]  # requests that finished in this step
 
 
 class EngineCore:
@@ -128,7 +129,8 @@ class EngineCore:
         end = time.time()
         stats = self.scheduler.make_stats()
         self.last_step = StepRecord(
-            scheduler_output, start, scheduled, executed, end, stats, stats.prefix_cache_hits - hits_before
+            scheduler_output, start, scheduled, executed, end, stats, stats.prefix_cache_hits - hits_before,
+            [output.request_id for output in outputs if output.finished],
         )
         if self.span_builder is not None and not scheduler_output.is_empty:
             served = {s.request_id: self._traced[s.request_id][0] for s in scheduler_output.scheduled if s.request_id in self._traced}

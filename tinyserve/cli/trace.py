@@ -1,0 +1,141 @@
+"""`tinyserve trace ...`: read a run folder written with --trace.
+
+    tinyserve trace summarize RUN                                 latency, stage and engine tables
+    tinyserve trace export RUN --format jaeger -o run.json        for Jaeger UI (Search → JSON File)
+    tinyserve trace export RUN --format perfetto -o run.json      for ui.perfetto.dev
+    tinyserve trace plot RUN -o DIR                               waterfall, latency, batch and KV-usage PNGs
+    tinyserve trace replay RUN [--request-id ID] [--model PATH]   re-run the logged requests, compare tokens
+
+RUN is a folder under traces/ (manifest.json plus one .jsonl file per process).
+`replay` builds an offline engine from the manifest's model and engine arguments
+(--model overrides the model), prints one line per request and a summary, and
+exits with 1 if any request produced different tokens.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from tinyserve.lifecycle.export import FORMATS, write_export
+from tinyserve.lifecycle.run import Run, load_run
+
+PLOTS = ("request_waterfall", "latency_histograms", "batch_composition", "kv_usage")
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("trace", help="summarize, export, plot or replay a traced run",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = parser.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
+
+    summarize_parser = actions.add_parser("summarize", help="print latency, stage and engine tables")
+    summarize_parser.add_argument("run", help="the run folder")
+    summarize_parser.set_defaults(handler=summarize)
+
+    export_parser = actions.add_parser("export", help="write the run for Jaeger or Perfetto")
+    export_parser.add_argument("run", help="the run folder")
+    export_parser.add_argument("--format", choices=FORMATS, required=True,
+                               help="jaeger (JSON upload) or perfetto (trace events)")
+    export_parser.add_argument("-o", "--output", required=True, help="the JSON file to write")
+    export_parser.set_defaults(handler=export)
+
+    plot_parser = actions.add_parser("plot", help="write PNGs: " + ", ".join(PLOTS))
+    plot_parser.add_argument("run", help="the run folder")
+    plot_parser.add_argument("-o", "--output-dir", required=True,
+                             help="the folder for the PNG files (created if missing)")
+    plot_parser.set_defaults(handler=plot)
+
+    replay_parser = actions.add_parser("replay", help="re-run the logged requests and compare their tokens")
+    replay_parser.add_argument("run", help="the run folder")
+    replay_parser.add_argument("--request-id", action="append", default=None,
+                               help="replay only this request (repeatable; default: all)")
+    replay_parser.add_argument("--model", default=None, help="the model folder (default: the manifest's model)")
+    replay_parser.set_defaults(handler=replay)
+
+
+def _load(path: str) -> Run | None:
+    try:
+        return load_run(path)
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return None
+
+
+def summarize(args: argparse.Namespace) -> int:
+    from tinyserve.lifecycle.summary import summarize as summarize_run
+
+    run = _load(args.run)
+    if run is None:
+        return 1
+    print(summarize_run(run))
+    return 0
+
+
+def export(args: argparse.Namespace) -> int:
+    run = _load(args.run)
+    if run is None:
+        return 1
+    try:
+        path = write_export(run, args.format, args.output)
+    except OSError as error:
+        print(f"error: cannot write {args.output}: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {path} ({args.format}: {len(run.spans)} spans, {len(run.requests)} requests)")
+    return 0
+
+
+def plot(args: argparse.Namespace) -> int:
+    from tinyserve.lifecycle import plots
+
+    run = _load(args.run)
+    if run is None:
+        return 1
+    if not run.requests:
+        print(f"error: run {run.name} has no requests to plot", file=sys.stderr)
+        return 1
+    folder = Path(args.output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in PLOTS:
+        figure = getattr(plots, f"plot_{name}")(run)
+        # The figures are bare matplotlib Figures: saving a PNG renders it with Agg, no GUI backend involved.
+        figure.savefig(folder / f"{name}.png", dpi=110)
+        print(f"wrote {folder / f'{name}.png'}")
+    return 0
+
+
+# The model comes from --model or the manifest; the replay engine runs untraced, so that it
+# never writes into the run folder it is checking.
+_NOT_REPLAYED = {"model", "trace_run_dir", "otlp_endpoint"}
+
+
+def _engine_kwargs(manifest: dict) -> dict:
+    """The manifest's engine arguments that LLM(...) accepts, minus the model and tracing."""
+    from dataclasses import fields
+
+    from tinyserve.config import EngineArgs
+
+    accepted = {f.name for f in fields(EngineArgs)} - _NOT_REPLAYED
+    return {key: value for key, value in manifest.get("engine_args", {}).items() if key in accepted}
+
+
+def replay(args: argparse.Namespace) -> int:
+    from tinyserve.entrypoints.llm import LLM
+    from tinyserve.lifecycle.replay import replay_run
+
+    run = _load(args.run)
+    if run is None:
+        return 1
+    model = args.model or run.manifest.get("model")
+    try:
+        requests = None if args.request_id is None else [run.request(r).request_id for r in args.request_id]
+        llm = LLM(model, **_engine_kwargs(run.manifest))
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    results = replay_run(run, llm, requests)
+    for result in results:
+        print(result.describe())
+    matched = sum(r.matched for r in results)
+    skipped = sum(r.skipped for r in results)
+    mismatched = len(results) - matched - skipped
+    print(f"replayed {len(results)} requests: {matched} match, {mismatched} mismatch, {skipped} skipped")
+    return 1 if mismatched else 0

@@ -1,0 +1,111 @@
+"""Replay: re-run logged requests and check that the engine produces the same tokens.
+
+A trace logs everything a request needs to run again: its prompt token ids and
+its sampling params (seed included) in the render span, and every completion's
+output token ids in the request span. Replay submits each logged request to an
+engine its caller hands over (this module imports nothing of the engine) and
+compares the outputs token by token:
+
+    llm = LLM(run.manifest["model"], num_kv_blocks=...)
+    for result in replay_run(run, llm):
+        print(result.describe())        chatcmpl-1 match
+                                        chatcmpl-2 MISMATCH at completion 0 position 5: expected 318, got 4711
+                                        chatcmpl-3 skipped: sampled (temperature=0.7) without a seed
+
+A request that cannot be reproduced is skipped, never counted as a match:
+sampling without a seed, redacted inputs, or no logged outputs. Hand it an
+untraced LLM: a traced one would add the replayed requests to its own run.
+"""
+
+from dataclasses import dataclass
+
+from tinyserve.lifecycle.run import RequestTimeline, Run
+
+
+@dataclass(slots=True)
+class Divergence:
+    completion_index: int
+    position: int  # the first output position whose token differs
+    expected: int | None  # the logged token (None: the logged completion ended here)
+    got: int | None  # the replayed token (None: the replay ended here)
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    request_id: str
+    matched: bool
+    first_divergence: Divergence | None = None
+    skipped_reason: str | None = None
+
+    @property
+    def skipped(self) -> bool:
+        return self.skipped_reason is not None
+
+    def describe(self) -> str:
+        if self.skipped:
+            return f"{self.request_id} skipped: {self.skipped_reason}"
+        if self.matched:
+            return f"{self.request_id} match"
+        d = self.first_divergence
+        return (f"{self.request_id} MISMATCH at completion {d.completion_index} position {d.position}: "
+                f"expected {_token(d.expected)}, got {_token(d.got)}")
+
+
+def _token(token: int | None) -> str:
+    return "the end of the output" if token is None else str(token)
+
+
+def why_not_reproducible(request: RequestTimeline) -> str | None:
+    """The reason this logged request cannot be replayed exactly, or None if it can."""
+    inputs = request.inputs
+    if inputs.redacted:
+        return "inputs redacted (the server ran without logging prompts)"
+    if inputs.prompt_token_ids is None:
+        return "no prompt token ids logged"
+    params = inputs.sampling_params
+    if params is None:
+        return "no sampling params logged"
+    if not params.is_greedy and params.seed is None:
+        return f"sampled (temperature={params.temperature}) without a seed"
+    if any(c.finish_reason in (None, "abort") for c in request.completions):
+        return "the request was aborted before it finished"
+    if request.error is not None:
+        return f"the request failed: {request.error}"
+    if not request.completions:
+        return "no output logged"
+    return None
+
+
+def first_divergence(expected: list[list[int]], got: list[list[int]]) -> Divergence | None:
+    """Where two sets of completions (token ids, by completion index) first differ, or None."""
+    for index in range(max(len(expected), len(got))):
+        want = expected[index] if index < len(expected) else []
+        have = got[index] if index < len(got) else []
+        for position in range(max(len(want), len(have))):
+            a = want[position] if position < len(want) else None
+            b = have[position] if position < len(have) else None
+            if a != b:
+                return Divergence(index, position, a, b)
+    return None
+
+
+def replay_request(request: RequestTimeline, llm) -> ReplayResult:
+    """Run one logged request again on `llm` (a tinyserve.LLM) and compare its completions."""
+    reason = why_not_reproducible(request)
+    if reason is not None:
+        return ReplayResult(request.request_id, matched=False, skipped_reason=reason)
+    prompt = {"prompt_token_ids": request.inputs.prompt_token_ids}
+    try:
+        [output] = llm.generate([prompt], request.inputs.sampling_params, use_tqdm=False)
+    except ValueError as error:  # this engine cannot serve it: another model, a smaller context
+        return ReplayResult(request.request_id, matched=False, skipped_reason=f"the engine rejected it: {error}")
+    logged = sorted(request.completions, key=lambda c: c.index)
+    replayed = sorted(output.outputs, key=lambda c: c.index)
+    divergence = first_divergence([c.token_ids for c in logged], [list(c.token_ids) for c in replayed])
+    return ReplayResult(request.request_id, matched=divergence is None, first_divergence=divergence)
+
+
+def replay_run(run: Run, llm, request_ids: list[str] | None = None) -> list[ReplayResult]:
+    """Replay every request of the run (or those named), one at a time, in arrival order."""
+    requests = run.requests if request_ids is None else [run.request(request_id) for request_id in request_ids]
+    return [replay_request(request, llm) for request in requests]
