@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tinyserve.kernels.metadata import AttentionMetadata
-from tinyserve.kernels.torch_attention import TorchAttentionBackend
+from tinyserve.kernels.torch_attention import TorchAttentionBackend, prefill_attention
 from tinyserve.kernels.triton_backend import TritonAttentionBackend
 from tinyserve.kernels.triton_decode_attention import default_num_splits, paged_decode_attention
 from tinyserve.kernels.triton_kv_store import store_kv
@@ -83,7 +83,14 @@ def make_paged_batch(
 
 
 def reference_attention(batch: PagedBatch) -> torch.Tensor:
-    return TorchAttentionBackend().attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+    """The definition, one sequence at a time: it reads nothing past a sequence's length,
+    so the NaN poison in unused slots cannot reach it."""
+    meta = batch.metadata
+    starts = meta.query_start_loc_cpu
+    return torch.cat([
+        prefill_attention(batch.query[starts[i] : starts[i + 1]], batch.kv_cache, meta.block_tables[i], seq_len, batch.scale)
+        for i, seq_len in enumerate(meta.seq_lens_cpu)
+    ])
 
 
 def run_decode_kernel(batch: PagedBatch, **kwargs) -> torch.Tensor:

@@ -1,12 +1,24 @@
-"""The readable PyTorch reference for paged attention.
+"""The readable PyTorch attention backend over the paged KV cache.
 
-This is the definition every other backend is tested against. It walks the
-batch one sequence at a time: gather the sequence's keys and values out of the
-paged cache through its block table, then run plain causal attention of its
-queries against them.
+It is the definition every other backend is tested against, and the one the CPU
+uses. A batch mixes two kinds of sequences:
+
+- prefill (several query tokens): one sequence at a time, gather its keys and
+  values out of the paged cache through its block table, then plain causal
+  attention of its queries against them;
+- decode (exactly one query token): all of them at once. Their block tables are
+  gathered together into one padded [num_seqs, max_len] batch of keys, and
+  positions past each sequence's length are masked out:
+
+      block_tables[i] = [7, 2, 9]       ─► keys of seq i: cache[7] ++ cache[2] ++ cache[9]
+      seq_lens[i]     = 37  (bs = 16)   ─► positions 37..47 are padding: masked with -inf
+
+Batching decodes turns one small attention call per sequence into one call per
+layer; that is most of the step time saved at large batch sizes on a CPU.
 """
 
 import torch
+import torch.nn.functional as F
 
 from tinyserve.kernels.metadata import AttentionMetadata
 
@@ -22,6 +34,39 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
     return kv[0], kv[1]
 
 
+def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                      scale: float) -> torch.Tensor:
+    """One sequence's q_len queries, at positions seq_len - q_len .. seq_len - 1, causally."""
+    q_len = query.shape[0]
+    k, v = gather_kv(kv_cache, block_table, seq_len)
+    q, k, v = query.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
+    if q_len == seq_len:  # nothing cached before: the usual square causal mask
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # query j sits at position seq_len - q_len + j and sees keys 0..that position
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence, all sequences at once: query [S, H, D] -> [S, H, D]."""
+    num_seqs, _, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[-2]
+    blocks = block_tables.long()
+    # [S, max_blocks, block_size, Hkv, D] -> [S, Hkv, max_len, D]
+    k = kv_cache[0][blocks].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = kv_cache[1][blocks].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    valid = torch.arange(k.shape[2], device=query.device)[None, :] < seq_lens[:, None]  # [S, max_len]
+    # Padding slots hold whatever an earlier request left there (finite values: the
+    # pool starts zeroed and only ever holds keys and values); the mask gives them weight 0.
+    out = F.scaled_dot_product_attention(
+        query[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+    )  # [S, H, 1, D]
+    return out[:, :, 0, :]
+
+
 class TorchAttentionBackend:
     name = "torch"
 
@@ -32,23 +77,19 @@ class TorchAttentionBackend:
         kv_cache[1].view(-1, num_kv_heads, head_dim)[metadata.slot_mapping] = value
 
     def attention(self, query, kv_cache, metadata: AttentionMetadata, scale: float):
+        if metadata.is_decode_only:
+            return decode_attention(query, kv_cache, metadata.block_tables, metadata.seq_lens, scale)
         out = torch.empty_like(query)
-        num_heads, num_kv_heads = query.shape[1], kv_cache.shape[-2]
-        group = num_heads // num_kv_heads  # query heads sharing one KV head (GQA)
         starts = metadata.query_start_loc_cpu
+        decode_rows = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
+        if decode_rows:
+            rows = torch.tensor(decode_rows, device=query.device)
+            tokens = torch.tensor([starts[i] for i in decode_rows], device=query.device)
+            out[tokens] = decode_attention(query[tokens], kv_cache, metadata.block_tables[rows],
+                                           metadata.seq_lens[rows], scale)
         for i, seq_len in enumerate(metadata.seq_lens_cpu):
-            q = query[starts[i] : starts[i + 1]]  # [q_len, H, D]
-            q_len = q.shape[0]
-            k, v = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
-            if group > 1:
-                k = k.repeat_interleave(group, dim=1)
-                v = v.repeat_interleave(group, dim=1)
-            # Query j sits at position seq_len - q_len + j and sees keys 0..that position.
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            k_pos = torch.arange(seq_len, device=query.device)
-            mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
-            )
-            out[starts[i] : starts[i + 1]] = o.transpose(0, 1)
+            if starts[i + 1] - starts[i] > 1:
+                out[starts[i] : starts[i + 1]] = prefill_attention(
+                    query[starts[i] : starts[i + 1]], kv_cache, metadata.block_tables[i], seq_len, scale
+                )
         return out
