@@ -6,9 +6,12 @@ Nothing is ever downloaded: serving must not depend on the network.
 
 Loading reads config.json with transformers' AutoConfig, builds the model on the
 target device, then copies the safetensors weights in by name. Names map one to one
-after dropping Hugging Face's "model." prefix:
+after dropping Hugging Face's "model." prefix, except the projections the model
+stacks into one matrix, which land in their rows of it:
 
-    model.layers.3.self_attn.q_proj.weight  ->  layers.3.self_attn.q_proj.weight
+    model.layers.3.self_attn.o_proj.weight  ->  layers.3.self_attn.o_proj.weight
+    model.layers.3.self_attn.k_proj.weight  ->  layers.3.self_attn.qkv_proj.weight[q_size : q_size + kv_size]
+    model.layers.3.mlp.up_proj.weight       ->  layers.3.mlp.gate_up_proj.weight[intermediate:]
     lm_head.weight                          ->  lm_head.weight
 
 Every parameter must be found exactly once; a missing or unexpected name is an error
@@ -113,29 +116,61 @@ def checkpoint_files(path: pathlib.Path) -> list[pathlib.Path]:
     raise ValueError(f"checkpoint {str(path)!r} has neither {SINGLE_FILE} nor {SHARD_INDEX}")
 
 
+# Parameters the model stacks from several checkpoint projections, in row order, and
+# the attribute of their module that gives each block's number of rows.
+STACKED = {
+    "self_attn.qkv_proj": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "qkv_sizes"),
+    "mlp.gate_up_proj": (("mlp.gate_proj", "mlp.up_proj"), "gate_up_sizes"),
+}
+
+
+def checkpoint_names(param_name: str) -> list[str]:
+    """The checkpoint tensors that fill one parameter of the model."""
+    for stacked, (parts, _) in STACKED.items():
+        if f".{stacked}." in param_name:
+            return [param_name.replace(stacked, part) for part in parts]
+    return [param_name]
+
+
+def parameter_rows(model: LlamaForCausalLM, name: str) -> tuple[str, slice]:
+    """(parameter name, its rows) that checkpoint tensor `name` fills."""
+    for stacked, (parts, sizes_attribute) in STACKED.items():
+        for block, part in enumerate(parts):
+            if f".{part}." in name:
+                param_name = name.replace(part, stacked)
+                module = model.get_submodule(param_name.rsplit(".", 2)[0])
+                sizes = getattr(module, sizes_attribute)
+                start = sum(sizes[:block])
+                return param_name, slice(start, start + sizes[block])
+    return name, slice(None)
+
+
 def load_weights(model: LlamaForCausalLM, path: pathlib.Path) -> None:
-    """Copy every tensor of the checkpoint into the parameter of the same name."""
+    """Copy every tensor of the checkpoint into the parameter (rows) it belongs to."""
     # named_parameters() lists a tied lm_head.weight once, as embed_tokens.weight.
     params = dict(model.named_parameters())
+    expected = {name for param_name in params for name in checkpoint_names(param_name)}
     loaded, unexpected = set(), []
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for hf_name in f.keys():
                 name = hf_name.removeprefix("model.")
-                if name not in params:
+                if name not in expected:
                     if not is_ignorable(name, model):
                         unexpected.append(hf_name)
                     continue
+                param_name, rows = parameter_rows(model, name)
+                destination = params[param_name][rows]
                 tensor = f.get_tensor(hf_name)
-                if tensor.shape != params[name].shape:
+                if tensor.shape != destination.shape:
                     raise ValueError(
                         f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
-                        f"the model expects {tuple(params[name].shape)}"
+                        f"the model expects {tuple(destination.shape)}"
                     )
                 with torch.no_grad():
-                    params[name].copy_(tensor)  # copy_ also casts to the model's dtype
+                    destination.copy_(tensor)  # copy_ also casts to the model's dtype
                 loaded.add(name)
-    missing = sorted(set(params) - loaded)
+    missing = sorted(expected - loaded)
     if missing or unexpected:
         raise ValueError(
             f"checkpoint {str(path)!r} does not match {model.config.model_type}: "
