@@ -15,9 +15,9 @@ import importlib
 _EXPORTS = {
     "load_run": "tinyserve.lifecycle.run",
     "Run": "tinyserve.lifecycle.run",
-    "RequestTimeline": "tinyserve.lifecycle.run",
-    "SequenceTimeline": "tinyserve.lifecycle.run",
-    "StepRecord": "tinyserve.lifecycle.run",
+    "RequestTimeline": "tinyserve.lifecycle.timeline",
+    "SequenceTimeline": "tinyserve.lifecycle.timeline",
+    "StepRecord": "tinyserve.lifecycle.step_record",
     "summarize": "tinyserve.lifecycle.summary",
     "to_jaeger": "tinyserve.lifecycle.export",
     "to_perfetto": "tinyserve.lifecycle.export",

@@ -27,7 +27,9 @@ from pathlib import Path
 
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.otlp_json import Span
-from tinyserve.lifecycle.run import Run, StepRecord, process_sort_key
+from tinyserve.lifecycle.run import Run
+from tinyserve.lifecycle.step_record import StepRecord
+from tinyserve.lifecycle.timeline import process_sort_key
 
 FORMATS = ("jaeger", "perfetto")
 

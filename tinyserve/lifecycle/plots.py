@@ -19,7 +19,8 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from tinyserve.lifecycle import schema
-from tinyserve.lifecycle.run import RequestTimeline, Run, process_sort_key
+from tinyserve.lifecycle.run import Run
+from tinyserve.lifecycle.timeline import RequestTimeline, process_sort_key
 from tinyserve.lifecycle.summary import percentile
 
 STAGE_COLORS = {schema.QUEUE: "tab:gray", schema.PREFILL: "tab:orange", schema.DECODE: "tab:blue"}

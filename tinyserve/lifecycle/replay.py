@@ -19,7 +19,8 @@ untraced LLM: a traced one would add the replayed requests to its own run.
 
 from dataclasses import dataclass
 
-from tinyserve.lifecycle.run import RequestTimeline, Run
+from tinyserve.lifecycle.run import Run
+from tinyserve.lifecycle.timeline import RequestTimeline
 
 
 @dataclass(slots=True)

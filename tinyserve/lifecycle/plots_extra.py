@@ -1,0 +1,351 @@
+"""More plots for the walkthrough notebooks: each function returns a matplotlib Figure.
+
+    from tinyserve.lifecycle import plots_extra
+    plots_extra.plot_ttft_breakdown(run)            TTFT cut into render, IPC, queue and prefill, per request
+    plots_extra.plot_step_occupancy(run)            who got how many tokens in each engine step
+    plots_extra.plot_kv_pressure(run)               KV blocks in use over time, and the preemptions they caused
+    plots_extra.plot_prefix_cache_hits(run)         prompt tokens served from the prefix cache, per request
+    plots_extra.plot_block_tables(snapshots, n)     which request holds each physical KV block, step by step
+    plots_extra.plot_engine_balance(run)            data parallel: how requests were spread over the engines
+    plots_extra.plot_latency_by_run(runs)           TTFT / TPOT / ITL distributions, one box per run
+    plots_extra.plot_stage_comparison(runs)         mean time per stage, one bar per run
+    plots_extra.plot_completion_cdf(runs)           share of the requests finished over time, one line per run
+    plots_extra.plot_run_comparison(runs)           steps, tokens per step, run time, TTFT and TPOT per run
+
+`runs` is a dict {label: Run}, in the order the boxes, bars and lines should appear.
+Like plots.py, figures use matplotlib's object API: no pyplot, no backend chosen here.
+"""
+
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.plots import STAGE_COLORS
+from tinyserve.lifecycle.run import RequestTimeline, Run
+
+# Consecutive intervals from a request's arrival to its first token (see ttft_breakdown).
+TTFT_SEGMENTS = {
+    "before render (HTTP, validation)": "tab:olive",
+    "render": "tab:green",
+    "enqueue": "tab:cyan",
+    "ipc.send": "tab:purple",
+    "IPC transit": "tab:pink",
+    "queue": STAGE_COLORS[schema.QUEUE],
+    "prefill": STAGE_COLORS[schema.PREFILL],
+}
+_PALETTE = [f"tab:{c}" for c in ("blue", "orange", "green", "red", "purple", "brown", "pink", "olive", "cyan")]
+
+
+def _ms(ns: int) -> float:
+    return ns / 1e6
+
+
+def ttft_breakdown(request: RequestTimeline) -> dict[str, float]:
+    """Where the request's TTFT went, in seconds, as consecutive intervals that add up to TTFT.
+
+    The boundaries are span edges: arrival → render start → render end → ipc.send start →
+    ipc.send end → engine queue start → first scheduled → first token. A stage the run does
+    not have (offline: no ipc.send) is an interval of zero, and the small gaps between spans
+    fall into the next interval, so nothing is lost or counted twice. "IPC transit" is the
+    one interval measured across two processes' clocks (same host: well under a millisecond).
+    """
+    first = request.first_token_ns
+    if first is None:
+        return {}
+    sequence = min((s for s in request.sequences if s.first_token_ns is not None), key=lambda s: s.first_token_ns)
+    render, send = request.stages.get(schema.RENDER), sequence.stages.get(schema.IPC_SEND)
+    queue = sequence.queue
+    edges = [
+        request.arrival_ns,
+        render.start_ns if render else None, render.end_ns if render else None,
+        send.start_ns if send else None, send.end_ns if send else None,
+        queue.start_ns if queue else None, queue.end_ns if queue else None,
+        first,
+    ]
+    bounded, last = [], request.arrival_ns
+    for edge in edges:  # clamp: every boundary between the previous one and the first token
+        last = min(max(last, edge if edge is not None else last), first)
+        bounded.append(last)
+    return {name: (end - start) / 1e9 for name, start, end in zip(TTFT_SEGMENTS, bounded, bounded[1:])}
+
+
+def plot_ttft_breakdown(run: Run, request_ids: list[str] | None = None, max_requests: int = 40) -> Figure:
+    """One stacked bar per request (default: the first `max_requests` to arrive): its TTFT, interval by interval."""
+    requests = [run.request(r) for r in request_ids] if request_ids else list(run.requests)[:max_requests]
+    rows = [(r, ttft_breakdown(r)) for r in requests if r.first_token_ns is not None]
+    fig = Figure(figsize=(11, 0.35 * max(len(rows), 1) + 2.2), layout="constrained")
+    ax = fig.add_subplot()
+    for row, (_, parts) in enumerate(rows):
+        left = 0.0
+        for name, seconds in parts.items():
+            ax.barh(row, seconds * 1e3, left=left, color=TTFT_SEGMENTS[name], height=0.7)
+            left += seconds * 1e3
+    ax.set_yticks(range(len(rows)), [r.request_id for r, _ in rows])
+    ax.invert_yaxis()
+    ax.set(title=f"Where the time to first token goes, run {run.name}", xlabel="time since arrival (ms)",
+           ylabel="request (by arrival)")
+    ax.legend(handles=[Patch(color=c, label=n) for n, c in TTFT_SEGMENTS.items()], loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    return fig
+
+
+def _first_engine(run: Run, engine_index: int | None) -> int:
+    if engine_index is not None:
+        return engine_index
+    return run.engine_indices[0] if run.engine_indices else 0
+
+
+def plot_step_occupancy(run: Run, engine_index: int | None = None) -> Figure:
+    """A grid of engine steps (x) by requests (y): a cell per request scheduled in that step.
+
+    Orange cells are prompt chunks (more than one token; the number is the chunk size),
+    blue cells are decode steps (one token), a red x marks a preemption. Requests joining
+    and leaving the running batch show up as rows starting and ending mid-run.
+    """
+    index = _first_engine(run, engine_index)
+    steps = run.engine_steps(index)
+    order: dict[str, int] = {}
+    for step in steps:
+        for request_id in step.request_ids:
+            order.setdefault(request_id, len(order))
+    fig = Figure(figsize=(12, 0.3 * max(len(order), 1) + 2.4), layout="constrained")
+    ax = fig.add_subplot()
+    annotate = len(steps) <= 150
+    for step in steps:
+        x = step.step_id
+        for request_id, tokens in zip(step.request_ids, step.num_tokens_per_request):
+            color = STAGE_COLORS[schema.PREFILL] if tokens > 1 else STAGE_COLORS[schema.DECODE]
+            ax.broken_barh([(x - 0.5, 1.0)], (order[request_id] - 0.4, 0.8), color=color)
+            if tokens > 1 and annotate:
+                ax.text(x, order[request_id], str(tokens), ha="center", va="center", fontsize=5, rotation=90)
+        for request_id in step.preempted_request_ids:
+            if request_id in order:
+                ax.scatter([x], [order[request_id]], marker="x", color="red", s=40, zorder=3)
+    names = []
+    for request_id in order:
+        try:
+            names.append(run.request(request_id).request_id)
+        except ValueError:  # a step served a request whose request span is not in the run
+            names.append(request_id)
+    ax.set_yticks(range(len(order)), names)
+    ax.invert_yaxis()
+    ax.set(title=f"Engine {index}: which requests each step computed, run {run.name}", xlabel="engine step",
+           ylabel="request (by first step)")
+    handles = [Patch(color=STAGE_COLORS[schema.PREFILL], label="prompt chunk (tokens written in the cell)"),
+               Patch(color=STAGE_COLORS[schema.DECODE], label="decode (1 token)")]
+    handles.append(ax.scatter([], [], marker="x", color="red", label="preempted in this step"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    return fig
+
+
+def plot_kv_pressure(run: Run, engine_index: int | None = None) -> Figure:
+    """Top: KV blocks in use after each step, the pool size, and the steps that preempted.
+    Bottom: each request queued / prefilling / decoding, with its preemptions (red triangles)."""
+    index = _first_engine(run, engine_index)
+    steps = [s for s in run.engine_steps(index) if s.kv_blocks_used is not None]
+    requests = [r for r in run.requests if any(s.engine_index == index for s in r.sequences)]
+    fig = Figure(figsize=(12, 3.5 + min(0.28 * len(requests), 12)), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[1, 2])
+    origin = run.origin_ns
+    times = [(s.start_ns - origin) / 1e9 for s in steps]
+    top.step(times, [s.kv_blocks_used for s in steps], where="post", color="tab:blue", label="blocks in use")
+    totals = [s.kv_blocks_total for s in steps if s.kv_blocks_total is not None]
+    if totals:
+        top.axhline(max(totals), color="black", linestyle="--", label="pool size")
+    for time, step in zip(times, steps):
+        if step.preempted_request_ids:
+            top.axvline(time, color="red", alpha=0.5, linewidth=1)
+    top.plot([], [], color="red", alpha=0.5, label="a step that preempted")
+    top.set(title=f"Engine {index}: KV-cache pressure, run {run.name}", ylabel="KV blocks")
+    top.set_ylim(bottom=0)
+    top.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    for row, request in enumerate(requests):
+        for sequence in request.sequences:
+            for name, span in sequence.stages.items():
+                if name in STAGE_COLORS:
+                    bottom.barh(row, span.duration_s, left=(span.start_ns - origin) / 1e9, color=STAGE_COLORS[name],
+                                height=0.7)
+            preempted = [(t - origin) / 1e9 for t in sequence.preemption_times_ns]
+            bottom.scatter(preempted, [row] * len(preempted), marker="v", color="red", s=50, zorder=3)
+    bottom.set_yticks(range(len(requests)), [r.request_id for r in requests])
+    bottom.invert_yaxis()
+    bottom.set(xlabel="time since the run started (s)", ylabel="request (by arrival)", title="Requests")
+    handles = [Patch(color=c, label=n) for n, c in STAGE_COLORS.items()]
+    handles.append(bottom.scatter([], [], marker="v", color="red", label="preempted"))
+    bottom.legend(handles=handles, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
+def plot_prefix_cache_hits(run: Run) -> Figure:
+    """Per request: prompt tokens found in the prefix cache vs computed, and the TTFT (right axis)."""
+    requests = [r for r in run.requests if r.sequences and r.num_prompt_tokens is not None]
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    ax = fig.add_subplot()
+    x = range(len(requests))
+    cached = [r.sequences[0].num_cached_tokens or 0 for r in requests]
+    computed = [r.num_prompt_tokens - c for r, c in zip(requests, cached)]
+    ax.bar(x, cached, color="tab:green", label="prompt tokens from the prefix cache")
+    ax.bar(x, computed, bottom=cached, color="tab:orange", label="prompt tokens computed")
+    ax.set_xticks(list(x), [r.request_id for r in requests], rotation=60, ha="right", fontsize="small")
+    ax.set(title=f"Prefix-cache hits per request, run {run.name}", xlabel="request (by arrival)",
+           ylabel="prompt tokens")
+    ttft_ax = ax.twinx()
+    ttft_ax.plot(list(x), [(r.ttft_s or 0) * 1e3 for r in requests], color="black", marker="o", linestyle="",
+                 label="TTFT")
+    ttft_ax.set_ylabel("TTFT (ms)")
+    ttft_ax.set_ylim(bottom=0)
+    handles = ax.get_legend_handles_labels()[0] + ttft_ax.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, fontsize="small", loc="upper left", bbox_to_anchor=(1.08, 1.0))
+    return fig
+
+
+def plot_block_tables(snapshots: list[dict[str, list[int]]], num_blocks: int, step_ids: list[int] | None = None,
+                      cached_free_blocks: list[set[int]] | None = None, title: str = "Physical KV blocks") -> Figure:
+    """Which request holds each physical KV block (y) after each step (x).
+
+    `snapshots[i]` is the block tables after step i, {request_id: [block ids]} (what
+    KVCacheManager.req_to_blocks holds); a block in several tables is shared (a prefix-cache
+    hit). `cached_free_blocks[i]`, if given, are the free blocks that still hold a cached prefix.
+    """
+    requests = list(dict.fromkeys(r for tables in snapshots for r in tables))
+    colors = {r: _PALETTE[i % len(_PALETTE)] for i, r in enumerate(requests)}
+    fig = Figure(figsize=(12, min(0.16 * num_blocks + 2.2, 14)), layout="constrained")
+    ax = fig.add_subplot()
+    x_values = step_ids or list(range(len(snapshots)))
+    for i, (x, tables) in enumerate(zip(x_values, snapshots)):
+        holders: dict[int, list[str]] = {}
+        for request_id, block_ids in tables.items():
+            for block_id in block_ids:
+                holders.setdefault(block_id, []).append(request_id)
+        for block_id, owners in holders.items():
+            shared = len(owners) > 1
+            ax.broken_barh([(x - 0.5, 1.0)], (block_id - 0.5, 1.0), color="black" if shared else colors[owners[0]])
+        for block_id in (cached_free_blocks[i] if cached_free_blocks else ()):
+            ax.broken_barh([(x - 0.5, 1.0)], (block_id - 0.5, 1.0), color="lightgray")
+    ax.set_ylim(num_blocks - 0.5, -0.5)
+    ax.set(title=title, xlabel="engine step", ylabel="physical block id")
+    handles = [Patch(color=colors[r], label=f"request {r}") for r in requests]
+    handles.append(Patch(color="black", label="shared by several requests"))
+    if cached_free_blocks:
+        handles.append(Patch(color="lightgray", label="free, still holds a cached prefix"))
+    handles.append(Patch(facecolor="white", edgecolor="gray", label="free"))
+    ax.legend(handles=handles, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
+def plot_engine_balance(run: Run) -> Figure:
+    """Data parallel: requests each engine served (left), and its running + waiting requests over time (right)."""
+    engines = run.engine_indices or [0]
+    fig = Figure(figsize=(12, 4), layout="constrained")
+    left, right = fig.subplots(1, 2, width_ratios=[1, 3])
+    served = [sum(1 for r in run.requests for s in r.sequences if s.engine_index == i) for i in engines]
+    left.bar([f"engine {i}" for i in engines], served, color=_PALETTE[: len(engines)])
+    left.set(title="Requests per engine", xlabel="engine", ylabel="requests served")
+    for i, color in zip(engines, _PALETTE):
+        steps = [s for s in run.engine_steps(i) if s.num_running is not None]
+        times = [(s.start_ns - run.origin_ns) / 1e9 for s in steps]
+        right.step(times, [s.num_running for s in steps], where="post", color=color, label=f"engine {i} running")
+        right.step(times, [s.num_waiting or 0 for s in steps], where="post", color=color, linestyle=":",
+                   label=f"engine {i} waiting")
+    right.set(title=f"Load per engine over time, run {run.name}", xlabel="time since the run started (s)",
+              ylabel="requests")
+    right.legend(fontsize="small")
+    return fig
+
+
+def _latencies(run: Run, metric: str) -> list[float]:
+    if metric == "itl":
+        return [itl * 1e3 for r in run.requests for itl in r.itls_s]
+    values = (getattr(r, f"{metric}_s") for r in run.requests)
+    return [v * 1e3 for v in values if v is not None]
+
+
+_METRIC_TITLES = {"ttft": "Time to first token", "tpot": "Time per output token", "itl": "Inter-token latency",
+                  "e2e": "End-to-end latency"}
+
+
+def plot_latency_by_run(runs: dict[str, Run], metrics: tuple[str, ...] = ("ttft", "tpot", "itl")) -> Figure:
+    """One panel per metric (ttft, tpot, itl, e2e), one box per run: median, quartiles, whiskers at p5/p95."""
+    unknown = [m for m in metrics if m not in _METRIC_TITLES]
+    if unknown:
+        raise ValueError(f"metrics must be among {sorted(_METRIC_TITLES)}, got {unknown}")
+    fig = Figure(figsize=(4.2 * len(metrics), 4), layout="constrained")
+    for ax, metric in zip(fig.subplots(1, len(metrics), squeeze=False)[0], metrics):
+        data = [_latencies(run, metric) or [float("nan")] for run in runs.values()]
+        ax.boxplot(data, tick_labels=list(runs), whis=(5, 95), showmeans=True, flierprops={"markersize": 2})
+        ax.set(title=_METRIC_TITLES[metric], xlabel="run", ylabel=f"{metric.upper()} (ms)")
+        ax.tick_params(axis="x", labelsize="small")
+    fig.legend(handles=[Patch(color="tab:orange", label="median (line), mean (triangle); box p25-p75, whiskers p5-p95")],
+               loc="outside lower center", fontsize="small")
+    return fig
+
+
+def plot_stage_comparison(runs: dict[str, Run]) -> Figure:
+    """Mean time per request in each stage, one bar per run, on a log axis (stages span µs to seconds)."""
+    stages = [name for name in schema.REQUEST_STAGES
+              if any(name in (s.name for s in r.stage_spans()) for run in runs.values() for r in run.requests)]
+    fig = Figure(figsize=(11, 0.5 * len(stages) * max(len(runs), 1) ** 0.5 + 2.2), layout="constrained")
+    ax = fig.add_subplot()
+    height = 0.8 / max(len(runs), 1)
+    for i, ((label, run), color) in enumerate(zip(runs.items(), _PALETTE)):
+        means = []
+        for name in stages:
+            samples = [span.duration_s * 1e3 for r in run.requests for span in r.stage_spans() if span.name == name]
+            means.append(sum(samples) / len(samples) if samples else 0.0)
+        ax.barh([row - 0.4 + (i + 0.5) * height for row in range(len(stages))], means, height=height, color=color,
+                label=label)
+    ax.set_yticks(range(len(stages)), stages)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set(title="Mean time per stage", xlabel="mean time per request (ms, log scale)", ylabel="stage")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
+def _run_span_ns(run: Run) -> tuple[int, int]:
+    """First arrival and last request end of the run."""
+    spans = [r.request_span for r in run.requests]
+    return min(s.start_ns for s in spans), max(s.end_ns for s in spans)
+
+
+def plot_completion_cdf(runs: dict[str, Run]) -> Figure:
+    """The share of requests finished (solid) and given their first token (dotted) since each run's first arrival."""
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    ax = fig.add_subplot()
+    for (label, run), color in zip(runs.items(), _PALETTE):
+        if not run.requests:
+            continue
+        start, _ = _run_span_ns(run)
+        count = len(run.requests)
+        ends = sorted((r.request_span.end_ns - start) / 1e9 for r in run.requests)
+        ax.step([0.0, *ends], [i / count for i in range(count + 1)], where="post", color=color, label=f"{label}: finished")
+        firsts = sorted((r.first_token_ns - start) / 1e9 for r in run.requests if r.first_token_ns is not None)
+        ax.step([0.0, *firsts], [i / count for i in range(len(firsts) + 1)], where="post", color=color, linestyle=":",
+                label=f"{label}: first token")
+    ax.set(title="Requests served over time", xlabel="time since the first request arrived (s)",
+           ylabel="share of the requests")
+    ax.set_ylim(0, 1.02)
+    ax.legend(fontsize="small")
+    return fig
+
+
+def plot_run_comparison(runs: dict[str, Run]) -> Figure:
+    """Side by side per run: engine steps, mean tokens per step, run time, mean TTFT and mean TPOT."""
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values) if values else 0.0
+
+    panels = {
+        ("Engine steps", "steps"): lambda run: len(run.steps),
+        ("Tokens per step", "mean tokens scheduled"): lambda run: mean(s.num_scheduled_tokens for s in run.steps),
+        ("Run time", "first arrival → last finish (s)"): lambda run: (lambda a, b: (b - a) / 1e9)(*_run_span_ns(run)),
+        ("Mean TTFT", "TTFT (ms)"): lambda run: mean(r.ttft_s for r in run.requests) * 1e3,
+        ("Mean TPOT", "TPOT (ms)"): lambda run: mean(r.tpot_s for r in run.requests) * 1e3,
+    }
+    fig = Figure(figsize=(15, 3.6), layout="constrained")
+    colors = _PALETTE[: len(runs)]
+    for ax, ((title, ylabel), value) in zip(fig.subplots(1, len(panels)), panels.items()):
+        ax.bar(list(runs), [value(run) for run in runs.values()], color=colors)
+        ax.set(title=title, xlabel="run", ylabel=ylabel)
+        ax.tick_params(axis="x", labelsize="small", rotation=30)
+    return fig

@@ -1,0 +1,81 @@
+"""One engine step, as its `tinyserve.step` span recorded it: the batch and the KV cache."""
+
+from dataclasses import dataclass, field
+
+from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.otlp_json import Span
+from tinyserve.lifecycle.timeline import engine_index_of
+
+@dataclass(slots=True, eq=False)
+class StepRecord:
+    engine_index: int | None
+    step_id: int | None
+    start_ns: int
+    end_ns: int
+    request_ids: list[str]
+    num_tokens_per_request: list[int]  # aligned with request_ids
+    num_prefill_requests: int
+    num_decode_requests: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_scheduled_tokens: int
+    token_budget: int | None
+    kv_blocks_used: int | None
+    kv_blocks_free: int | None
+    kv_blocks_total: int | None
+    kv_usage: float | None  # fraction of the KV blocks in use, 0..1
+    prefix_cache_hit_tokens: int | None
+    num_waiting: int | None
+    num_running: int | None
+    preempted_request_ids: list[str]
+    finished_request_ids: list[str]
+    schedule_s: float | None
+    execute_s: float | None
+    update_s: float | None
+    span: Span = field(repr=False)
+
+    @property
+    def duration_s(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.request_ids)
+
+    def to_record(self) -> dict:
+        record = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "span"}
+        record.update(duration_s=self.duration_s, num_requests=self.num_requests)
+        return record
+
+
+def step_record_from_span(span: Span, children: list[Span]) -> StepRecord:
+    a = span.attributes
+    tokens = [int(t) for t in a.get(schema.STEP_TOKENS_PER_REQUEST, [])]
+    phases = {child.name: child.duration_s for child in children}
+    return StepRecord(
+        engine_index=engine_index_of(span),
+        step_id=a.get(schema.STEP_ID),
+        start_ns=span.start_ns,
+        end_ns=span.end_ns,
+        request_ids=[str(r) for r in a.get(schema.STEP_REQUEST_IDS, [])],
+        num_tokens_per_request=tokens,
+        num_prefill_requests=a.get(schema.STEP_NUM_PREFILL_REQUESTS, 0),
+        num_decode_requests=a.get(schema.STEP_NUM_DECODE_REQUESTS, 0),
+        num_prefill_tokens=a.get(schema.STEP_NUM_PREFILL_TOKENS, 0),
+        num_decode_tokens=a.get(schema.STEP_NUM_DECODE_TOKENS, 0),
+        num_scheduled_tokens=a.get(schema.STEP_NUM_SCHEDULED_TOKENS, sum(tokens)),
+        token_budget=a.get(schema.STEP_TOKEN_BUDGET),
+        kv_blocks_used=a.get(schema.KV_BLOCKS_USED),
+        kv_blocks_free=a.get(schema.KV_BLOCKS_FREE),
+        kv_blocks_total=a.get(schema.KV_BLOCKS_TOTAL),
+        kv_usage=a.get(schema.KV_USAGE),
+        prefix_cache_hit_tokens=a.get(schema.PREFIX_CACHE_HIT_TOKENS),
+        num_waiting=a.get(schema.NUM_WAITING),
+        num_running=a.get(schema.NUM_RUNNING),
+        preempted_request_ids=[str(r) for r in a.get(schema.STEP_PREEMPTED_REQUEST_IDS, [])],
+        finished_request_ids=[str(r) for r in a.get(schema.STEP_FINISHED_REQUEST_IDS, [])],
+        schedule_s=phases.get(schema.SCHEDULE),
+        execute_s=phases.get(schema.EXECUTE),
+        update_s=phases.get(schema.UPDATE),
+        span=span,
+    )
