@@ -13,7 +13,8 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def server():
     folder = str(tiny_model_with_tokenizer("llama"))
-    proc = ServerProcess(folder, "--served-model-name", MODEL, "--num-kv-blocks", "128", "--max-model-len", "256")
+    proc = ServerProcess(folder, "--served-model-name", MODEL, "--num-kv-blocks", "128", "--max-model-len", "256",
+                         "--log-requests")
     yield proc
     proc.stop()
 
@@ -133,3 +134,12 @@ def test_tokenize_and_detokenize_round_trip(server):
 def test_health_and_version(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_log_requests_logs_inputs_and_one_access_line_per_request(server, client):
+    response = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "log me"}],
+                                              max_tokens=2, temperature=0)
+    log = server.output()
+    [inputs] = [line for line in log.splitlines() if f"Received request {response.id}" in line]
+    assert "log me" in inputs and "prompt_token_ids" in inputs and "max_tokens=2" in inputs
+    assert '"POST /v1/chat/completions HTTP/1.1" 200' in log
