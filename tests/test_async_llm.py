@@ -48,10 +48,14 @@ def test_same_greedy_outputs_through_every_client(offline_outputs, kwargs):
     assert [r[-1].outputs[0].token_ids for r in results] == offline_outputs
 
 
-def test_streamed_deltas_concatenate_to_the_full_output(offline_outputs):
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.0, max_tokens=12, stop=["never appears"])],
+                         ids=["plain", "with-a-stop-string-never-hit"])
+def test_streamed_deltas_concatenate_to_the_full_output(params):
+    # With a stop string the detokenizer holds back a tail that might start one; the
+    # last delta must release it.
     async def both(engine):
-        full = await generate_all(engine)
-        deltas = await generate_all(engine, kind=OutputKind.DELTA)
+        full = await generate_all(engine, params)
+        deltas = await generate_all(engine, params, kind=OutputKind.DELTA)
         return full, deltas
 
     full, deltas = run(both, in_process=True)

@@ -120,7 +120,9 @@ class OutputProcessor:
                 continue
             parent = child.parent
             started = time.perf_counter()
-            delta_text = child.detokenizer.update(output.new_token_ids)
+            # On the last update the detokenizer releases what it held back (a possible
+            # stop-string prefix, an unfinished character).
+            delta_text = child.detokenizer.update(output.new_token_ids, finished=output.finish_reason is not None)
             now = time.time()
             parent.detokenize_seconds += time.perf_counter() - started
             parent.detokenize_calls += 1
