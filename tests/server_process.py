@@ -18,11 +18,12 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str, *flags: str, startup_timeout: float = 120.0) -> None:
+    def __init__(self, model: str, *flags: str, startup_timeout: float = 120.0, env: dict | None = None) -> None:
+        """env: variables to add to this process's environment (TMPDIR, say, to watch its temp files)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "tinyserve.cli.main", "serve", model, "--port", str(self.port), *flags]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         # Output goes to a file, not a pipe: a pipe nobody reads would stall a chatty server.
         self.log = tempfile.TemporaryFile(mode="w+")
         # Its own process group, so a test can check that nothing of the server is left behind.
@@ -58,3 +59,16 @@ class ServerProcess:
     def output(self) -> str:
         self.log.seek(0)
         return self.log.read()
+
+    @property
+    def pgid(self) -> int:
+        """The server's process group: the API process and every engine it started."""
+        return self.process.pid  # start_new_session: the server leads its own group
+
+    def group_is_gone(self) -> bool:
+        """True once no process of the server's group is left (zombies included: they hold a pid)."""
+        try:
+            os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return True
+        return False

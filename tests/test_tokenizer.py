@@ -3,9 +3,9 @@
 import json
 
 import pytest
-from tests.tiny_tokenizer import TINY_VOCAB_SIZE, tiny_tokenizer, tiny_tokenizer_files
 from transformers import AutoTokenizer
 
+from tests.tiny_tokenizer import TINY_VOCAB_SIZE, tiny_tokenizer, tiny_tokenizer_files
 from tinyserve.models.corpus import stdlib_docstrings, zen_of_python
 from tinyserve.models.tokenizer import (
     DEFAULT_CHAT_TEMPLATE,

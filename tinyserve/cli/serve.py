@@ -1,4 +1,11 @@
-"""`tinyserve serve [MODEL]`: start the OpenAI/Anthropic-compatible server."""
+"""`tinyserve serve [MODEL]`: start the OpenAI/Anthropic-compatible server.
+
+It binds 127.0.0.1 unless told otherwise. Overload is answered, not queued
+without end: past --max-waiting-requests waiting, new requests get 503 with
+Retry-After. SIGTERM (or Ctrl-C) drains: no new requests, the ones in flight
+get --shutdown-timeout seconds, the rest end with finish_reason "abort", every
+trace file is flushed and nothing of the server is left running.
+"""
 
 import argparse
 import logging
@@ -7,6 +14,11 @@ import sys
 import uvicorn
 
 from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from
+from tinyserve.entrypoints.api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+
+# Room for a few seconds of arrivals at a busy server's rate, a few MiB of prompts at most.
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 def add_parser(commands) -> None:
@@ -20,15 +32,26 @@ def add_parser(commands) -> None:
                        help="name(s) clients use for the model (default: the model argument, or 'tinyserve-default')")
     group.add_argument("--api-key", default=None, help="require this key (Bearer, or x-api-key on /v1/messages) on /v1 routes")
     group.add_argument("--data-parallel-size", type=int, default=1, help="number of engine processes, each with its own KV cache")
-    group.add_argument("--log-requests", action="store_true", help="log each request's inputs and one access line per request")
-    tracing = parser.add_argument_group("tracing (traces and request logs contain prompts and outputs)")
+    group.add_argument("--log-requests", action="store_true",
+                       help="log each request's inputs and one access line per request "
+                            "(the log holds prompt text and token ids, --trace-redact-inputs or not)")
+    limits = parser.add_argument_group("limits and shutdown")
+    limits.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                        help="requests (each of n counts) that may wait for a seat in the engines; "
+                             "beyond it new ones get 503 with Retry-After")
+    limits.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="largest request body accepted; larger ones get 413, counted while reading")
+    limits.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                        help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    tracing = parser.add_argument_group("tracing (traces hold prompts and outputs unless --trace-redact-inputs)")
     tracing.add_argument("--trace", action="store_true",
                          help="write OpenTelemetry spans of every stage to a run folder under --trace-dir")
     tracing.add_argument("--trace-dir", default="traces", help="where --trace writes run folders")
     tracing.add_argument("--otlp-endpoint", default=None,
                          help="also export spans over OTLP/HTTP, e.g. http://localhost:4318 (Jaeger, Tempo, a collector)")
     tracing.add_argument("--trace-redact-inputs", action="store_true",
-                         help="keep token counts in traces but drop prompt and output text and token ids")
+                         help="keep token counts in traces but drop prompt and output text and token ids "
+                              "(replay then needs the prompts from elsewhere)")
     parser.set_defaults(handler=run)
 
 
@@ -37,26 +60,44 @@ def run(args: argparse.Namespace) -> int:
     from tinyserve.entrypoints.api.metrics import ServerMetrics
     from tinyserve.entrypoints.api.openai_serving import ServingContext
     from tinyserve.entrypoints.api.server import build_app
+    from tinyserve.entrypoints.api.shutdown import GracefulServer
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    if args.data_parallel_size < 1:
-        print("error: --data-parallel-size must be at least 1", file=sys.stderr)
+    problem = _check_server_flags(args)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     names = args.served_model_name or [args.model or "tinyserve-default"]
     try:
         engine_args = engine_args_from(args)
         run_dir = start_tracing(args, engine_args, names[0])
-        engine = AsyncLLM(engine_args, data_parallel_size=args.data_parallel_size, log_requests=args.log_requests)
+        engine = AsyncLLM(engine_args, data_parallel_size=args.data_parallel_size, log_requests=args.log_requests,
+                          max_waiting_requests=args.max_waiting_requests)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     ctx = ServingContext(engine, names, redact_inputs=args.trace_redact_inputs)
     if run_dir is not None:
         print(f"tinyserve: tracing to {run_dir}", flush=True)
-    app = build_app(ctx, ServerMetrics(names[0], args.data_parallel_size), api_key=args.api_key)
+    app = build_app(ctx, ServerMetrics(names[0], args.data_parallel_size), api_key=args.api_key,
+                    max_request_body_bytes=args.max_request_body_bytes)
     print(f"tinyserve: serving {names[0]} ({engine.model_info.path}) on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=args.log_requests)
-    return 0
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=args.log_requests)
+    server = GracefulServer(config, engine, args.shutdown_timeout)
+    server.run()  # returns after a graceful shutdown; uvicorn then re-raises the signal that asked for it
+    return 0 if server.started else 1
+
+
+def _check_server_flags(args: argparse.Namespace) -> str | None:
+    if args.data_parallel_size < 1:
+        return "--data-parallel-size must be at least 1"
+    if args.max_waiting_requests < 1:
+        return f"--max-waiting-requests must be at least 1, got {args.max_waiting_requests}"
+    if args.max_request_body_bytes < 1:
+        return f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}"
+    if args.shutdown_timeout < 0:
+        return f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}"
+    return None
 
 
 def start_tracing(args: argparse.Namespace, engine_args, served_model_name: str):

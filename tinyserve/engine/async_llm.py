@@ -1,6 +1,7 @@
 """AsyncLLM: the engine as the API process sees it (stages ② ③ and ⑧).
 
     generate(prompt, params, request_id)            one async iterator per request
+        │ admission: refuse when the waiting queue is full or the server drains
         │ render + tokenize + validate (InputProcessor)
         │ register with the OutputProcessor; n > 1 fans out into n engine requests
         ▼
@@ -12,7 +13,18 @@
     generate() yields from that queue until the request is finished
 
 If the caller stops iterating (a client disconnected), the request is aborted
-in the engine so its KV blocks are freed at once.
+in the engine so its KV blocks are freed at once. `add_request` does the part
+before the loop and returns the request's `RequestStream`: the server calls it
+before it answers, so a refusal can still be a 503 status rather than an error
+inside a 200 stream.
+
+Admission is counted here, in the front end, from what it already knows: every
+engine request it sent and has not seen finish is unfinished; the engines'
+latest stats (which arrive with every step) say how many of those run; the
+rest wait. Beyond `max_waiting_requests` waiting, new requests are refused with
+RequestRejectedError (the server's 503), so a burst cannot grow memory without
+bound. On shutdown, `start_draining` refuses new requests and `abort_all` ends
+the ones left with finish_reason "abort", through the engines as any abort.
 """
 
 import asyncio
@@ -26,7 +38,7 @@ from tinyserve.config import EngineArgs, ModelInfo, check_kv_fit
 from tinyserve.engine.core_client import EngineDeadError, MPClient
 from tinyserve.engine.inproc_client import InprocClient
 from tinyserve.engine.input_processor import InputProcessor, ProcessedPrompt
-from tinyserve.engine.messages import SchedulerStats
+from tinyserve.engine.messages import EngineCoreRequest, SchedulerStats
 from tinyserve.engine.output_processor import OutputKind, OutputProcessor
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import NO_SPANS
@@ -40,6 +52,10 @@ _LOG_PROMPT_CHARS = 200
 _LOG_PROMPT_TOKENS = 40
 
 
+class RequestRejectedError(RuntimeError):
+    """A new request was refused before anything was sent: the waiting queue is full, or the server is draining."""
+
+
 def log_inputs(request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
     """One line per request with what it asked for (prompt and ids truncated), as vLLM logs."""
     text = None if prompt.prompt is None else prompt.prompt[:_LOG_PROMPT_CHARS]
@@ -51,9 +67,19 @@ def log_inputs(request_id: str, prompt: ProcessedPrompt, params: SamplingParams)
 
 class AsyncLLM:
     def __init__(
-        self, engine_args: EngineArgs, *, data_parallel_size: int = 1, in_process: bool = False, log_requests: bool = False
+        self,
+        engine_args: EngineArgs,
+        *,
+        data_parallel_size: int = 1,
+        in_process: bool = False,
+        log_requests: bool = False,
+        max_waiting_requests: int | None = None,
     ) -> None:
+        """max_waiting_requests: most engine requests waiting for a seat before new ones are refused (None: no bound)."""
+        if max_waiting_requests is not None and max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}")
         self.engine_args = engine_args
+        self.max_waiting_requests = max_waiting_requests
         self.log_requests = log_requests
         self.model_info = ModelInfo.from_args(engine_args)
         self.tokenizer = load_tokenizer(self.model_info.path)
@@ -70,6 +96,7 @@ class AsyncLLM:
         self.stat_loggers: list = []
         self._output_task: asyncio.Task | None = None
         self._dead: BaseException | None = None
+        self._draining = False
 
     @classmethod
     async def create(cls, engine_args: EngineArgs, **kwargs) -> "AsyncLLM":
@@ -89,6 +116,34 @@ class AsyncLLM:
     def num_kv_blocks(self) -> int:
         return min(self.client.num_kv_blocks)
 
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Engine requests sent and not yet seen to finish (each of n > 1 counts)."""
+        return len(self.output_processor.children)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Unfinished requests beyond those the engines last reported running."""
+        running = sum(stats.num_running_reqs for stats in self.engine_stats.values())
+        return max(0, self.num_unfinished_requests - running)
+
+    def check_admission(self, num_requests: int = 1) -> None:
+        """Raise unless `num_requests` more engine requests may be sent now."""
+        if self._dead is not None:
+            raise EngineDeadError("the engine is dead; no new requests are accepted") from self._dead
+        if self._draining:
+            raise RequestRejectedError("the server is shutting down and accepts no new requests")
+        limit = self.max_waiting_requests
+        if limit is None:
+            return
+        if num_requests > limit:
+            raise ValueError(f"the request needs {num_requests} sequences (prompts × n) but at most "
+                             f"max_waiting_requests={limit} can ever wait")
+        waiting = self.num_waiting_requests
+        if waiting + num_requests > limit:
+            raise RequestRejectedError(f"the server is overloaded: {waiting} requests are waiting "
+                                       f"(max_waiting_requests={limit}); retry later")
+
     def process_prompt(self, prompt) -> ProcessedPrompt:
         return prompt if isinstance(prompt, ProcessedPrompt) else self.input_processor.tokenize_prompt(prompt)
 
@@ -103,59 +158,54 @@ class AsyncLLM:
         spans=NO_SPANS,
     ) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutputs (deltas by default) until the request finishes."""
-        if self._dead is not None:
-            raise EngineDeadError("the engine is dead; no new requests are accepted") from self._dead
-        prompt = self.process_prompt(prompt)
-        child_requests = []
-        for index in range(sampling_params.n):
-            child_params = sampling_params.clone(
-                n=1, seed=None if sampling_params.seed is None else sampling_params.seed + index
-            )
-            # Ids are assigned by the output processor below; validate first so nothing leaks.
-            request = self.input_processor.make_request(
-                request_id, prompt, child_params, priority=priority, trace_context=spans.carrier()
-            )
-            check_kv_fit(
-                len(prompt.prompt_token_ids), child_params.max_tokens, self.model_info.max_model_len,
-                self.engine_args.block_size, self.num_kv_blocks,
-            )
-            child_requests.append(request)
-        if self.log_requests:
-            log_inputs(request_id, prompt, sampling_params)
-        queue: asyncio.Queue = asyncio.Queue()
-        finished = False
+        stream = await self.add_request(prompt, sampling_params, request_id, output_kind=output_kind,
+                                        priority=priority, spans=spans)
         try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.close()
+
+    async def add_request(
+        self,
+        prompt,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        output_kind: OutputKind = OutputKind.DELTA,
+        priority: int = 0,
+        spans=NO_SPANS,
+    ) -> "RequestStream":
+        """Admit, validate and send a request; its outputs arrive on the returned stream.
+
+        The caller must `close()` the stream (it aborts the request if unfinished).
+        """
+        try:
+            self.check_admission(sampling_params.n)
+            prompt = self.process_prompt(prompt)
+            child_requests = self._make_child_requests(prompt, sampling_params, request_id, priority, spans)
+            if self.log_requests:
+                log_inputs(request_id, prompt, sampling_params)
             with spans.stage(schema.ENQUEUE, {schema.REQUEST_ID: request_id}) as enqueue_span:
                 child_ids = self.output_processor.add_request(
                     request_id, prompt.prompt, prompt.prompt_token_ids, sampling_params, output_kind, spans
                 )
-                self.queues[request_id] = queue
-                for child_id, request in zip(child_ids, child_requests):
-                    request.request_id = child_id
-                    with spans.stage(schema.IPC_SEND, {schema.REQUEST_ID: child_id}) as send_span:
-                        engine_index = await self.client.add_request(request)
-                        if send_span is not None:
-                            send_span.set_attributes({schema.ENGINE_INDEX: engine_index,
-                                                      schema.IPC_BYTES: len(msgspec.msgpack.encode(request))})
-                    for logger in self.stat_loggers:
-                        logger.on_request(request)
+                # Registered from here on: a failure must abort what was sent.
+                stream = RequestStream(self, request_id, spans)
+                self.queues[request_id] = stream.queue
+                try:
+                    for child_id, request in zip(child_ids, child_requests):
+                        request.request_id = child_id
+                        engine_index = await self._send(request, spans)
+                except BaseException:
+                    await stream.close()
+                    raise
                 if enqueue_span is not None:
                     enqueue_span.set_attribute(schema.ENGINE_INDEX, engine_index)
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        except Exception as error:  # a disconnect (cancellation) ends the spans through the abort below
+        except Exception as error:
             spans.fail(error)
             raise
-        finally:
-            self.queues.pop(request_id, None)
-            if not finished:
-                await self._abort_quietly(request_id)
+        return stream
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its iterator (if any) ends without a final output."""
@@ -169,6 +219,47 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> list[bool]:
         return [await self.client.call_utility("reset_prefix_cache", engine_index=i) for i in range(len(self.client.num_kv_blocks))]
+
+    def _make_child_requests(self, prompt: ProcessedPrompt, params: SamplingParams, request_id: str, priority: int,
+                             spans) -> list[EngineCoreRequest]:
+        """One validated EngineCoreRequest per sample (n); ids are assigned by the output processor."""
+        child_requests = []
+        for index in range(params.n):
+            child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + index)
+            request = self.input_processor.make_request(
+                request_id, prompt, child_params, priority=priority, trace_context=spans.carrier()
+            )
+            check_kv_fit(
+                len(prompt.prompt_token_ids), child_params.max_tokens, self.model_info.max_model_len,
+                self.engine_args.block_size, self.num_kv_blocks,
+            )
+            child_requests.append(request)
+        return child_requests
+
+    async def _send(self, request: EngineCoreRequest, spans) -> int:
+        with spans.stage(schema.IPC_SEND, {schema.REQUEST_ID: request.request_id}) as send_span:
+            engine_index = await self.client.add_request(request)
+            if send_span is not None:
+                send_span.set_attributes({schema.ENGINE_INDEX: engine_index,
+                                          schema.IPC_BYTES: len(msgspec.msgpack.encode(request))})
+        for logger in self.stat_loggers:
+            logger.on_request(request)
+        return engine_index
+
+    def start_draining(self) -> None:
+        """Refuse every new request from now on; those in flight go on."""
+        self._draining = True
+
+    async def abort_all(self) -> int:
+        """Abort every unfinished request in the engines; each stream then ends with finish_reason "abort".
+
+        The engines answer an abort with a finished output, which reaches the
+        streams by the usual path. Returns how many engine requests were aborted.
+        """
+        child_ids = list(self.output_processor.children)
+        if child_ids and self._dead is None:
+            await self.client.abort_requests(child_ids)
+        return len(child_ids)
 
     async def shutdown(self) -> None:
         if self._output_task is not None:
@@ -197,7 +288,9 @@ class AsyncLLM:
                     logger.on_outputs(engine_outputs, received_time)
                 request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs.outputs)
                 for request_output in request_outputs:
-                    queue = self.queues.get(request_output.request_id)
+                    # Popped once finished: a stream nobody reads any more leaves nothing behind.
+                    get = self.queues.pop if request_output.finished else self.queues.get
+                    queue = get(request_output.request_id, None)
                     if queue is not None:
                         queue.put_nowait(request_output)
                 if to_abort:
@@ -209,3 +302,36 @@ class AsyncLLM:
             for request_id, queue in list(self.queues.items()):
                 self.output_processor.abort_request(request_id)
                 queue.put_nowait(self._dead)
+
+
+class RequestStream:
+    """The outputs of one request as they arrive: `async for output in stream`, then `close()`."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str, spans) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.spans = spans
+        self.queue: asyncio.Queue = asyncio.Queue()  # RequestOutputs, or the error that ends the request
+        self.finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            self.spans.fail(item)
+            raise item
+        self.finished = item.finished
+        return item
+
+    async def close(self) -> None:
+        """Abort the request if it has not finished (the reader left); safe to call twice."""
+        if self.engine.queues.get(self.request_id) is self.queue:
+            del self.engine.queues[self.request_id]
+        if not self.finished:
+            self.finished = True
+            await self.engine._abort_quietly(self.request_id)

@@ -4,54 +4,63 @@ Anthropic names things differently from OpenAI: `stop_sequences` for stop,
 `stop_reason` of "end_turn" / "max_tokens" / "stop_sequence", and a stream of
 typed events: message_start, content_block_start, content_block_delta…,
 content_block_stop, message_delta (stop reason, usage), message_stop.
+A stream that cannot finish (the engine died, the server shut down and aborted
+it) ends with an `error` event instead, as Anthropic's own API does.
 """
 
 import uuid
 from typing import Literal
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field
 
-from tinyserve.engine.core_client import EngineDeadError
 from tinyserve.engine.output_processor import OutputKind
-from tinyserve.entrypoints.api.errors import anthropic_error_body
-from tinyserve.entrypoints.api.openai_serving import ServingContext, _final_output, render_and_tokenize
+from tinyserve.entrypoints.api.errors import APIError, anthropic_error_body
+from tinyserve.entrypoints.api.openai_protocol import StrictBody, Text
+from tinyserve.entrypoints.api.openai_serving import ServingContext, render_and_tokenize
+from tinyserve.entrypoints.api.sse import (
+    EventStreamResponse,
+    final_outputs_unless_disconnected,
+    sse_event,
+    stream_error_status,
+)
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import start_request_spans
-from tinyserve.entrypoints.api.sse import run_unless_disconnected, sse_event
 from tinyserve.sampling_params import SamplingParams
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+ABORTED = "the request was aborted before it finished: the server is shutting down"
 
 
-class TextBlock(_Strict):
+class TextBlock(StrictBody):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class Message(_Strict):
+class Message(StrictBody):
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+    content: Text | list[TextBlock]
 
     @property
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(block.text for block in self.content)
 
 
-class MessagesRequest(_Strict):
-    model: str
+class Metadata(StrictBody):
+    user_id: Text | None = None
+
+
+class MessagesRequest(StrictBody):
+    model: Text
     max_tokens: int = Field(ge=1)
     messages: list[Message] = Field(min_length=1)
-    system: str | list[TextBlock] | None = None
-    stop_sequences: list[str] | None = None
+    system: Text | list[TextBlock] | None = None
+    stop_sequences: list[Text] | None = None
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, lt=2**63)  # the sampler holds it in an int64
     stream: bool = False
-    metadata: dict | None = None
+    metadata: Metadata | None = None
 
     def conversation(self) -> list[dict]:
         turns = []
@@ -71,6 +80,7 @@ def _stop_reason(finish_reason: str | None, stop_reason) -> str:
 
 async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request: Request) -> Response:
     model = ctx.check_model(body.model)
+    ctx.engine.check_admission(1)  # refuse before rendering: overload should cost little
     message_id = f"msg_{uuid.uuid4().hex}"
     spans = start_request_spans(schema.OPERATION_CHAT, model, message_id, redact_inputs=ctx.redact_inputs)
 
@@ -85,19 +95,22 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request
 
     try:
         prompt, params = render_and_tokenize(ctx, spans, body.conversation(), True, body.max_tokens, make_params)
+        stream = await ctx.engine.add_request(prompt, params, message_id, spans=spans,
+                                              output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
     except Exception as error:
         spans.fail(error)
         raise
     num_prompt = len(prompt.prompt_token_ids)
 
     if body.stream:
-        return StreamingResponse(_stream(ctx, prompt, params, message_id, model, num_prompt, spans),
-                                 media_type="text/event-stream")
+        return EventStreamResponse(_stream(stream, message_id, model, num_prompt), [stream])
 
-    output = await run_unless_disconnected(_final_output(ctx, prompt, params, message_id, 0, spans), raw_request)
-    if output is None:
+    outputs = await final_outputs_unless_disconnected([stream], raw_request)
+    if outputs is None:
         return Response(status_code=499)
-    completion = output.outputs[0]
+    completion = outputs[0].outputs[0]
+    if completion.finish_reason == "abort":
+        raise APIError(503, ABORTED)
     return JSONResponse({
         "id": message_id,
         "type": "message",
@@ -110,7 +123,7 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request
     })
 
 
-async def _stream(ctx, prompt, params, message_id, model, num_prompt, spans):
+async def _stream(stream, message_id, model, num_prompt):
     yield sse_event("message_start", {"type": "message_start", "message": {
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": num_prompt, "output_tokens": 0},
@@ -119,15 +132,18 @@ async def _stream(ctx, prompt, params, message_id, model, num_prompt, spans):
                                             "content_block": {"type": "text", "text": ""}})
     num_generated, finish_reason, stop_reason = 0, None, None
     try:
-        async for output in ctx.engine.generate(prompt, params, message_id, output_kind=OutputKind.DELTA, spans=spans):
+        async for output in stream:
             completion = output.outputs[0]
             num_generated += len(completion.token_ids)
             finish_reason, stop_reason = completion.finish_reason, completion.stop_reason
             if completion.text:
                 yield sse_event("content_block_delta", {"type": "content_block_delta", "index": 0,
                                                         "delta": {"type": "text_delta", "text": completion.text}})
-    except EngineDeadError as error:
-        yield sse_event("error", anthropic_error_body(503, str(error)))
+    except Exception as error:
+        yield sse_event("error", anthropic_error_body(*stream_error_status(error)))
+        return
+    if finish_reason == "abort":
+        yield sse_event("error", anthropic_error_body(503, ABORTED))
         return
     yield sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
     yield sse_event("message_delta", {

@@ -2,14 +2,20 @@
 
 OpenAI:    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 Anthropic: {"type": "error", "error": {"type": ..., "message": ...}}
+
+Bodies are written as ASCII JSON: a message that quotes what a client sent
+(a model name, say) stays encodable whatever that was.
 """
 
-from fastapi.responses import JSONResponse
+import json
+
+from fastapi.responses import Response
 
 _OPENAI_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
@@ -20,6 +26,7 @@ _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "request_too_large",
     415: "invalid_request_error",
     429: "rate_limit_error",
@@ -51,6 +58,6 @@ def is_anthropic_path(path: str) -> bool:
     return path.startswith("/v1/messages")
 
 
-def error_response(path: str, status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+def error_response(path: str, status: int, message: str, param: str | None = None, headers: dict | None = None) -> Response:
     body = anthropic_error_body(status, message) if is_anthropic_path(path) else openai_error_body(status, message, param)
-    return JSONResponse(body, status_code=status, headers=headers)
+    return Response(json.dumps(body), status_code=status, headers=headers, media_type="application/json")

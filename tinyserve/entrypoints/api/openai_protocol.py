@@ -2,33 +2,56 @@
 
 Field names and ranges follow the OpenAI API, plus vLLM's extra sampling fields
 (top_k, min_p, repetition_penalty, ignore_eos, min_tokens). Unknown fields are
-ignored, as OpenAI clients send fields a server may not use.
+ignored, as OpenAI clients send fields a server may not use. Types are strict
+(no "2" for 2), numbers finite, and every string valid Unicode: JSON can carry
+a lone surrogate ("\ud800") that no tokenizer or UTF-8 encoder accepts.
 """
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from tinyserve.sampling_params import SamplingParams
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+INT64 = 2**63  # seeds, priorities and top_k cross to the engine as 64-bit integers
 
 
-class StreamOptions(_Strict):
+def _check_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"is not valid Unicode: a lone surrogate at character {error.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_check_unicode)]
+
+
+class StrictBody(BaseModel):
+    """A request body or part of one: strict types, finite numbers, unknown fields ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class TextPart(_Strict):
+class TextPart(StrictBody):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None  # None only for an assistant turn (one that called tools)
+    name: Text | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is required for a {self.role!r} message")
+        return self
 
     def as_template_message(self) -> dict:
         content = self.content
@@ -37,29 +60,29 @@ class ChatMessage(_Strict):
         return {"role": self.role, "content": content or ""}
 
 
-class SamplingFields(_Strict):
+class SamplingFields(StrictBody):
     """Fields shared by chat and completions."""
 
-    model: str | None = None
+    model: Text | None = None
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
-    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    user: str | None = None
+    user: Text | None = None
     # vLLM's extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, lt=INT64)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0, le=2)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, lt=INT64)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: int = Field(0, ge=-INT64, lt=INT64)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -105,7 +128,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -121,13 +144,13 @@ class CompletionRequest(SamplingFields):
         return list(prompt)
 
 
-class TokenizeRequest(_Strict):
-    model: str | None = None
-    prompt: str | None = None
+class TokenizeRequest(StrictBody):
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(_Strict):
-    model: str | None = None
+class DetokenizeRequest(StrictBody):
+    model: Text | None = None
     tokens: list[int]

@@ -1,29 +1,35 @@
-"""POST /v1/chat/completions and /v1/completions (stage ① in, stage ⑨ out).
+"""POST /v1/chat/completions (stage ① in, stage ⑨ out), and what the handlers share.
 
-Each handler validates the body, renders and tokenizes the prompt, turns the
-body into SamplingParams, and either streams SSE chunks as RequestOutput deltas
-arrive or waits for the final output and answers with one JSON body.
+Each handler (this one, completions_serving.py's, anthropic_serving.py's)
+validates the body, asks the front end for room (a 503 when the waiting queue
+is full), renders and tokenizes the prompt, turns the body into SamplingParams,
+sends the request, and only then answers: it streams SSE chunks as
+RequestOutput deltas arrive, or waits for the final output and answers with one
+JSON body. Every request stream is closed however the response ends (sse.py).
 """
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from tinyserve.engine.async_llm import AsyncLLM
-from tinyserve.engine.core_client import EngineDeadError
 from tinyserve.engine.input_processor import ProcessedPrompt
 from tinyserve.engine.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError, openai_error_body
-from tinyserve.entrypoints.api.openai_protocol import ChatCompletionRequest, CompletionRequest
-from tinyserve.entrypoints.api.sse import run_unless_disconnected, sse_data
+from tinyserve.entrypoints.api.openai_protocol import ChatCompletionRequest
+from tinyserve.entrypoints.api.sse import (
+    EventStreamResponse,
+    final_outputs_unless_disconnected,
+    sse_data,
+    stream_error_status,
+)
 from tinyserve.lifecycle import schema
-from tinyserve.lifecycle.request_spans import NO_SPANS, start_request_spans
-from tinyserve.outputs import CompletionOutput, RequestOutput
+from tinyserve.lifecycle.request_spans import start_request_spans
+from tinyserve.outputs import CompletionOutput
 
 
 @dataclass(slots=True)
@@ -56,11 +62,11 @@ class ServingContext:
         return requested
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _tokenize(ctx: ServingContext, prompt, *, add_special_tokens: bool = True) -> ProcessedPrompt:
+def tokenize(ctx: ServingContext, prompt, *, add_special_tokens: bool = True) -> ProcessedPrompt:
     try:
         processed = ctx.engine.input_processor.tokenize_prompt(prompt, add_special_tokens=add_special_tokens)
         ctx.engine.model_info.validate_prompt(processed.prompt_token_ids)
@@ -69,26 +75,14 @@ def _tokenize(ctx: ServingContext, prompt, *, add_special_tokens: bool = True) -
     return processed
 
 
-async def _final_output(ctx: ServingContext, prompt, params, request_id, priority, spans=NO_SPANS) -> RequestOutput:
-    final = None
-    async for output in ctx.engine.generate(prompt, params, request_id, output_kind=OutputKind.FINAL_ONLY,
-                                            priority=priority, spans=spans):
-        final = output
-    return final
-
-
-def _stream_response(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-async def _guard_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """End a stream with an error event, never a hang, when the engine fails mid-stream."""
+async def guard_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """End a stream with an error event, never a hang or a cut, when something fails mid-stream."""
     try:
         async for event in events:
             yield event
-    except (EngineDeadError, ValueError) as error:
-        status = 503 if isinstance(error, EngineDeadError) else 400
-        yield sse_data(openai_error_body(status, str(error)))
+    except Exception as error:
+        status, message = stream_error_status(error)
+        yield sse_data(openai_error_body(status, message))
     yield sse_data("[DONE]")
 
 
@@ -122,7 +116,7 @@ def render_and_tokenize(ctx: ServingContext, spans, messages: list[dict], add_ge
             text = ctx.engine.input_processor.render_chat(messages, add_generation_prompt=add_generation_prompt)
         except ValueError as error:
             raise APIError(400, str(error), "messages") from error
-        prompt = _tokenize(ctx, text, add_special_tokens=False)
+        prompt = tokenize(ctx, text, add_special_tokens=False)
         max_tokens = ctx.max_tokens_for(len(prompt.prompt_token_ids), requested_max_tokens)
         try:
             params = make_params(max_tokens)
@@ -136,6 +130,7 @@ def render_and_tokenize(ctx: ServingContext, spans, messages: list[dict], add_ge
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw_request: Request) -> Response:
     model = ctx.check_model(body.model)
     engine = ctx.engine
+    engine.check_admission(body.n)  # refuse before rendering: overload should cost little
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     spans = start_request_spans(schema.OPERATION_CHAT, model, request_id, redact_inputs=ctx.redact_inputs)
     try:
@@ -143,6 +138,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
             ctx, spans, [m.as_template_message() for m in body.messages], body.add_generation_prompt,
             body.requested_max_tokens, lambda max_tokens: body.sampling_params(max_tokens, body.num_logprobs),
         )
+        stream = await engine.add_request(prompt, params, request_id, priority=body.priority, spans=spans,
+                                          output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
     except Exception as error:
         spans.fail(error)
         raise
@@ -150,11 +147,13 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     num_top = body.top_logprobs or 0
 
     if body.stream:
-        return _stream_response(_guard_stream(_chat_stream(ctx, body, prompt, params, request_id, created, model, num_top, spans)))
+        events = _chat_stream(ctx, body, stream, prompt, params, request_id, created, model, num_top)
+        return EventStreamResponse(guard_stream(events), [stream])
 
-    output = await run_unless_disconnected(_final_output(ctx, prompt, params, request_id, body.priority, spans), raw_request)
-    if output is None:
+    outputs = await final_outputs_unless_disconnected([stream], raw_request)
+    if outputs is None:
         return Response(status_code=499)
+    [output] = outputs
     choices = [
         {
             "index": c.index,
@@ -172,11 +171,11 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": _usage(len(prompt.prompt_token_ids), num_generated),
+        "usage": usage(len(prompt.prompt_token_ids), num_generated),
     })
 
 
-async def _chat_stream(ctx, body, prompt, params, request_id, created, model, num_top, spans) -> AsyncIterator[str]:
+async def _chat_stream(ctx, body, stream, prompt, params, request_id, created, model, num_top) -> AsyncIterator[str]:
     def chunk(choices, **extra):
         return sse_data({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                          "choices": choices, **extra})
@@ -184,8 +183,7 @@ async def _chat_stream(ctx, body, prompt, params, request_id, created, model, nu
     for index in range(params.n):
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
     num_generated = 0
-    async for output in ctx.engine.generate(prompt, params, request_id, output_kind=OutputKind.DELTA,
-                                            priority=body.priority, spans=spans):
+    async for output in stream:
         for c in output.outputs:
             num_generated += len(c.token_ids)
             if not c.text and not c.finished and c.logprobs is None:
@@ -194,140 +192,4 @@ async def _chat_stream(ctx, body, prompt, params, request_id, created, model, nu
             yield chunk([{"index": c.index, "delta": delta, "logprobs": chat_logprobs(ctx.engine.tokenizer, c, num_top),
                           "finish_reason": c.finish_reason, **({"stop_reason": c.stop_reason} if c.finished else {})}])
     if body.include_usage:
-        yield chunk([], usage=_usage(len(prompt.prompt_token_ids), num_generated))
-
-
-# ---- completions -------------------------------------------------------------
-
-
-def completion_logprobs(output: CompletionOutput, num_top: int, text_start: int) -> dict | None:
-    if output.logprobs is None:
-        return None
-    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    offset = text_start
-    for token_id, position in zip(output.token_ids, output.logprobs):
-        sampled = position[token_id]
-        tokens.append(sampled.decoded_token)
-        token_logprobs.append(sampled.logprob)
-        top_logprobs.append({lp.decoded_token: lp.logprob for lp in sorted(position.values(), key=lambda lp: lp.rank)
-                             if lp.rank <= max(num_top, 0)} or None)
-        text_offset.append(offset)
-        offset += len(sampled.decoded_token or "")
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
-
-
-async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_request: Request) -> Response:
-    model = ctx.check_model(body.model)
-    prompts = body.prompts
-    if not prompts:
-        raise APIError(400, "prompt must not be empty", "prompt")
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    processed, params_list, spans_list = [], [], []
-    for index, text_or_ids in enumerate(prompts):
-        spans = start_request_spans(schema.OPERATION_TEXT_COMPLETION, model, f"{request_id}-{index}",
-                                    redact_inputs=ctx.redact_inputs)
-        spans_list.append(spans)
-        try:
-            with spans.stage(schema.RENDER) as render_span:
-                prompt = _tokenize(ctx, text_or_ids)
-                max_tokens = ctx.max_tokens_for(len(prompt.prompt_token_ids), body.max_tokens)
-                try:
-                    params = body.sampling_params(max_tokens, body.logprobs)
-                except ValueError as error:
-                    raise APIError(400, str(error)) from error
-                spans.log_inputs(render_span, prompt=prompt.prompt, prompt_token_ids=prompt.prompt_token_ids,
-                                 sampling_params=params)
-        except Exception as error:
-            for opened in spans_list:
-                opened.fail(error)
-            raise
-        processed.append(prompt)
-        params_list.append(params)
-    created = int(time.time())
-    tokenizer = ctx.engine.tokenizer
-    echo_texts = [
-        (p.prompt if p.prompt is not None else tokenizer.decode(p.prompt_token_ids)) if body.echo else "" for p in processed
-    ]
-    num_top = body.logprobs or 0
-
-    if body.stream:
-        return _stream_response(_guard_stream(
-            _completion_stream(ctx, body, processed, params_list, spans_list, request_id, created, model, echo_texts, num_top)
-        ))
-
-    async def run_all():
-        return await asyncio.gather(*[
-            _final_output(ctx, p, params, f"{request_id}-{i}", body.priority, spans)
-            for i, (p, params, spans) in enumerate(zip(processed, params_list, spans_list))
-        ])
-
-    outputs = await run_unless_disconnected(run_all(), raw_request)
-    if outputs is None:
-        return Response(status_code=499)
-    choices, num_generated = [], 0
-    for prompt_index, output in enumerate(outputs):
-        for c in output.outputs:
-            num_generated += len(c.token_ids)
-            echo = echo_texts[prompt_index]
-            choices.append({
-                "index": prompt_index * body.n + c.index,
-                "text": echo + c.text,
-                "logprobs": completion_logprobs(c, num_top, len(echo)),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            })
-    num_prompt = sum(len(p.prompt_token_ids) for p in processed)
-    return JSONResponse({
-        "id": request_id, "object": "text_completion", "created": created, "model": model,
-        "choices": choices, "usage": _usage(num_prompt, num_generated),
-    })
-
-
-async def _completion_stream(ctx, body, processed, params_list, spans_list, request_id, created, model, echo_texts,
-                             num_top):
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(prompt_index, prompt, params, spans):
-        try:
-            async for output in ctx.engine.generate(prompt, params, f"{request_id}-{prompt_index}",
-                                                    output_kind=OutputKind.DELTA, priority=body.priority, spans=spans):
-                await queue.put((prompt_index, output))
-        except BaseException as error:  # delivered to the consumer, which re-raises it
-            await queue.put((prompt_index, error))
-        finally:
-            await queue.put((prompt_index, None))
-
-    tasks = [asyncio.create_task(pump(i, p, params, spans))
-             for i, (p, params, spans) in enumerate(zip(processed, params_list, spans_list))]
-    echoed = set()
-    num_generated, remaining = 0, len(tasks)
-    try:
-        while remaining:
-            prompt_index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            for c in item.outputs:
-                num_generated += len(c.token_ids)
-                index = prompt_index * body.n + c.index
-                prefix = ""
-                if body.echo and index not in echoed:
-                    echoed.add(index)
-                    prefix = echo_texts[prompt_index]
-                if not c.text and not prefix and not c.finished and c.logprobs is None:
-                    continue
-                yield sse_data({
-                    "id": request_id, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": index, "text": prefix + c.text, "logprobs": completion_logprobs(c, num_top, 0),
-                                 "finish_reason": c.finish_reason,
-                                 **({"stop_reason": c.stop_reason} if c.finished else {})}],
-                })
-        if body.include_usage:
-            num_prompt = sum(len(p.prompt_token_ids) for p in processed)
-            yield sse_data({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": _usage(num_prompt, num_generated)})
-    finally:
-        for task in tasks:
-            task.cancel()
+        yield chunk([], usage=usage(len(prompt.prompt_token_ids), num_generated))

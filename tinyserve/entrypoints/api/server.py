@@ -1,12 +1,19 @@
 """The FastAPI app: routes, authentication, error bodies, health and metrics.
 
-Handlers live in openai_serving.py and anthropic_serving.py; this file wires
+Handlers live in openai_serving.py (chat), completions_serving.py and
+anthropic_serving.py; this file wires
 them to URLs and makes sure that every failure, including a malformed body,
-answers in the endpoint's own error format with a 4xx/5xx status.
+answers in the endpoint's own error format with a 4xx/5xx status, and never
+with a traceback. A request passes, outermost first:
+
+    TracingMiddleware        the HTTP span, the root of the request's trace
+    ApiKeyMiddleware         401 on /v1 without the key (with --api-key)
+    RequestLimitsMiddleware  415 for non-JSON, 413 for bodies over the limit
+    the route                pydantic validates the body (400), the handler runs
 """
 
-import hmac
 import logging
+import re
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -15,9 +22,13 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tinyserve
+from tinyserve.engine.async_llm import RequestRejectedError
 from tinyserve.engine.core_client import EngineDeadError
 from tinyserve.entrypoints.api.anthropic_serving import MessagesRequest, create_message
-from tinyserve.entrypoints.api.errors import APIError, error_response, is_anthropic_path
+from tinyserve.entrypoints.api.auth import ApiKeyMiddleware
+from tinyserve.entrypoints.api.completions_serving import create_completion
+from tinyserve.entrypoints.api.errors import APIError, error_response
+from tinyserve.entrypoints.api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestLimitsMiddleware
 from tinyserve.entrypoints.api.metrics import ServerMetrics
 from tinyserve.entrypoints.api.openai_protocol import (
     ChatCompletionRequest,
@@ -25,22 +36,44 @@ from tinyserve.entrypoints.api.openai_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from tinyserve.entrypoints.api.openai_serving import ServingContext, create_chat_completion, create_completion
+from tinyserve.entrypoints.api.openai_serving import ServingContext, create_chat_completion
+from tinyserve.entrypoints.api.sse import engine_dead_message
 from tinyserve.lifecycle.http_spans import TracingMiddleware
 from tinyserve.lifecycle.tracing import shutdown_tracing
 
 logger = logging.getLogger("tinyserve.api")
 
+RETRY_AFTER_S = 1  # what a refused client is told to wait: requests finish in seconds
+# Where pydantic names the alternative of a union it tried ("str", "list[TextPart]",
+# "function-after[...]"): not a field the client sent, so not part of `param`.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|list|dict)$|\[|^function-")
+
+
+def _location(error: dict) -> list[str]:
+    return [str(part) for part in error.get("loc", ()) if part != "body" and not _UNION_MEMBER.search(str(part))]
+
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
-    first = error.errors()[0] if error.errors() else {}
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
-    message = first.get("msg", "invalid request body")
+    """One message naming the parameter: of a union's failed alternatives, the one that got furthest."""
+    errors = error.errors()
+    if not errors:
+        return "invalid request body", None
+    if errors[0].get("type") == "json_invalid":
+        reason = (errors[0].get("ctx") or {}).get("error", "malformed")
+        return f"the request body is not valid JSON: {reason} (at character {errors[0]['loc'][-1]})", None
+    deepest = max(errors, key=lambda e: len(_location(e)))
+    param = ".".join(_location(deepest)) or None
+    message = deepest.get("msg", "invalid value").removeprefix("Value error, ")  # pydantic's prefix for our checks
     return (f"{param}: {message}" if param else message), param
 
 
-def build_app(ctx: ServingContext, metrics: ServerMetrics, *, api_key: str | None = None) -> FastAPI:
+def build_app(
+    ctx: ServingContext,
+    metrics: ServerMetrics,
+    *,
+    api_key: str | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await ctx.engine.start()
@@ -70,28 +103,20 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, *, api_key: str | Non
 
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(request: Request, error: EngineDeadError):
-        return error_response(request.url.path, 503, f"the engine is not available: {error}")
+        return error_response(request.url.path, 503, engine_dead_message(error))
+
+    @app.exception_handler(RequestRejectedError)
+    async def on_rejected(request: Request, error: RequestRejectedError):
+        return error_response(request.url.path, 503, str(error), headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.exception_handler(ValueError)
     async def on_value_error(request: Request, error: ValueError):
         return error_response(request.url.path, 400, str(error))
 
-    # ---- authentication: every /v1 route when --api-key is set ----------------
-
-    if api_key is not None:
-        expected = api_key.encode()
-
-        @app.middleware("http")
-        async def check_api_key(request: Request, call_next):
-            if request.url.path.startswith("/v1"):
-                given = request.headers.get("authorization", "")
-                token = given[7:] if given.lower().startswith("bearer ") else ""
-                if is_anthropic_path(request.url.path) and not token:
-                    token = request.headers.get("x-api-key", "")
-                # Constant-time comparison: the time taken says nothing about the key.
-                if not hmac.compare_digest(token.encode(), expected):
-                    return error_response(request.url.path, 401, "invalid or missing API key")
-            return await call_next(request)
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, error: Exception):
+        # Starlette logs the traceback after this; the client gets no part of it.
+        return error_response(request.url.path, 500, "internal server error; see the server log")
 
     # ---- routes ------------------------------------------------------------------
 
@@ -150,6 +175,10 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, *, api_key: str | Non
             raise APIError(400, f"tokens contains ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", "tokens")
         return {"prompt": ctx.engine.tokenizer.decode(body.tokens)}
 
-    # Outermost, so the HTTP span covers authentication and errors too.
+    # Added innermost first; the HTTP span is outermost, so it covers every refusal too.
+    post_routes = frozenset(route.path for route in app.routes if "POST" in getattr(route, "methods", ()))
+    app.add_middleware(RequestLimitsMiddleware, max_body_bytes=max_request_body_bytes, json_paths=post_routes)
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(TracingMiddleware)
     return app

@@ -1,0 +1,38 @@
+"""`--api-key`: every /v1 route wants the key; /health, /metrics and the rest stay open.
+
+OpenAI clients send `Authorization: Bearer <key>`; Anthropic clients send
+`x-api-key: <key>` (accepted on /v1/messages). The comparison takes the same
+time whatever the key given, so timing says nothing about the right one.
+"""
+
+import hmac
+
+from tinyserve.entrypoints.api.errors import error_response, is_anthropic_path
+
+
+def _given_key(path: str, headers: dict[bytes, bytes]) -> bytes:
+    authorization = headers.get(b"authorization", b"")
+    if authorization[:7].lower() == b"bearer ":
+        return authorization[7:]
+    if is_anthropic_path(path):
+        return headers.get(b"x-api-key", b"")
+    return b""
+
+
+class ApiKeyMiddleware:
+    """ASGI middleware: 401 in the endpoint's own error format for a missing or wrong key on /v1."""
+
+    def __init__(self, app, *, api_key: str) -> None:
+        if not api_key:
+            raise ValueError("api_key must not be empty")
+        self.app = app
+        self.expected = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path.startswith("/v1"):
+            given = _given_key(path, dict(scope.get("headers", [])))
+            if not hmac.compare_digest(given, self.expected):
+                await error_response(path, 401, "invalid or missing API key")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,164 @@
+"""POST /v1/completions (stage ① in, stage ⑨ out): one or more prompts, text or token ids.
+
+Each prompt is its own engine request (with its own request span), all sent
+before the answer starts: if one cannot be sent, none stays. A streamed answer
+interleaves the prompts' chunks as they come, indexed prompt × n + sample.
+"""
+
+import asyncio
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tinyserve.engine.async_llm import RequestStream
+from tinyserve.engine.output_processor import OutputKind
+from tinyserve.entrypoints.api.errors import APIError
+from tinyserve.entrypoints.api.openai_protocol import CompletionRequest
+from tinyserve.entrypoints.api.openai_serving import ServingContext, guard_stream, tokenize, usage
+from tinyserve.entrypoints.api.sse import EventStreamResponse, close_all, final_outputs_unless_disconnected, sse_data
+from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.request_spans import start_request_spans
+from tinyserve.outputs import CompletionOutput
+
+
+def completion_logprobs(output: CompletionOutput, num_top: int, text_start: int) -> dict | None:
+    if output.logprobs is None:
+        return None
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    offset = text_start
+    for token_id, position in zip(output.token_ids, output.logprobs):
+        sampled = position[token_id]
+        tokens.append(sampled.decoded_token)
+        token_logprobs.append(sampled.logprob)
+        top_logprobs.append({lp.decoded_token: lp.logprob for lp in sorted(position.values(), key=lambda lp: lp.rank)
+                             if lp.rank <= max(num_top, 0)} or None)
+        text_offset.append(offset)
+        offset += len(sampled.decoded_token or "")
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
+
+
+async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_request: Request) -> Response:
+    model = ctx.check_model(body.model)
+    prompts = body.prompts
+    if not prompts:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    ctx.engine.check_admission(len(prompts) * body.n)  # all prompts or none
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    processed, params_list, spans_list = [], [], []
+    for index, text_or_ids in enumerate(prompts):
+        spans = start_request_spans(schema.OPERATION_TEXT_COMPLETION, model, f"{request_id}-{index}",
+                                    redact_inputs=ctx.redact_inputs)
+        spans_list.append(spans)
+        try:
+            with spans.stage(schema.RENDER) as render_span:
+                prompt = tokenize(ctx, text_or_ids)
+                max_tokens = ctx.max_tokens_for(len(prompt.prompt_token_ids), body.max_tokens)
+                try:
+                    params = body.sampling_params(max_tokens, body.logprobs)
+                except ValueError as error:
+                    raise APIError(400, str(error)) from error
+                spans.log_inputs(render_span, prompt=prompt.prompt, prompt_token_ids=prompt.prompt_token_ids,
+                                 sampling_params=params)
+        except Exception as error:
+            for opened in spans_list:
+                opened.fail(error)
+            raise
+        processed.append(prompt)
+        params_list.append(params)
+    streams = await _add_all(ctx, body, request_id, processed, params_list, spans_list)
+    created = int(time.time())
+    tokenizer = ctx.engine.tokenizer
+    echo_texts = [
+        (p.prompt if p.prompt is not None else tokenizer.decode(p.prompt_token_ids)) if body.echo else "" for p in processed
+    ]
+    num_top = body.logprobs or 0
+
+    if body.stream:
+        events = _completion_stream(body, streams, processed, request_id, created, model, echo_texts, num_top)
+        return EventStreamResponse(guard_stream(events), streams)
+
+    outputs = await final_outputs_unless_disconnected(streams, raw_request)
+    if outputs is None:
+        return Response(status_code=499)
+    choices, num_generated = [], 0
+    for prompt_index, output in enumerate(outputs):
+        for c in output.outputs:
+            num_generated += len(c.token_ids)
+            echo = echo_texts[prompt_index]
+            choices.append({
+                "index": prompt_index * body.n + c.index,
+                "text": echo + c.text,
+                "logprobs": completion_logprobs(c, num_top, len(echo)),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            })
+    num_prompt = sum(len(p.prompt_token_ids) for p in processed)
+    return JSONResponse({
+        "id": request_id, "object": "text_completion", "created": created, "model": model,
+        "choices": choices, "usage": usage(num_prompt, num_generated),
+    })
+
+
+async def _add_all(ctx, body, request_id, processed, params_list, spans_list) -> list[RequestStream]:
+    """Send one engine request per prompt; if one cannot be sent, none stays."""
+    streams = []
+    kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
+    try:
+        for index, (prompt, params, spans) in enumerate(zip(processed, params_list, spans_list)):
+            streams.append(await ctx.engine.add_request(prompt, params, f"{request_id}-{index}", output_kind=kind,
+                                                        priority=body.priority, spans=spans))
+    except Exception as error:
+        for spans in spans_list:
+            spans.fail(error)
+        await close_all(streams)
+        raise
+    return streams
+
+
+async def _completion_stream(body, streams, processed, request_id, created, model, echo_texts, num_top):
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(prompt_index, stream):
+        try:
+            async for output in stream:
+                await queue.put((prompt_index, output))
+        except BaseException as error:  # delivered to the consumer, which re-raises it
+            await queue.put((prompt_index, error))
+        finally:
+            await queue.put((prompt_index, None))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    echoed = set()
+    num_generated, remaining = 0, len(tasks)
+    try:
+        while remaining:
+            prompt_index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            for c in item.outputs:
+                num_generated += len(c.token_ids)
+                index = prompt_index * body.n + c.index
+                prefix = ""
+                if body.echo and index not in echoed:
+                    echoed.add(index)
+                    prefix = echo_texts[prompt_index]
+                if not c.text and not prefix and not c.finished and c.logprobs is None:
+                    continue
+                yield sse_data({
+                    "id": request_id, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": index, "text": prefix + c.text, "logprobs": completion_logprobs(c, num_top, 0),
+                                 "finish_reason": c.finish_reason,
+                                 **({"stop_reason": c.stop_reason} if c.finished else {})}],
+                })
+        if body.include_usage:
+            num_prompt = sum(len(p.prompt_token_ids) for p in processed)
+            yield sse_data({"id": request_id, "object": "text_completion", "created": created, "model": model,
+                            "choices": [], "usage": usage(num_prompt, num_generated)})
+    finally:
+        for task in tasks:
+            task.cancel()

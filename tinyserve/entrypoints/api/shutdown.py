@@ -1,0 +1,70 @@
+"""Graceful shutdown on SIGTERM (or Ctrl-C): drain, abort what is left, stop the engines.
+
+    SIGTERM
+      │ uvicorn closes the listening socket (new connections are refused) and
+      │ the idle keep-alive connections; active ones may finish their response
+      │ AsyncLLM.start_draining(): a request that still gets in is answered 503
+      │ in-flight requests go on, up to --shutdown-timeout seconds
+      │ AsyncLLM.abort_all(): those left finish with finish_reason "abort"; each
+      │ stream still sends its last event, each JSON body is still written
+      │ (ABORT_GRACE_S later, uvicorn cancels any handler still running)
+      │ lifespan shutdown (server.py): the engines stop, each flushing its spans,
+      │ then this process flushes its own; the socket directory is removed
+      ▼ multiprocessing's resource tracker, the last child, is stopped and reaped
+
+uvicorn on its own would wait for open connections for ever, or cut them at a
+timeout without a final event; the drain and the abort are what this adds.
+"""
+
+import asyncio
+import logging
+from multiprocessing import resource_tracker
+
+import uvicorn
+
+from tinyserve.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger("tinyserve.api")
+
+ABORT_GRACE_S = 5.0  # after the abort, how long responses get to send their last bytes
+_POLL_S = 0.05
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, with AsyncLLM's drain and abort in its shutdown."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, shutdown_timeout: float) -> None:
+        if shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be non-negative, got {shutdown_timeout}")
+        config.timeout_graceful_shutdown = shutdown_timeout + ABORT_GRACE_S
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        self.engine.start_draining()
+        logger.info("draining %d in-flight request(s) for up to %.0f s", self.engine.num_unfinished_requests,
+                    self.shutdown_timeout)
+        aborter = asyncio.create_task(self._abort_at_deadline(), name="tinyserve-abort-at-deadline")
+        try:
+            await super().shutdown(sockets)
+        finally:
+            aborter.cancel()
+        _stop_resource_tracker()
+
+    async def _abort_at_deadline(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.shutdown_timeout
+        while self.engine.num_unfinished_requests and loop.time() < deadline:
+            await asyncio.sleep(_POLL_S)
+        if self.engine.num_unfinished_requests:
+            aborted = await self.engine.abort_all()
+            logger.warning("shutdown timeout (%.0f s) reached: aborted %d request(s)", self.shutdown_timeout, aborted)
+
+
+def _stop_resource_tracker() -> None:
+    # Starting a process with "spawn" also starts this helper. It would exit on
+    # its own once we are gone, but as an orphan, a zombie until init reaps it.
+    # Python has no public call to stop it earlier; _stop() closes its pipe and
+    # waits for it (and does nothing if it never started).
+    resource_tracker._resource_tracker._stop()
