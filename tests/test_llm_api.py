@@ -156,3 +156,8 @@ def test_aborting_running_requests_frees_every_block(llm):
     outputs = llm.engine_core.abort_requests(["abort-0", "abort-1", "abort-2"])
     assert [o.finish_reason for o in outputs] == ["abort"] * 3
     assert_pool_idle(llm)
+
+
+def test_top_k_beyond_any_vocabulary_is_rejected():
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=2**63)

@@ -221,8 +221,9 @@ def sigterm_run(tmp_path_factory):
         "messages_stream": ("/v1/messages", {**message, "stream": True}),
     }
     plain = {"chat": ("/v1/chat/completions", chat), "messages": ("/v1/messages", message)}
+    # Its stop string is user text as well: the redacted trace must not keep it either.
     short = {"model": MODEL, "messages": [{"role": "user", "content": f"short {SECRET_WORDS[1]}"}], "max_tokens": 8,
-             "ignore_eos": True, "stream": True}
+             "ignore_eos": True, "stream": True, "stop": [SECRET_WORDS[2]]}
     try:
         with concurrent.futures.ThreadPoolExecutor(5) as pool:
             futures = {name: pool.submit(read_stream, proc.url, path, body) for name, (path, body) in streams.items()}

@@ -35,7 +35,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be at least 1, got {self.n}")
         _check(self.temperature >= 0, "temperature", f"must be non-negative, got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= -1, "top_k", f"must be -1 or 0 (disable) or at least 1, got {self.top_k}")
+        _check(-1 <= self.top_k < 2**31, "top_k", f"must be -1 or 0 (disable) or in [1, 2**31), got {self.top_k}")
         _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
         _check(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")

@@ -60,7 +60,10 @@ class RequestSpans:
         })
         attributes = {
             schema.NUM_PROMPT_TOKENS: len(prompt_token_ids),
-            schema.SAMPLING_PARAMS: msgspec.json.encode(params).decode(),
+            # Stop strings are user text too: a redacted trace keeps only how many there were.
+            schema.SAMPLING_PARAMS: msgspec.json.encode(
+                params.clone(stop=["<redacted>"] * len(params.stop)) if self.redact_inputs and params.stop else params
+            ).decode(),
         }
         if self.redact_inputs:
             attributes[schema.INPUTS_REDACTED] = True
@@ -104,9 +107,12 @@ class RequestSpans:
     def fail(self, error: BaseException) -> None:
         if self._ended:
             return
-        self.span.record_exception(error)
-        self.span.set_attribute(schema.ERROR_REASON, str(error))
-        self.span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        # An error message may quote the input (a bad token id, say): redacted, keep only its type.
+        reason = type(error).__name__ if self.redact_inputs else f"{type(error).__name__}: {error}"
+        if not self.redact_inputs:
+            self.span.record_exception(error)
+        self.span.set_attribute(schema.ERROR_REASON, reason)
+        self.span.set_status(Status(StatusCode.ERROR, reason))
         self._end()
 
     def _end(self) -> None:
