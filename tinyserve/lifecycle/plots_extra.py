@@ -10,18 +10,23 @@
     plots_extra.plot_latency_by_run(runs)           TTFT / TPOT / ITL distributions, one box per run
     plots_extra.plot_stage_comparison(runs)         mean time per stage, one bar per run
     plots_extra.plot_completion_cdf(runs)           share of the requests finished over time, one line per run
-    plots_extra.plot_run_comparison(runs)           steps, tokens per step, run time, TTFT and TPOT per run
+    plots_extra.plot_run_comparison(runs)           steps, tokens per step, run time, TTFT and TPOT, per run
 
 `runs` is a dict {label: Run}, in the order the boxes, bars and lines should appear.
+The last two also count in engine steps (clock="steps"): exact, and what time follows on
+a GPU, where a step costs about the same whatever its batch.
 Like plots.py, figures use matplotlib's object API: no pyplot, no backend chosen here.
 """
+
+import bisect
 
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.plots import STAGE_COLORS
-from tinyserve.lifecycle.run import RequestTimeline, Run
+from tinyserve.lifecycle.run import Run
+from tinyserve.lifecycle.timeline import RequestTimeline
 
 # Consecutive intervals from a request's arrival to its first token (see ttft_breakdown).
 TTFT_SEGMENTS = {
@@ -29,15 +34,16 @@ TTFT_SEGMENTS = {
     "render": "tab:green",
     "enqueue": "tab:cyan",
     "ipc.send": "tab:purple",
-    "IPC transit": "tab:pink",
+    "IPC + wait for the step in flight": "tab:pink",
     "queue": STAGE_COLORS[schema.QUEUE],
     "prefill": STAGE_COLORS[schema.PREFILL],
 }
 _PALETTE = [f"tab:{c}" for c in ("blue", "orange", "green", "red", "purple", "brown", "pink", "olive", "cyan")]
 
 
-def _ms(ns: int) -> float:
-    return ns / 1e6
+def _short(request_id: str) -> str:
+    """The tail of a long request id: enough to tell requests apart on a crowded axis."""
+    return request_id if len(request_id) <= 12 else "…" + request_id[-8:]
 
 
 def ttft_breakdown(request: RequestTimeline) -> dict[str, float]:
@@ -46,27 +52,31 @@ def ttft_breakdown(request: RequestTimeline) -> dict[str, float]:
     The boundaries are span edges: arrival → render start → render end → ipc.send start →
     ipc.send end → engine queue start → first scheduled → first token. A stage the run does
     not have (offline: no ipc.send) is an interval of zero, and the small gaps between spans
-    fall into the next interval, so nothing is lost or counted twice. "IPC transit" is the
-    one interval measured across two processes' clocks (same host: well under a millisecond).
+    fall into the interval after them, so nothing is lost or counted twice. Where spans
+    overlap, the later stage keeps the overlap: the engine may take a request in before the
+    API's ipc.send span has ended (the message left at its start), and then ipc.send is
+    counted only up to the engine's queue start.
+
+    "IPC + wait for the step in flight" ends when the engine loop takes the request in,
+    between two steps: it holds the ZeroMQ transit and the rest of the step that was running.
+    It is the one interval measured across two processes' clocks (same host: they agree to
+    well under a millisecond).
     """
     first = request.first_token_ns
     if first is None:
         return {}
     sequence = min((s for s in request.sequences if s.first_token_ns is not None), key=lambda s: s.first_token_ns)
-    render, send = request.stages.get(schema.RENDER), sequence.stages.get(schema.IPC_SEND)
-    queue = sequence.queue
+    render, send, queue = request.stages.get(schema.RENDER), sequence.stages.get(schema.IPC_SEND), sequence.queue
     edges = [
-        request.arrival_ns,
         render.start_ns if render else None, render.end_ns if render else None,
         send.start_ns if send else None, send.end_ns if send else None,
         queue.start_ns if queue else None, queue.end_ns if queue else None,
-        first,
     ]
-    bounded, last = [], request.arrival_ns
-    for edge in edges:  # clamp: every boundary between the previous one and the first token
-        last = min(max(last, edge if edge is not None else last), first)
-        bounded.append(last)
-    return {name: (end - start) / 1e9 for name, start, end in zip(TTFT_SEGMENTS, bounded, bounded[1:])}
+    bounds = [first]
+    for edge in reversed(edges):  # from the first token back: no boundary after the one that follows it
+        bounds.append(min(bounds[-1], edge if edge is not None else bounds[-1]))
+    bounds = [max(b, request.arrival_ns) for b in [request.arrival_ns, *reversed(bounds)]]
+    return {name: (end - start) / 1e9 for name, start, end in zip(TTFT_SEGMENTS, bounds, bounds[1:])}
 
 
 def plot_ttft_breakdown(run: Run, request_ids: list[str] | None = None, max_requests: int = 40) -> Figure:
@@ -95,29 +105,32 @@ def _first_engine(run: Run, engine_index: int | None) -> int:
     return run.engine_indices[0] if run.engine_indices else 0
 
 
-def plot_step_occupancy(run: Run, engine_index: int | None = None) -> Figure:
+def plot_step_occupancy(run: Run, engine_index: int | None = None, step_range: tuple[int, int] | None = None) -> Figure:
     """A grid of engine steps (x) by requests (y): a cell per request scheduled in that step.
 
-    Orange cells are prompt chunks (more than one token; the number is the chunk size),
-    blue cells are decode steps (one token), a red x marks a preemption. Requests joining
-    and leaving the running batch show up as rows starting and ending mid-run.
+    Orange cells are prompt chunks (more than one token; the chunk size is written in the
+    cell when few enough steps are shown), blue cells are decode steps (one token), a red x
+    marks a preemption. `step_range` (first, last step id) zooms in. Requests joining and
+    leaving the running batch show up as rows starting and ending mid-run.
     """
     index = _first_engine(run, engine_index)
-    steps = run.engine_steps(index)
+    steps = [s for s in run.engine_steps(index)
+             if step_range is None or (s.step_id is not None and step_range[0] <= s.step_id <= step_range[1])]
     order: dict[str, int] = {}
     for step in steps:
         for request_id in step.request_ids:
             order.setdefault(request_id, len(order))
     fig = Figure(figsize=(12, 0.3 * max(len(order), 1) + 2.4), layout="constrained")
     ax = fig.add_subplot()
-    annotate = len(steps) <= 150
+    annotate = len(steps) <= 60
     for step in steps:
         x = step.step_id
         for request_id, tokens in zip(step.request_ids, step.num_tokens_per_request):
             color = STAGE_COLORS[schema.PREFILL] if tokens > 1 else STAGE_COLORS[schema.DECODE]
-            ax.broken_barh([(x - 0.5, 1.0)], (order[request_id] - 0.4, 0.8), color=color)
+            ax.broken_barh([(x - 0.5, 1.0)], (order[request_id] - 0.4, 0.8), color=color, edgecolor="white",
+                           linewidth=0.5 if annotate else 0)
             if tokens > 1 and annotate:
-                ax.text(x, order[request_id], str(tokens), ha="center", va="center", fontsize=5, rotation=90)
+                ax.text(x, order[request_id], str(tokens), ha="center", va="center", fontsize="x-small")
         for request_id in step.preempted_request_ids:
             if request_id in order:
                 ax.scatter([x], [order[request_id]], marker="x", color="red", s=40, zorder=3)
@@ -129,7 +142,8 @@ def plot_step_occupancy(run: Run, engine_index: int | None = None) -> Figure:
             names.append(request_id)
     ax.set_yticks(range(len(order)), names)
     ax.invert_yaxis()
-    ax.set(title=f"Engine {index}: which requests each step computed, run {run.name}", xlabel="engine step",
+    shown = f", steps {step_range[0]}-{step_range[1]}" if step_range else ""
+    ax.set(title=f"Engine {index}: which requests each step computed, run {run.name}{shown}", xlabel="engine step",
            ylabel="request (by first step)")
     handles = [Patch(color=STAGE_COLORS[schema.PREFILL], label="prompt chunk (tokens written in the cell)"),
                Patch(color=STAGE_COLORS[schema.DECODE], label="decode (1 token)")]
@@ -186,7 +200,7 @@ def plot_prefix_cache_hits(run: Run) -> Figure:
     computed = [r.num_prompt_tokens - c for r, c in zip(requests, cached)]
     ax.bar(x, cached, color="tab:green", label="prompt tokens from the prefix cache")
     ax.bar(x, computed, bottom=cached, color="tab:orange", label="prompt tokens computed")
-    ax.set_xticks(list(x), [r.request_id for r in requests], rotation=60, ha="right", fontsize="small")
+    ax.set_xticks(list(x), [_short(r.request_id) for r in requests], rotation=45, ha="right", fontsize="small")
     ax.set(title=f"Prefix-cache hits per request, run {run.name}", xlabel="request (by arrival)",
            ylabel="prompt tokens")
     ttft_ax = ax.twinx()
@@ -275,8 +289,8 @@ def plot_latency_by_run(runs: dict[str, Run], metrics: tuple[str, ...] = ("ttft"
         ax.boxplot(data, tick_labels=list(runs), whis=(5, 95), showmeans=True, flierprops={"markersize": 2})
         ax.set(title=_METRIC_TITLES[metric], xlabel="run", ylabel=f"{metric.upper()} (ms)")
         ax.tick_params(axis="x", labelsize="small")
-    fig.legend(handles=[Patch(color="tab:orange", label="median (line), mean (triangle); box p25-p75, whiskers p5-p95")],
-               loc="outside lower center", fontsize="small")
+    key = "median (line), mean (triangle); box p25-p75, whiskers p5-p95"
+    fig.legend(handles=[Patch(color="tab:orange", label=key)], loc="outside lower center", fontsize="small")
     return fig
 
 
@@ -284,7 +298,7 @@ def plot_stage_comparison(runs: dict[str, Run]) -> Figure:
     """Mean time per request in each stage, one bar per run, on a log axis (stages span µs to seconds)."""
     stages = [name for name in schema.REQUEST_STAGES
               if any(name in (s.name for s in r.stage_spans()) for run in runs.values() for r in run.requests)]
-    fig = Figure(figsize=(11, 0.5 * len(stages) * max(len(runs), 1) ** 0.5 + 2.2), layout="constrained")
+    fig = Figure(figsize=(11, 0.22 * len(stages) * max(len(runs), 1) + 2.0), layout="constrained")
     ax = fig.add_subplot()
     height = 0.8 / max(len(runs), 1)
     for i, ((label, run), color) in enumerate(zip(runs.items(), _PALETTE)):
@@ -308,8 +322,21 @@ def _run_span_ns(run: Run) -> tuple[int, int]:
     return min(s.start_ns for s in spans), max(s.end_ns for s in spans)
 
 
-def plot_completion_cdf(runs: dict[str, Run]) -> Figure:
-    """The share of requests finished (solid) and given their first token (dotted) since each run's first arrival."""
+def _steps_until(run: Run, times_ns: list[int]) -> list[int]:
+    """For each time, how many engine steps (of all engines) had started by then."""
+    starts = sorted(s.start_ns for s in run.steps)
+    return [bisect.bisect_right(starts, t) for t in times_ns]
+
+
+def plot_completion_cdf(runs: dict[str, Run], clock: str = "time") -> Figure:
+    """The share of requests finished (solid) and given their first token (dotted), one line per run.
+
+    clock="time": seconds since each run's first arrival. clock="steps": engine steps since
+    the run's first step — what batching saves on a GPU, where a step costs about the same
+    whatever the size of its batch (on a CPU a step's time grows with its tokens).
+    """
+    if clock not in ("time", "steps"):
+        raise ValueError(f"clock must be 'time' or 'steps', got {clock!r}")
     fig = Figure(figsize=(10, 4), layout="constrained")
     ax = fig.add_subplot()
     for (label, run), color in zip(runs.items(), _PALETTE):
@@ -317,32 +344,75 @@ def plot_completion_cdf(runs: dict[str, Run]) -> Figure:
             continue
         start, _ = _run_span_ns(run)
         count = len(run.requests)
-        ends = sorted((r.request_span.end_ns - start) / 1e9 for r in run.requests)
-        ax.step([0.0, *ends], [i / count for i in range(count + 1)], where="post", color=color, label=f"{label}: finished")
-        firsts = sorted((r.first_token_ns - start) / 1e9 for r in run.requests if r.first_token_ns is not None)
-        ax.step([0.0, *firsts], [i / count for i in range(len(firsts) + 1)], where="post", color=color, linestyle=":",
-                label=f"{label}: first token")
-    ax.set(title="Requests served over time", xlabel="time since the first request arrived (s)",
-           ylabel="share of the requests")
+        curves = (("finished", "-", [r.request_span.end_ns for r in run.requests]),
+                  ("first token", ":", [r.first_token_ns for r in run.requests if r.first_token_ns is not None]))
+        for what, style, times in curves:
+            xs = sorted(_steps_until(run, times) if clock == "steps" else [(t - start) / 1e9 for t in times])
+            ax.step([0, *xs], [i / count for i in range(len(xs) + 1)], where="post", color=color, linestyle=style,
+                    label=f"{label}: {what}")
+    xlabel = {"steps": "engine steps since the run's first step", "time": "time since the first request arrived (s)"}
+    ax.set(title="Requests served over time", xlabel=xlabel[clock], ylabel="share of the requests")
     ax.set_ylim(0, 1.02)
     ax.legend(fontsize="small")
     return fig
 
 
-def plot_run_comparison(runs: dict[str, Run]) -> Figure:
-    """Side by side per run: engine steps, mean tokens per step, run time, mean TTFT and mean TPOT."""
-    def mean(values):
-        values = [v for v in values if v is not None]
-        return sum(values) / len(values) if values else 0.0
+def _mean(values) -> float:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else 0.0
 
-    panels = {
+
+def _run_time_s(run: Run) -> float:
+    start, end = _run_span_ns(run)
+    return (end - start) / 1e9
+
+
+def _ttft_steps(run: Run, request: RequestTimeline) -> int | None:
+    """Engine steps that started between the request's arrival and its first token, on its engine."""
+    first = request.first_token_ns
+    if first is None:
+        return None
+    steps = run.engine_steps(request.engine_index) if request.engine_index is not None else run.steps
+    starts = sorted(s.start_ns for s in steps)
+    return bisect.bisect_right(starts, first) - bisect.bisect_left(starts, request.arrival_ns)
+
+
+def _largest_decode_step(run: Run) -> int:
+    """The most tokens in a step that also decoded: a decoding request waits for all of them."""
+    return max((step.num_scheduled_tokens for step in run.steps if 1 in step.num_tokens_per_request), default=0)
+
+
+_COMPARISONS = {  # clock -> {(title, y label): the value of one run}
+    "time": {
         ("Engine steps", "steps"): lambda run: len(run.steps),
-        ("Tokens per step", "mean tokens scheduled"): lambda run: mean(s.num_scheduled_tokens for s in run.steps),
-        ("Run time", "first arrival → last finish (s)"): lambda run: (lambda a, b: (b - a) / 1e9)(*_run_span_ns(run)),
-        ("Mean TTFT", "TTFT (ms)"): lambda run: mean(r.ttft_s for r in run.requests) * 1e3,
-        ("Mean TPOT", "TPOT (ms)"): lambda run: mean(r.tpot_s for r in run.requests) * 1e3,
-    }
-    fig = Figure(figsize=(15, 3.6), layout="constrained")
+        ("Tokens per step", "mean tokens scheduled"): lambda run: _mean(s.num_scheduled_tokens for s in run.steps),
+        ("Run time", "first arrival → last finish (s)"): _run_time_s,
+        ("Mean TTFT", "TTFT (ms)"): lambda run: _mean(r.ttft_s for r in run.requests) * 1e3,
+        ("Mean TPOT", "TPOT (ms)"): lambda run: _mean(r.tpot_s for r in run.requests) * 1e3,
+    },
+    "steps": {
+        ("Engine steps", "steps"): lambda run: len(run.steps),
+        ("Tokens per step", "mean tokens scheduled"): lambda run: _mean(s.num_scheduled_tokens for s in run.steps),
+        ("Mean TTFT, in steps", "steps from arrival to first token"):
+            lambda run: _mean(_ttft_steps(run, r) for r in run.requests),
+        ("Largest decode step", "most tokens in a step that decodes"): _largest_decode_step,
+    },
+}
+
+
+def plot_run_comparison(runs: dict[str, Run], clock: str = "time") -> Figure:
+    """Side by side, one bar per run: engine steps and tokens per step, then
+
+    clock="time": run time, mean TTFT and mean TPOT, in seconds and milliseconds as measured;
+    clock="steps": TTFT counted in engine steps, and the largest step a decoding request
+    was part of — on a GPU, where a step costs a fixed overhead plus a share per token,
+    that step is the longest wait between two output tokens. Step counts are exact and
+    repeat from run to run; measured times vary with what else the machine is doing.
+    """
+    if clock not in _COMPARISONS:
+        raise ValueError(f"clock must be 'time' or 'steps', got {clock!r}")
+    panels = _COMPARISONS[clock]
+    fig = Figure(figsize=(3 * len(panels), 3.6), layout="constrained")
     colors = _PALETTE[: len(runs)]
     for ax, ((title, ylabel), value) in zip(fig.subplots(1, len(panels)), panels.items()):
         ax.bar(list(runs), [value(run) for run in runs.values()], color=colors)

@@ -1,0 +1,350 @@
+"""Record the traced runs the walkthrough notebooks load (traces/recorded-*), from real servers.
+
+    .venv/bin/python scripts/record_traces.py                     every run, into traces/
+    .venv/bin/python scripts/record_traces.py lifecycle kv-tight  only these
+    .venv/bin/python scripts/record_traces.py --out /tmp/runs lifecycle
+
+Each recording starts `tinyserve serve --trace --trace-dir <tmp>` on the built-in model as
+a subprocess, waits for /health, sends one tiny warm-up request, drives a workload over
+HTTP (the `openai` client for the single chat, httpx for the rest), stops the server with
+SIGTERM (it drains and flushes every span on the way out) and moves the run folder to
+<out>/recorded-<name>/. The warm-up request's trace, and the steps that served only it,
+are then removed from the files; everything else is exactly what the server wrote. A
+recording.json next to them says how the run was made: the server command, the
+workload, and a fingerprint of the model that served it. Sampling is greedy or seeded
+everywhere, so every request can be replayed; prompts and arrival times come from fixed
+seeds.
+
+The notebooks call `record(name, out_dir)` themselves when RECORD_FRESH is set.
+"""
+
+import argparse
+import asyncio
+import concurrent.futures
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from a checkout that is not pip-installed
+    sys.path.insert(0, str(ROOT))
+MODEL = "tinyserve-default"
+RECORDING_FILE = "recording.json"
+
+# PEP 20, the prompts' raw material: the built-in model was trained on it, so its
+# outputs stay on topic, and the text is the same on every Python.
+ZEN = [
+    "Beautiful is better than ugly.", "Explicit is better than implicit.", "Simple is better than complex.",
+    "Complex is better than complicated.", "Flat is better than nested.", "Sparse is better than dense.",
+    "Readability counts.", "Special cases aren't special enough to break the rules.",
+    "Although practicality beats purity.", "Errors should never pass silently.", "Unless explicitly silenced.",
+    "In the face of ambiguity, refuse the temptation to guess.",
+    "There should be one-- and preferably only one --obvious way to do it.",
+    "Although that way may not be obvious at first unless you're Dutch.", "Now is better than never.",
+    "Although never is often better than *right* now.",
+    "If the implementation is hard to explain, it's a bad idea.",
+    "If the implementation is easy to explain, it may be a good idea.",
+    "Namespaces are one honking great idea -- let's do more of those!",
+]  # fmt: skip
+
+
+@dataclass
+class Request:
+    """One HTTP request of a workload: sent `at_s` seconds after the workload starts."""
+
+    at_s: float
+    path: str  # /v1/completions or /v1/chat/completions
+    body: dict
+
+
+@dataclass
+class Recording:
+    name: str
+    description: str
+    flags: list[str]
+    workload: list[Request] = field(default_factory=list)
+    single_chat: dict | None = None  # sent with the openai client instead of a workload
+
+
+def zen_text(rng: random.Random, num_chars: int) -> str:
+    """Zen lines in a seeded random order until the text is about `num_chars` long (~4 chars a token)."""
+    lines = []
+    while sum(len(line) + 1 for line in lines) < num_chars:
+        lines.append(rng.choice(ZEN))
+    return " ".join(lines)
+
+
+def completion(at_s: float, prompt: str, max_tokens: int, **extra) -> Request:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **extra}
+    return Request(at_s, "/v1/completions", body)
+
+
+def lifecycle() -> Recording:
+    chat = {
+        "messages": [{"role": "system", "content": "You answer with one line of the Zen of Python."},
+                     {"role": "user", "content": "Which is better, flat or nested?"}],
+        "max_tokens": 24, "temperature": 0.8, "seed": 1234, "stream": True,
+    }
+    return Recording("lifecycle", "one streamed chat request (temperature 0.8, seed 1234), end to end", [],
+                     single_chat=chat)
+
+
+def mixed() -> Recording:
+    """Prompts of ~10 to ~330 tokens and outputs of 8 to 96, arriving over ~0.5 s, with a small token budget."""
+    rng = random.Random(2)
+    workload, at = [], 0.0
+    for num_chars in (60, 1200, 200, 40, 600, 120, 900, 80, 300, 1000, 50, 400, 150, 700, 90, 250):
+        workload.append(completion(at, zen_text(rng, num_chars), rng.choice((8, 16, 32, 64, 96))))
+        at += rng.expovariate(50.0)
+    return Recording("mixed", "16 completions arriving over time (Poisson, 50/s), mixed prompt and output lengths, "
+                     "chunked prefill with a 64-token step budget and 6 seats",
+                     ["--max-num-batched-tokens", "64", "--max-num-seqs", "6"], workload)
+
+
+def kv_workload() -> list[Request]:
+    """12 chats sharing a ~250-token system prompt, 4 every 30 ms, each asked for 48 tokens."""
+    rng = random.Random(3)
+    system = "You are a Python style reviewer. Judge every answer by these rules: " + " ".join(ZEN)
+    workload = []
+    for i in range(12):
+        body = {"model": MODEL, "max_tokens": 48, "temperature": 0.0, "ignore_eos": True,
+                "messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": f"Review this: {zen_text(rng, 80)}"}]}
+        workload.append(Request(0.03 * (i // 4), "/v1/chat/completions", body))
+    return workload
+
+
+def kv_tight() -> Recording:
+    return Recording("kv-tight", "12 chats with a shared system prompt on a 40-block KV pool: prefix-cache hits "
+                     "and preemptions", ["--num-kv-blocks", "40", "--max-num-batched-tokens", "256"], kv_workload())
+
+
+def kv_roomy() -> Recording:
+    return Recording("kv-roomy", "the kv-tight workload on a 1024-block pool: the same requests, no preemption",
+                     ["--num-kv-blocks", "1024", "--max-num-batched-tokens", "256"], kv_workload())
+
+
+LOAD_FLAGS = ["--max-num-seqs", "4"]  # 4 seats: an engine on a CPU saturates at tens of requests per second
+
+
+def load_workload(rate: float, num_requests: int = 24) -> list[Request]:
+    """Poisson arrivals at `rate` requests/s; prompts of ~15-150 tokens, 8-24 output tokens, half of them streamed."""
+    rng = random.Random(4)  # the same prompts at every rate: only the arrival times scale
+    workload, at = [], 0.0
+    for i in range(num_requests):
+        extra = {"stream": True} if i % 2 else {}
+        if i % 3 == 0:  # seeded sampling, still replayable
+            extra.update(temperature=0.8, seed=i)
+        workload.append(completion(at, zen_text(rng, rng.randint(60, 600)), rng.randint(8, 24), **extra))
+        at += rng.expovariate(1.0) / rate
+    return workload
+
+
+def load(rate: int) -> Recording:
+    return Recording(f"load-{rate}rps", f"24 completions, Poisson arrivals at {rate} requests/s, 4 seats",
+                     LOAD_FLAGS, load_workload(rate))
+
+
+def load_dp() -> Recording:
+    return Recording("load-dp2", "the load-75rps workload on two engine processes (--data-parallel-size 2), "
+                     "4 seats each", [*LOAD_FLAGS, "--data-parallel-size", "2"], load_workload(75))
+
+
+RECORDINGS = {r.name: r for r in (lifecycle(), mixed(), kv_tight(), kv_roomy(), load(5), load(25), load(75), load_dp())}
+
+
+# ---- the server and the client ------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# One torch thread per process: a 4M-parameter model gains nothing from more, and on a
+# machine with few cores, threads of several processes spinning against each other
+# make steps ten times slower or worse, and the timings erratic.
+SERVER_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def tail(log, num_chars: int = 3000) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()[-num_chars:]
+
+
+def start_server(port: int, trace_dir: Path, flags: list[str], log, timeout_s: float = 300.0) -> subprocess.Popen:
+    """`tinyserve serve --trace` as a subprocess of its own session; returns once /health answers."""
+    command = [sys.executable, "-m", "tinyserve.cli.main", "serve", "--port", str(port), "--trace",
+               "--trace-dir", str(trace_dir), *flags]
+    env = dict(os.environ, **SERVER_ENV, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s  # the first start may build the built-in model (~1 min)
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}:\n{tail(log)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    stop_server(process)
+    raise RuntimeError(f"the server did not become healthy in {timeout_s:.0f} s:\n{tail(log)}")
+
+
+def stop_server(process: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM: the server drains, the engines flush their spans, then the API process flushes its own."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise RuntimeError("the server did not stop on SIGTERM; its spans may be incomplete") from None
+
+
+async def send(client: httpx.AsyncClient, start: float, request: Request) -> None:
+    await asyncio.sleep(max(0.0, start + request.at_s - time.monotonic()))
+    async with client.stream("POST", request.path, json=request.body) as response:
+        body = await response.aread()  # a streamed answer is read to its last event, like a client would
+    if response.status_code != 200:
+        raise RuntimeError(f"{request.path} answered {response.status_code}: {body[:500]!r}")
+
+
+async def drive(url: str, workload: list[Request]) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        start = time.monotonic()
+        await asyncio.gather(*(send(client, start, request) for request in workload))
+
+
+def run_workload(url: str, workload: list[Request]) -> None:
+    """Drive the workload on an event loop of its own thread: the caller may be running one (a Jupyter kernel is)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(asyncio.run, drive(url, workload)).result()
+
+
+def chat_once(url: str, chat: dict) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    stream = client.chat.completions.create(model=MODEL, **chat)
+    for _ in stream:
+        pass
+
+
+def model_fingerprint() -> str:
+    """sha256 over the built-in model's weights and tokenizer: replay matches only on the same model."""
+    from tinyserve.models.default_model import default_model_path
+
+    digest = hashlib.sha256()
+    folder = default_model_path()
+    for path in sorted(folder.glob("*.safetensors")) + [folder / "tokenizer.json"]:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def warm_up(url: str) -> str:
+    """One tiny request before the workload: the first forward pass of a fresh engine pays
+    for allocating and tuning its kernels (~0.4 s on a CPU), which is no part of what the
+    notebooks show. Returns its response id, so drop_requests can take it out of the run."""
+    body = {"model": MODEL, "prompt": "Warm up.", "max_tokens": 2, "temperature": 0.0}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    response.raise_for_status()
+    return response.json()["id"]
+
+
+def drop_requests(run_dir: Path, response_ids: set[str]) -> None:
+    """Remove these requests from a run folder: their traces, and the step traces that served only them."""
+    from tinyserve.lifecycle import schema
+    from tinyserve.lifecycle.otlp_json import read_spans
+
+    files = sorted(run_dir.glob("*.jsonl"))
+    spans = [span for path in files for span in read_spans(path)]
+    dropped = {s.trace_id for s in spans if s.attributes.get(schema.GEN_AI_RESPONSE_ID) in response_ids}
+    engine_ids = {s.attributes[schema.REQUEST_ID] for s in spans
+                  if s.trace_id in dropped and schema.REQUEST_ID in s.attributes}
+    dropped |= {s.trace_id for s in spans if s.name == schema.STEP
+                and set(s.attributes.get(schema.STEP_REQUEST_IDS, [])) <= engine_ids}
+    for path in files:
+        lines = []
+        for line in path.read_text().splitlines():
+            export = json.loads(line)
+            for resource_spans in export["resourceSpans"]:
+                for scope_spans in resource_spans["scopeSpans"]:
+                    scope_spans["spans"] = [s for s in scope_spans["spans"] if s["traceId"] not in dropped]
+                resource_spans["scopeSpans"] = [s for s in resource_spans["scopeSpans"] if s["spans"]]
+            export["resourceSpans"] = [r for r in export["resourceSpans"] if r["scopeSpans"]]
+            if export["resourceSpans"]:
+                lines.append(json.dumps(export, separators=(",", ":")))
+        path.write_text("".join(line + "\n" for line in lines))
+
+
+def record(name: str, out_dir: str | Path) -> Path:
+    """Record one run of RECORDINGS into <out_dir>/recorded-<name>/ (replacing it) and return that folder."""
+    if name not in RECORDINGS:
+        raise ValueError(f"name must be one of {sorted(RECORDINGS)}, got {name!r}")
+    recording = RECORDINGS[name]
+    target = Path(out_dir) / f"recorded-{name}"
+    with tempfile.TemporaryDirectory(prefix="tinyserve-record-") as scratch:
+        trace_dir, port = Path(scratch) / "traces", free_port()
+        with open(Path(scratch) / "server.log", "w+") as log:
+            process = start_server(port, trace_dir, recording.flags, log)
+            try:
+                url = f"http://127.0.0.1:{port}"
+                warm_up_id = warm_up(url)
+                if recording.single_chat is not None:
+                    chat_once(url, recording.single_chat)
+                else:
+                    run_workload(url, recording.workload)
+            finally:
+                stop_server(process)
+        [run_dir] = list(trace_dir.iterdir())
+        drop_requests(run_dir, {warm_up_id, f"{warm_up_id}-0"})  # a completion's span is named per prompt
+        if target.exists():
+            shutil.rmtree(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(run_dir), target)
+    command = [*(f"{key}={value}" for key, value in SERVER_ENV.items()), "tinyserve", "serve", "--trace",
+               "--trace-dir", "traces", *recording.flags]
+    about = {
+        "name": name, "description": recording.description, "command": " ".join(command),
+        "model_fingerprint": model_fingerprint(), "python": sys.version.split()[0],
+        "single_chat": recording.single_chat, "workload": [asdict(r) for r in recording.workload],
+    }
+    (target / RECORDING_FILE).write_text(json.dumps(about, indent=1) + "\n")
+    return target
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help=f"runs to record (default: all of {', '.join(RECORDINGS)})")
+    parser.add_argument("--out", default=str(ROOT / "traces"), help="folder for the recorded-<name> run folders")
+    args = parser.parse_args()
+    for name in args.names or RECORDINGS:
+        started = time.monotonic()
+        target = record(name, args.out)
+        size = sum(p.stat().st_size for p in target.iterdir())
+        print(f"{target}: {size / 1e6:.2f} MB in {time.monotonic() - started:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
