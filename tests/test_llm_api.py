@@ -161,3 +161,14 @@ def test_aborting_running_requests_frees_every_block(llm):
 def test_top_k_beyond_any_vocabulary_is_rejected():
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=2**63)
+
+
+def test_engine_starts_warmed_up_with_every_block_free():
+    llm = LLM(str(tiny_model_with_tokenizer("llama")), num_kv_blocks=4)
+    pool = llm.engine_core.kv_cache_manager.pool
+    assert pool.num_free_blocks == 4 and not pool.cached_blocks
+    # Block 0 held the warm-up's K/V; a request given block 0 still gets the right tokens.
+    prompt = {"prompt_token_ids": list(range(20, 40))}
+    fresh = llm.generate(prompt, greedy(max_tokens=6), use_tqdm=False)[0].outputs[0].token_ids
+    llm.engine_core.reset_prefix_cache()
+    assert llm.generate(prompt, greedy(max_tokens=6), use_tqdm=False)[0].outputs[0].token_ids == fresh

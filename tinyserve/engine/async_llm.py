@@ -237,11 +237,13 @@ class AsyncLLM:
         return child_requests
 
     async def _send(self, request: EngineCoreRequest, spans) -> int:
-        with spans.stage(schema.IPC_SEND, {schema.REQUEST_ID: request.request_id}) as send_span:
+        attributes = {schema.REQUEST_ID: request.request_id}
+        if spans is not NO_SPANS:  # the message's size, measured before the span so the span is the send alone
+            attributes[schema.IPC_BYTES] = len(msgspec.msgpack.encode(request))
+        with spans.stage(schema.IPC_SEND, attributes) as send_span:
             engine_index = await self.client.add_request(request)
             if send_span is not None:
-                send_span.set_attributes({schema.ENGINE_INDEX: engine_index,
-                                          schema.IPC_BYTES: len(msgspec.msgpack.encode(request))})
+                send_span.set_attribute(schema.ENGINE_INDEX, engine_index)
         for logger in self.stat_loggers:
             logger.on_request(request)
         return engine_index

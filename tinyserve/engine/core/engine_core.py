@@ -66,6 +66,7 @@ class EngineCore:
             device=device,
             seed=args.seed,
         )
+        self.model_runner.warm_up()
         self.last_step: StepRecord | None = None
         # Tracing: spans are built on the builder's own thread from what each step recorded.
         self.span_builder = EngineSpanBuilder(engine_index) if tracing_enabled() else None

@@ -49,7 +49,7 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks[request_id]]
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Leading blocks of `request` already in the prefix cache, and how many tokens they hold."""

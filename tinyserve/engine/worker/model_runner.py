@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.engine.core.request import Request
-from tinyserve.engine.core.scheduler_output import SchedulerOutput
+from tinyserve.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from tinyserve.engine.messages import TokenLogprobs
 from tinyserve.engine.worker.sampler import Sampler
 from tinyserve.kernels.metadata import AttentionMetadata
@@ -98,6 +98,20 @@ class ModelRunner:
             logits_indices=on_device(logits_indices, torch.int64),
             sampling_request_ids=sampling_ids,
         )
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One forward pass over a dummy prompt, so the first real request does not pay the
+        one-time costs (memory allocation, kernel selection, Triton compilation on a GPU).
+
+        It writes K/V only into block 0, which is free: whichever request gets block 0
+        later writes its own tokens there before anything reads them.
+        """
+        dummy = ScheduledRequest("warm-up", 0, self.block_size, [0] * self.block_size, [0],
+                                 samples_token=True, is_prefill=True)
+        inputs = self.prepare_inputs(SchedulerOutput(step_id=0, scheduled=[dummy]))
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        self.model.compute_logits(hidden[inputs.logits_indices])
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> ModelRunnerOutput:
