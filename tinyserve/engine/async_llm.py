@@ -30,9 +30,9 @@ the ones left with finish_reason "abort", through the engines as any abort.
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import msgspec
-from collections.abc import AsyncIterator
 
 from tinyserve.config import EngineArgs, ModelInfo, check_kv_fit
 from tinyserve.engine.core_client import EngineDeadError, MPClient
@@ -45,7 +45,6 @@ from tinyserve.lifecycle.request_spans import NO_SPANS
 from tinyserve.models.tokenizer import load_tokenizer
 from tinyserve.outputs import RequestOutput
 from tinyserve.sampling_params import SamplingParams
-
 
 logger = logging.getLogger("tinyserve.requests")
 _LOG_PROMPT_CHARS = 200
