@@ -1,0 +1,499 @@
+"""tinyserve beside Hugging Face transformers, on one machine, in one run.
+
+The model is a ~27M-parameter Llama built here with random weights (8 layers, hidden 512,
+8 query heads over 4 KV heads of dimension 64, SwiGLU 1376, vocab 8192, tied embeddings),
+saved with a byte-level BPE tokenizer of the same 8192 ids in a temporary folder. The
+prompts are random token ids (no special tokens), decoding is greedy and end-of-sequence
+is ignored, so every contender does exactly the same work:
+
+    workload A   32 prompts of 16–256 tokens, 64 new tokens each
+    workload B   the same prompts, 8–128 new tokens each (varied)
+
+Contenders:
+
+    transformers static     one left-padded batch through `model.generate`
+                            (min_new_tokens = max_new_tokens, so EOS is ignored). For B the
+                            batch runs to the longest output and only the wanted tokens are
+                            counted: that is what a static batch costs, since the batch
+                            holds its seats until its longest request is done.
+    transformers continuous `model.continuous_batching_context_manager`, one request per
+                            prompt with its own max_new_tokens (paged cache, sdpa)
+    tinyserve               `LLM.generate` (prefix caching off, so a repetition cannot
+                            reuse the previous one's KV blocks)
+    tinyserve traced        the same with `trace_dir=` (every span written to a file)
+
+Each contender lives in its own process (tinyserve's tracing is a process-wide setting)
+and runs the workload once to warm up; then the contenders take turns, --repeats rounds,
+who goes first rotating, so a slow moment of a shared machine is spread over all of
+them. The figures are the median time and the best run (medians resist one slow run;
+the best run is the closest to an idle machine).
+Throughput is generated tokens per second. tinyserve's time includes detokenizing its
+outputs, which transformers' generate does not do.
+
+The roofline line bounds what any engine could do on this machine: the workload's
+FLOPs (2 per weight per token, plus attention) at the fp32 matmul rate measured here,
+and the bytes an ideal batched engine must move (every weight once per step, at least
+one step per output token, plus the KV cache each decode step reads) at the copy
+bandwidth measured here. The larger of the two times is the bound.
+
+    python benchmarks/compare.py [--repeats 3] [--quick] [--output-json FILE]
+
+--quick runs a tiny model (4 prompts, 8 tokens, 1 repeat) for the test suite.
+"""
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout: tinyserve needs no install
+
+import numpy as np
+import torch
+import transformers
+from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from tinyserve.bench.datasets import vocabulary_pool
+from tinyserve.models.corpus import stdlib_docstrings, zen_of_python
+from tinyserve.models.default_model import TOKENIZER_MODULES
+from tinyserve.models.tokenizer import (
+    DEFAULT_CHAT_TEMPLATE,
+    EOS_TOKEN,
+    PAD_TOKEN,
+    SPECIAL_TOKENS,
+    save_tokenizer_files,
+    train_bpe_tokenizer,
+)
+
+BYTES_PER_PARAM = 4  # fp32 everywhere
+BLOCK_SIZE = 16
+MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class Shape:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+
+    @property
+    def layer_matmul_params(self) -> int:
+        q_o = 2 * self.hidden_size * self.num_heads * self.head_dim
+        k_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+        return q_o + k_v + 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def body_matmul_params(self) -> int:
+        return self.num_layers * self.layer_matmul_params
+
+    @property
+    def head_params(self) -> int:  # the tied embedding, used as the output projection
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * BYTES_PER_PARAM
+
+
+FULL = Shape(vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
+             intermediate_size=1376)
+QUICK = Shape(vocab_size=384, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+              intermediate_size=128)
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def describe(self) -> str:
+        lens = [len(p) for p in self.prompts]
+        outs = sorted(set(self.output_lens))
+        out_text = f"{outs[0]} new tokens each" if len(outs) == 1 else \
+            f"{min(outs)}–{max(outs)} new tokens (total {self.output_tokens})"
+        return (f"workload {self.name}: {len(self.prompts)} prompts of {min(lens)}–{max(lens)} tokens "
+                f"(total {self.prompt_tokens}), {out_text}; greedy, EOS ignored")
+
+
+@dataclass
+class Measurement:
+    name: str
+    times: list[float]
+    outputs: list[list[int]] = field(repr=False)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def best(self) -> float:
+        return min(self.times)
+
+
+# ---- the machine ---------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def describe_machine() -> str:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"{cpu_model()}, {cores} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+            f"transformers {transformers.__version__}, python {platform.python_version()}, "
+            f"load average {load} (1/5/15 min)")
+
+
+def best_time(fn: Callable[[], None], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def matmul_flops_per_second(n: int) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / best_time(lambda: torch.mm(a, b), repeats=5)
+
+
+def copy_bytes_per_second(num_bytes: int) -> float:
+    src = torch.ones(num_bytes // 4)
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / best_time(lambda: dst.copy_(src), repeats=5)  # read + write
+
+
+# ---- the model -----------------------------------------------------------------------
+
+
+def build_model(folder: str, shape: Shape, quick: bool) -> int:
+    """Write a random-weight Llama and a tokenizer of the same vocabulary; return the parameter count."""
+    texts = zen_of_python() if quick else zen_of_python() + stdlib_docstrings(TOKENIZER_MODULES)
+    tokenizer = train_bpe_tokenizer(texts, shape.vocab_size)
+    if tokenizer.get_vocab_size() != shape.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} ids, the model {shape.vocab_size}")
+    eos, pad = tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(PAD_TOKEN)
+    config = LlamaConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim, max_position_embeddings=2048,
+        tie_word_embeddings=True, bos_token_id=tokenizer.token_to_id(SPECIAL_TOKENS[0]), eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+    model.save_pretrained(folder)
+    save_tokenizer_files(tokenizer, folder, DEFAULT_CHAT_TEMPLATE)
+    return model.num_parameters()
+
+
+def make_workloads(shape: Shape, quick: bool, seed: int = 0) -> list[Workload]:
+    rng = np.random.default_rng(seed)
+    pool = np.asarray(vocabulary_pool(shape.vocab_size, range(len(SPECIAL_TOKENS))))
+    num_prompts, (low, high), new_tokens, (out_low, out_high) = \
+        (4, (8, 32), 8, (2, 8)) if quick else (32, (16, 256), 64, (8, 128))
+    lens = rng.integers(low, high + 1, size=num_prompts)
+    prompts = [pool[rng.integers(0, len(pool), size=n)].tolist() for n in lens]
+    varied = rng.integers(out_low, out_high + 1, size=num_prompts).tolist()
+    return [Workload("A", prompts, [new_tokens] * num_prompts), Workload("B", prompts, varied)]
+
+
+# ---- the contenders: each returns the generated token ids of every request ------------
+
+
+def load_hf(folder: str) -> LlamaForCausalLM:
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_static(model: LlamaForCausalLM, workload: Workload) -> list[list[int]]:
+    pad = model.generation_config.pad_token_id
+    width = max(len(p) for p in workload.prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in workload.prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in workload.prompts])
+    longest = max(workload.output_lens)
+    config = GenerationConfig(do_sample=False, max_new_tokens=longest, min_new_tokens=longest, pad_token_id=pad,
+                              eos_token_id=model.generation_config.eos_token_id)
+    with torch.no_grad():
+        out = model.generate(input_ids, attention_mask=attention_mask, generation_config=config)
+    return [row[width:width + n].tolist() for row, n in zip(out, workload.output_lens)]
+
+
+def hf_continuous(model: LlamaForCausalLM, workload: Workload) -> list[list[int]]:
+    num_blocks = len(workload.prompts) * -(-(max(len(p) for p in workload.prompts) + max(workload.output_lens)) // 64)
+    cb_config = ContinuousBatchingConfig(page_size=64, num_blocks=num_blocks + 8,
+                                         max_batch_tokens=MAX_NUM_BATCHED_TOKENS, allow_block_sharing=False)
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(workload.output_lens), eos_token_id=-1,
+                              pad_token_id=model.generation_config.pad_token_id)
+    results = {}
+    with model.continuous_batching_context_manager(generation_config=config,
+                                                   continuous_batching_config=cb_config) as manager:
+        ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1)
+               for p, n in zip(workload.prompts, workload.output_lens)]
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped before finishing")
+    return [list(results[i].generated_tokens) for i in ids]
+
+
+def make_llm(folder: str, num_kv_blocks: int, trace_dir: str | None = None):
+    from tinyserve import LLM
+
+    return LLM(folder, trace_dir=trace_dir, num_kv_blocks=num_kv_blocks, block_size=BLOCK_SIZE,
+               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_prefix_caching=False)
+
+
+def tinyserve_generate(llm, workload: Workload) -> list[list[int]]:
+    from tinyserve import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+CONTENDERS = ("transformers static", "transformers continuous", "tinyserve", "tinyserve traced")
+
+
+def make_runner(name: str, folder: str, num_kv_blocks: int, trace_dir: str) -> Callable[[Workload], list[list[int]]]:
+    if name == "transformers static":
+        model = load_hf(folder)
+        return lambda workload: hf_static(model, workload)
+    if name == "transformers continuous":
+        model = load_hf(folder)
+        return lambda workload: hf_continuous(model, workload)
+    llm = make_llm(folder, num_kv_blocks, trace_dir if name == "tinyserve traced" else None)
+    return lambda workload: tinyserve_generate(llm, workload)
+
+
+def contender_process(name: str, folder: str, num_kv_blocks: int, trace_dir: str, conn) -> None:
+    """One contender in its own process: built once, then timing each workload the parent sends.
+
+    A process each keeps tracing (a process-wide setting in tinyserve) on in one and off
+    in the other, and lets the parent interleave the contenders' runs.
+    """
+    run = make_runner(name, folder, num_kv_blocks, trace_dir)
+    conn.send("ready")
+    while (workload := conn.recv()) is not None:
+        start = time.perf_counter()
+        outputs = run(workload)
+        conn.send((time.perf_counter() - start, outputs))
+    if name == "tinyserve traced":
+        from tinyserve.lifecycle.tracing import shutdown_tracing
+
+        shutdown_tracing()
+
+
+def run_contenders(folder: str, num_kv_blocks: int, trace_dir: str, workloads: list[Workload],
+                   repeats: int) -> dict[str, list[Measurement]]:
+    """Warm each contender up, then run them in turn, repeat after repeat, rotating who goes first.
+
+    Only one contender runs at any moment; interleaving spreads the machine's slow
+    moments over all of them instead of over whichever ran during them.
+    """
+    context = multiprocessing.get_context("spawn")
+    workers = {}
+    try:
+        for name in CONTENDERS:
+            conn, child_conn = context.Pipe()
+            process = context.Process(target=contender_process, args=(name, folder, num_kv_blocks, trace_dir,
+                                                                      child_conn), daemon=True)
+            process.start()
+            workers[name] = (process, conn)
+        for name, (_, conn) in workers.items():
+            if conn.recv() != "ready":
+                raise RuntimeError(f"{name} did not start")
+
+        def run(name: str, workload: Workload) -> tuple[float, list[list[int]]]:
+            conn = workers[name][1]
+            conn.send(workload)
+            return conn.recv()
+
+        results = {}
+        for workload in workloads:
+            times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+            outputs = {name: run(name, workload)[1] for name in CONTENDERS}  # warm-up
+            for repeat in range(repeats):
+                shift = repeat % len(CONTENDERS)
+                for name in CONTENDERS[shift:] + CONTENDERS[:shift]:
+                    elapsed, outputs[name] = run(name, workload)
+                    times[name].append(elapsed)
+                    print(f"  {workload.name} {name:<26} {elapsed:.2f}s", file=sys.stderr, flush=True)
+            results[workload.name] = [Measurement(name, times[name], outputs[name]) for name in CONTENDERS]
+        return results
+    finally:
+        for process, conn in workers.values():
+            if process.is_alive():
+                conn.send(None)
+        for process, _ in workers.values():
+            process.join(timeout=60)
+
+
+# ---- the roofline --------------------------------------------------------------------
+
+
+@dataclass
+class Roofline:
+    flops: float
+    bytes: float
+    flops_per_second: float
+    bytes_per_second: float
+
+    @property
+    def compute_time(self) -> float:
+        return self.flops / self.flops_per_second
+
+    @property
+    def memory_time(self) -> float:
+        return self.bytes / self.bytes_per_second
+
+    @property
+    def bound(self) -> float:
+        return max(self.compute_time, self.memory_time)
+
+
+def roofline(shape: Shape, workload: Workload, flops_per_second: float, bytes_per_second: float) -> Roofline:
+    """FLOPs and bytes of the workload for an ideal engine (see the module docstring)."""
+    attention_flops_per_context_token = 4 * shape.num_layers * shape.num_heads * shape.head_dim  # QKᵀ and PV
+    flops = 0.0
+    kv_bytes = 0.0
+    for prompt, n in zip(workload.prompts, workload.output_lens):
+        positions = len(prompt) + n - 1  # the last sampled token is never fed back
+        flops += 2 * shape.body_matmul_params * positions
+        flops += attention_flops_per_context_token * positions * (positions + 1) / 2  # causal: position t sees t+1
+        flops += 2 * shape.head_params * n  # logits only where a token is sampled
+        # Each decode position reads the KV of everything before it.
+        kv_bytes += shape.kv_bytes_per_token * sum(range(len(prompt), positions))
+    weight_bytes = (shape.body_matmul_params + shape.head_params) * BYTES_PER_PARAM
+    steps = max(workload.output_lens)  # at least one step per output token, each reading every weight
+    return Roofline(flops, steps * weight_bytes + kv_bytes, flops_per_second, bytes_per_second)
+
+
+# ---- the run -------------------------------------------------------------------------
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> str:
+    return f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
+
+
+def report(workload: Workload, results: list[Measurement], line: Roofline) -> tuple[str, dict]:
+    base = results[0].median
+    rows = [workload.describe(), "",
+            f"{'contender':<26} {'median s':>9} {'best s':>7} {'output tok/s':>13} {'total tok/s':>12} "
+            f"{'vs HF static':>13} {'(best)':>7}"]
+    figures = {}
+    for m in results:
+        out_rate = workload.output_tokens / m.median
+        total_rate = (workload.output_tokens + workload.prompt_tokens) / m.median
+        rows.append(f"{m.name:<26} {m.median:>9.2f} {m.best:>7.2f} {out_rate:>13.1f} {total_rate:>12.1f} "
+                    f"{base / m.median:>12.2f}x {results[0].best / m.best:>6.2f}x")
+        figures[m.name] = {"times": m.times, "median_s": m.median, "best_s": m.best, "output_tok_s": out_rate,
+                           "total_tok_s": total_rate, "vs_hf_static": base / m.median,
+                           "vs_hf_static_best": results[0].best / m.best}
+    by_name = {m.name: m for m in results}
+    tiny, traced = by_name["tinyserve"], by_name["tinyserve traced"]
+    kind = "compute" if line.compute_time >= line.memory_time else "memory"
+    rows += [
+        "",
+        f"roofline: {line.flops / 1e9:.1f} GFLOP at {line.flops_per_second / 1e9:.1f} GFLOP/s = "
+        f"{line.compute_time:.2f} s; {line.bytes / 1e9:.2f} GB at {line.bytes_per_second / 1e9:.1f} GB/s = "
+        f"{line.memory_time:.2f} s -> {kind}-bound, at least {line.bound:.2f} s; "
+        f"tinyserve reaches {line.bound / tiny.median:.1%} of it ({line.bound / tiny.best:.1%} in its best run)",
+        f"tracing overhead: traced / untraced time = {traced.median / tiny.median:.3f} (medians), "
+        f"{traced.best / tiny.best:.3f} (best runs)",
+        "greedy outputs equal to tinyserve's: "
+        f"transformers static {agreement(by_name['transformers static'].outputs, tiny.outputs)}, "
+        f"continuous {agreement(by_name['transformers continuous'].outputs, tiny.outputs)}, "
+        f"tinyserve traced {agreement(traced.outputs, tiny.outputs)} requests",
+    ]
+    figures["roofline"] = {"flops": line.flops, "bytes": line.bytes, "bound_s": line.bound, "bound_kind": kind,
+                           "tinyserve_fraction": line.bound / tiny.median,
+                           "tinyserve_fraction_best": line.bound / tiny.best}
+    figures["tracing_overhead"] = {"median": traced.median / tiny.median, "best": traced.best / tiny.best}
+    return "\n".join(rows), figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed runs per contender (default 3; 1 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 4 prompts, 8 tokens: a smoke test")
+    parser.add_argument("--output-json", default=None, help="also write every figure here")
+    args = parser.parse_args(argv)
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    if repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {repeats}")
+    shape = QUICK if args.quick else FULL
+
+    machine = describe_machine()
+    print(f"machine: {machine}")
+    flops_per_second = matmul_flops_per_second(256 if args.quick else 2048)
+    bytes_per_second = copy_bytes_per_second((16 if args.quick else 256) << 20)
+    print(f"measured here: fp32 matmul {flops_per_second / 1e9:.1f} GFLOP/s, "
+          f"memory copy {bytes_per_second / 1e9:.1f} GB/s")
+
+    with tempfile.TemporaryDirectory(prefix="tinyserve-compare-") as tmp:
+        folder = os.path.join(tmp, "model")
+        num_params = build_model(folder, shape, args.quick)
+        print(f"model: Llama, {shape.num_layers} layers, hidden {shape.hidden_size}, {shape.num_heads} heads "
+              f"({shape.num_kv_heads} KV) of {shape.head_dim}, intermediate {shape.intermediate_size}, "
+              f"vocab {shape.vocab_size}, tied embeddings: {num_params / 1e6:.1f}M parameters "
+              f"({num_params * BYTES_PER_PARAM / 1e6:.0f} MB fp32)")
+        print(f"timing: each contender in its own process, 1 warm-up + {repeats} runs each, interleaved, median; "
+              f"tinyserve budget {MAX_NUM_BATCHED_TOKENS} tokens/step, prefix caching off")
+        workloads = make_workloads(shape, args.quick)
+        longest = max(len(p) for p in workloads[0].prompts) + max(max(w.output_lens) for w in workloads)
+        num_kv_blocks = len(workloads[0].prompts) * -(-longest // BLOCK_SIZE) + 8
+
+        results = run_contenders(folder, num_kv_blocks, os.path.join(tmp, "traces"), workloads, repeats)
+
+    figures = {"machine": machine, "num_parameters": num_params, "repeats": repeats,
+               "matmul_flops_per_second": flops_per_second, "copy_bytes_per_second": bytes_per_second}
+    for w in workloads:
+        text, figures[w.name] = report(w, results[w.name], roofline(shape, w, flops_per_second, bytes_per_second))
+        print("\n" + text)
+    print(f"\nat the end: load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
