@@ -74,19 +74,20 @@ def busy_server():
 
 
 def test_a_tight_kv_pool_preempts_and_still_completes_every_request(busy_server):
-    # 8 requests of 40 + 120 tokens need 8 × 10 blocks at the end; the pool has 64.
+    # 16 requests of 40 + 200 tokens need 16 × 15 blocks at the end; the pool has 64. Even
+    # if they arrive a little apart, far more of them run at once than the pool can hold.
     preemptions_before = metric(busy_server, "num_preemptions_total")
 
     def one(i):
-        body = {"model": MODEL, "prompt": [10 + i] * 40, "max_tokens": 120, "ignore_eos": True, "temperature": 0}
+        body = {"model": MODEL, "prompt": [10 + i] * 40, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
         return httpx.post(f"{busy_server.url}/v1/completions", json=body, timeout=120)
 
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        responses = list(pool.map(one, range(8)))
-    assert [r.status_code for r in responses] == [200] * 8
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        responses = list(pool.map(one, range(16)))
+    assert [r.status_code for r in responses] == [200] * 16
     for response in responses:
         [choice] = response.json()["choices"]
-        assert choice["finish_reason"] == "length" and response.json()["usage"]["completion_tokens"] == 120
+        assert choice["finish_reason"] == "length" and response.json()["usage"]["completion_tokens"] == 200
     assert metric(busy_server, "num_preemptions_total") > preemptions_before
     wait_until(lambda: is_idle(busy_server), 10, "the server is idle")
 
@@ -236,6 +237,8 @@ def sigterm_run(tmp_path_factory):
                 signalled = time.monotonic()
                 proc.process.send_signal(signal.SIGTERM)
                 short_lines += [line for line in lines if line]
+            # uvicorn notices the signal on its next tick; the late request must come after that.
+            wait_until(lambda: "draining" in proc.output(), 10, "the server starts draining")
             try:
                 late = httpx.post(f"{proc.url}/v1/completions", json={"model": MODEL, "prompt": "late"}, timeout=10)
                 late_outcome = late.status_code
