@@ -18,6 +18,7 @@ layer; that is most of the step time saved at large batch sizes on a CPU.
 """
 
 import torch
+import torch.nn.functional as F
 
 from tinyserve.kernels.metadata import AttentionMetadata
 
@@ -33,55 +34,37 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
     return kv[0], kv[1]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, may_attend: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(q·kᵀ·scale) · v over the allowed positions, with grouped-query heads.
-
-    q is [..., Hkv, R, D]: for each KV head, the rows of every query head that shares it
-    (G heads × Lq queries, head-major), so one matmul against that head's k [..., Hkv, Lk, D]
-    serves the whole group and k, v are never copied G times. may_attend broadcasts to
-    [..., Hkv, R, Lk]. It computes in float32 whatever the dtype: scores rounded to
-    bfloat16 would be off by ~0.05 at typical magnitudes. (Written out rather than through
-    scaled_dot_product_attention: with a mask on a CPU that takes a path several times
-    slower, ten times in bfloat16.)
-    """
-    dtype = q.dtype
-    q, k, v = q.float(), k.float(), v.float()
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~may_attend, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v).to(dtype)
-
-
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
                       scale: float) -> torch.Tensor:
     """One sequence's q_len queries, at positions seq_len - q_len .. seq_len - 1, causally."""
-    q_len, num_heads, head_dim = query.shape
-    k, v = gather_kv(kv_cache, block_table, seq_len)  # [seq_len, Hkv, D]
-    num_kv_heads = k.shape[1]
-    group = num_heads // num_kv_heads
-    # [q_len, H, D] -> [Hkv, G * q_len, D]: row g * q_len + j is query j of head g of the group.
-    q = query.transpose(0, 1).reshape(num_kv_heads, group * q_len, head_dim)
-    # Query j sits at position seq_len - q_len + j and sees keys 0..that position.
-    q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-    may_attend = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-    out = attend(q, k.transpose(0, 1), v.transpose(0, 1), may_attend.repeat(group, 1), scale)
-    return out.reshape(num_heads, q_len, head_dim).transpose(0, 1)
+    q_len = query.shape[0]
+    k, v = gather_kv(kv_cache, block_table, seq_len)
+    q, k, v = query.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
+    if q_len == seq_len:  # nothing cached before: the usual square causal mask
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # query j sits at position seq_len - q_len + j and sees keys 0..that position
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
 
 
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One query per sequence, all sequences at once: query [S, H, D] -> [S, H, D]."""
-    num_seqs, num_heads, head_dim = query.shape
+    num_seqs, _, head_dim = query.shape
     num_kv_heads = kv_cache.shape[-2]
     blocks = block_tables.long()
     # [S, max_blocks, block_size, Hkv, D] -> [S, Hkv, max_len, D]
     k = kv_cache[0][blocks].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     v = kv_cache[1][blocks].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    valid = torch.arange(k.shape[2], device=query.device)[None, :] < seq_lens[:, None]  # [S, max_len]
     # Padding slots hold whatever an earlier request left there (finite values: the
     # pool starts zeroed and only ever holds keys and values); the mask gives them weight 0.
-    valid = torch.arange(k.shape[2], device=query.device)[None, :] < seq_lens[:, None]  # [S, max_len]
-    q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [S, Hkv, G, D]
-    out = attend(q, k, v, valid[:, None, None, :], scale)  # [S, Hkv, G, D]
-    return out.reshape(num_seqs, num_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        query[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+    )  # [S, H, 1, D]
+    return out[:, :, 0, :]
 
 
 class TorchAttentionBackend:
