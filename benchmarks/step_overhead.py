@@ -1,0 +1,68 @@
+"""How much of a decode step is spent outside the model, at 64 running requests.
+
+Outside the model: Scheduler.schedule, ModelRunner.prepare_inputs (flattening the
+batch, slot mapping, block tables) and Scheduler.update_from_output. The engine's own
+step timestamps give schedule and update; prepare_inputs is timed around the call. The
+model is compare.py's 27M-parameter Llama (random weights), in fp32.
+
+    python benchmarks/step_overhead.py [--requests 64] [--max-tokens 40]
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # compare.py, beside this file
+
+import torch
+from compare import FULL, build_model
+
+from tinyserve import LLM, SamplingParams
+from tinyserve.engine.input_processor import ProcessedPrompt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=40)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        build_model(folder, FULL, quick=False)
+        llm = LLM(folder, num_kv_blocks=4096)
+    core, runner = llm.engine_core, llm.engine_core.model_runner
+    prepare_times = []
+    prepare = runner.prepare_inputs
+
+    def timed_prepare(scheduler_output):
+        start = time.perf_counter()
+        inputs = prepare(scheduler_output)
+        prepare_times.append(time.perf_counter() - start)
+        return inputs
+
+    runner.prepare_inputs = timed_prepare
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    for i in range(args.requests):
+        prompt = ProcessedPrompt(None, torch.randint(3, FULL.vocab_size, (64,), generator=generator).tolist())
+        core.add_request(llm.input_processor.make_request(f"r{i}", prompt, params))
+    outside, steps = [], []
+    while core.has_unfinished_requests:
+        prepare_times.clear()
+        core.step()
+        record = core.last_step
+        out = record.scheduler_output
+        if out.num_prefill_requests == 0 and len(out.scheduled) == args.requests:
+            schedule = record.schedule_end_time - record.start_time
+            update = record.end_time - record.execute_end_time
+            outside.append(schedule + prepare_times[0] + update)
+            steps.append(record.end_time - record.start_time)
+    share = statistics.median(o / s for o, s in zip(outside, steps))
+    print(f"decode steps at {args.requests} running: {len(steps)}; median step {statistics.median(steps) * 1e3:.1f} ms; "
+          f"schedule + input preparation + update = {statistics.median(outside) * 1e3:.2f} ms = {share:.1%} of the step")
+
+
+if __name__ == "__main__":
+    main()
