@@ -17,20 +17,9 @@ def paged_batch(query_lens, seq_lens, *, num_heads=4, num_kv_heads=2, head_dim=2
     block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
     for i, count in enumerate(blocks_per_seq):
         block_tables[i, :count] = torch.tensor([order.pop() for _ in range(count)])
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=list(seq_lens),
-    )
-    query = torch.randn(starts[-1], num_heads, head_dim, generator=generator)
+    metadata = AttentionMetadata.from_lengths(query_lens, seq_lens, block_tables,
+                                              torch.zeros(sum(query_lens), dtype=torch.int64))
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator)
     return query, kv_cache, metadata
 
 

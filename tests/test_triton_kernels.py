@@ -64,21 +64,9 @@ def make_paged_batch(
         seq_slots = block_tables[i, positions // block_size].long() * block_size + positions % block_size
         slots[:, seq_slots] = torch.randn(2, seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
         slot_mapping.append(seq_slots[seq_len - query_len :])
-    query_start_loc = [0]
-    for query_len in query_lens:
-        query_start_loc.append(query_start_loc[-1] + query_len)
     num_heads = num_kv_heads * queries_per_kv
-    metadata = AttentionMetadata(
-        slot_mapping=torch.cat(slot_mapping),
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=query_start_loc,
-        seq_lens_cpu=list(seq_lens),
-    )
-    query = torch.randn(query_start_loc[-1], num_heads, head_dim, generator=gen).to(dtype)
+    metadata = AttentionMetadata.from_lengths(query_lens, seq_lens, block_tables, torch.cat(slot_mapping))
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
     return PagedBatch(query, kv_cache, metadata, scale=head_dim**-0.5)
 
 

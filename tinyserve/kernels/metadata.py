@@ -38,6 +38,25 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
 
+    @classmethod
+    def from_lengths(cls, query_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> "AttentionMetadata":
+        """Build it from per-sequence lengths; tensors go to the device of block_tables."""
+        query_start_loc = [0]
+        for query_len in query_lens:
+            query_start_loc.append(query_start_loc[-1] + query_len)
+        device = block_tables.device
+        return cls(
+            slot_mapping=slot_mapping.to(device, non_blocking=True),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32).to(device, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+            block_tables=block_tables,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=list(seq_lens),
+        )
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)

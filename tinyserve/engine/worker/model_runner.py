@@ -59,7 +59,7 @@ class ModelRunner:
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         bs = self.block_size
         input_ids, positions, slot_mapping = [], [], []
-        query_start_loc, seq_lens, logits_indices, sampling_ids = [0], [], [], []
+        query_lens, seq_lens, logits_indices, sampling_ids = [], [], [], []
         for scheduled in scheduler_output.scheduled:
             start = scheduled.num_computed_tokens
             end = start + scheduled.num_new_tokens
@@ -67,10 +67,10 @@ class ModelRunner:
             input_ids += scheduled.token_ids
             positions += range(start, end)
             slot_mapping += [blocks[pos // bs] * bs + pos % bs for pos in range(start, end)]
-            query_start_loc.append(query_start_loc[-1] + scheduled.num_new_tokens)
+            query_lens.append(scheduled.num_new_tokens)
             seq_lens.append(end)
             if scheduled.samples_token:
-                logits_indices.append(query_start_loc[-1] - 1)
+                logits_indices.append(len(input_ids) - 1)
                 sampling_ids.append(scheduled.request_id)
 
         max_blocks = max(len(s.block_ids) for s in scheduler_output.scheduled)
@@ -81,15 +81,9 @@ class ModelRunner:
         def on_device(values, dtype):
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-        metadata = AttentionMetadata(
-            slot_mapping=on_device(slot_mapping, torch.int64),
-            query_start_loc=on_device(query_start_loc, torch.int32),
-            seq_lens=on_device(seq_lens, torch.int32),
-            block_tables=block_tables.to(self.device, non_blocking=True),
-            max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
+        metadata = AttentionMetadata.from_lengths(
+            query_lens, seq_lens, block_tables.to(self.device, non_blocking=True),
+            torch.tensor(slot_mapping, dtype=torch.int64),
         )
         return ModelInputs(
             input_ids=on_device(input_ids, torch.int64),
