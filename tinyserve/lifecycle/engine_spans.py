@@ -46,6 +46,10 @@ class EngineSpanBuilder:
         self.engine_index = engine_index
         self.tracer = get_tracer()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # The link to each running request's span, made once from its trace context:
+        # parsing a traceparent for every request at every step would cost more than
+        # the rest of the step span. Dropped when the request finishes.
+        self._links: dict[str, Link | None] = {}
         self._thread = threading.Thread(target=self._run, name=f"tinyserve-spans-{engine_index}", daemon=True)
         self._thread.start()
 
@@ -82,6 +86,7 @@ class EngineSpanBuilder:
                 self._request_spans(request)
 
     def _request_spans(self, request: FinishedRequest) -> None:
+        self._links.pop(request.request_id, None)
         parent = extract_context(request.trace_context)
         times = request.times
         common = {schema.REQUEST_ID: request.request_id, schema.ENGINE_INDEX: self.engine_index}
@@ -120,6 +125,13 @@ class EngineSpanBuilder:
         self._end(decode, end, request.finish_reason)
 
     @staticmethod
+    def _link_to(request_id: str, trace_context: dict[str, str]) -> Link | None:
+        context = extract_context(trace_context)
+        if context is None:
+            return None
+        return Link(trace.get_current_span(context).get_span_context(), {schema.REQUEST_ID: request_id})
+
+    @staticmethod
     def _end(span, end_time: float, finish_reason: str | None) -> None:
         if finish_reason == "abort":
             span.set_status(Status(StatusCode.ERROR, "aborted"))
@@ -130,10 +142,11 @@ class EngineSpanBuilder:
         stats = record.stats
         links = []
         for scheduled in out.scheduled:
-            context = extract_context(served_contexts.get(scheduled.request_id, {}))
-            if context is not None:
-                links.append(Link(trace.get_current_span(context).get_span_context(),
-                                  {schema.REQUEST_ID: scheduled.request_id}))
+            request_id = scheduled.request_id
+            if request_id not in self._links:
+                self._links[request_id] = self._link_to(request_id, served_contexts.get(request_id, {}))
+            if self._links[request_id] is not None:
+                links.append(self._links[request_id])
         attributes = {
             schema.STEP_ID: out.step_id,
             schema.ENGINE_INDEX: self.engine_index,
