@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tinyserve.kernels.metadata import AttentionMetadata
-from tinyserve.kernels.torch_attention import TorchAttentionBackend, prefill_attention
+from tinyserve.kernels.torch_attention import TorchAttentionBackend, length_groups, prefill_attention
 
 
 def paged_batch(query_lens, seq_lens, *, num_heads=4, num_kv_heads=2, head_dim=24, block_size=16, seed=0):
@@ -54,3 +54,43 @@ def test_prefill_after_a_cached_prefix_is_causal():
         changed[:, metadata.block_tables[0, 0].long(), 4 + j :] += 100.0  # alter only the future
         again = prefill_attention(query, changed, metadata.block_tables[0], 6, 0.2)
         torch.testing.assert_close(again[j], out[j])
+
+
+def test_a_large_decode_batch_in_length_groups_equals_the_definition():
+    # 37 sequences of scattered lengths: four length groups, the last one shorter.
+    seq_lens = torch.randint(1, 300, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    query, kv_cache, metadata = paged_batch([1] * 37, seq_lens)
+    out = TorchAttentionBackend().attention(query, kv_cache, metadata, 0.2)
+    torch.testing.assert_close(out, one_at_a_time(query, kv_cache, metadata, 0.2), rtol=1e-5, atol=1e-5)
+
+
+def test_many_decodes_between_prefill_chunks_equal_the_definition():
+    query_lens = [1] * 10 + [9] + [1] * 10 + [20, 1]
+    seq_lens = [5 + 13 * i for i in range(10)] + [9] + [200 - 7 * i for i in range(10)] + [50, 2]
+    query, kv_cache, metadata = paged_batch(query_lens, seq_lens)
+    out = TorchAttentionBackend().attention(query, kv_cache, metadata, 0.2)
+    torch.testing.assert_close(out, one_at_a_time(query, kv_cache, metadata, 0.2), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_decode_stays_close_to_the_float32_definition():
+    seq_lens = torch.randint(1, 200, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    query, kv_cache, metadata = paged_batch([1] * 20, seq_lens)
+    query, kv_cache = query.bfloat16(), kv_cache.bfloat16()
+    out = TorchAttentionBackend().attention(query, kv_cache, metadata, 0.2)
+    assert out.dtype == torch.bfloat16
+    wants = one_at_a_time(query.float(), kv_cache.float(), metadata, 0.2)
+    torch.testing.assert_close(out.float(), wants, rtol=1e-2, atol=1e-2)
+
+
+def test_length_groups_cover_every_row_once_and_cut_the_padding():
+    seq_lens = [300, 20, 150, 90] * 8 + [5, 7, 11]
+    rows = [i for i in range(len(seq_lens)) if i != 4]  # any subset of the batch
+    groups = length_groups(rows, seq_lens)
+    assert sorted(row for group in groups for row in group) == rows
+    assert 1 < len(groups) <= 4 and all(len(group) >= 8 for group in groups)
+    longest = [max(seq_lens[i] for i in group) for group in groups]
+    assert longest == sorted(longest)  # shortest group first, no overlap in length
+    padded = sum(len(group) * top for group, top in zip(groups, longest))
+    assert padded < 0.8 * len(rows) * max(seq_lens)
+    assert length_groups([3, 1], seq_lens) == [[1, 3]]  # too few to split: one group
+    assert length_groups([], seq_lens) == []

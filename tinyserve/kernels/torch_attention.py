@@ -13,8 +13,10 @@ uses. A batch mixes two kinds of sequences:
       block_tables[i] = [7, 2, 9]       ─► keys of seq i: cache[7] ++ cache[2] ++ cache[9]
       seq_lens[i]     = 37  (bs = 16)   ─► positions 37..47 are padding: masked with -inf
 
-Batching decodes turns one small attention call per sequence into one call per
-layer; that is most of the step time saved at large batch sizes on a CPU.
+Batching decodes turns one small attention call per sequence into a few calls per
+layer; that is most of the step time saved at large batch sizes on a CPU. "A few":
+decodes are sorted by length and batched in up to four groups (`length_groups`),
+so a 20-token sequence is not padded to the 300 tokens of the longest one.
 """
 
 import torch
@@ -39,14 +41,16 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     """One sequence's q_len queries, at positions seq_len - q_len .. seq_len - 1, causally."""
     q_len = query.shape[0]
     k, v = gather_kv(kv_cache, block_table, seq_len)
-    q, k, v = query.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
+    # [1, heads, tokens, head_dim]: with a batch axis, the CPU picks its flash kernel;
+    # without one it falls back to the plain math path, 2-3x slower.
+    q, k, v = query.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if q_len == seq_len:  # nothing cached before: the usual square causal mask
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:  # query j sits at position seq_len - q_len + j and sees keys 0..that position
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -90,19 +94,39 @@ class TorchAttentionBackend:
         kv_cache[1].view(-1, num_kv_heads, head_dim)[metadata.slot_mapping] = value
 
     def attention(self, query, kv_cache, metadata: AttentionMetadata, scale: float):
-        if metadata.is_decode_only:
-            return decode_attention(query, kv_cache, metadata.block_tables, metadata.seq_lens, scale)
         out = torch.empty_like(query)
-        starts = metadata.query_start_loc_cpu
+        starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+        block_size = kv_cache.shape[2]
         decode_rows = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
-        if decode_rows:
-            rows = torch.tensor(decode_rows, device=query.device)
-            tokens = torch.tensor([starts[i] for i in decode_rows], device=query.device)
-            out[tokens] = decode_attention(query[tokens], kv_cache, metadata.block_tables[rows],
+        for group in length_groups(decode_rows, seq_lens):
+            rows = torch.tensor(group, device=query.device)
+            tokens = torch.tensor([starts[i] for i in group], device=query.device)
+            num_blocks = -(-max(seq_lens[i] for i in group) // block_size)  # the group's longest, no more
+            out[tokens] = decode_attention(query[tokens], kv_cache, metadata.block_tables[rows, :num_blocks],
                                            metadata.seq_lens[rows], scale)
-        for i, seq_len in enumerate(metadata.seq_lens_cpu):
+        for i, seq_len in enumerate(seq_lens):
             if starts[i + 1] - starts[i] > 1:
                 out[starts[i] : starts[i + 1]] = prefill_attention(
                     query[starts[i] : starts[i + 1]], kv_cache, metadata.block_tables[i], seq_len, scale
                 )
         return out
+
+
+MIN_DECODE_GROUP = 8  # the fewest sequences worth a padded batch of their own
+MAX_DECODE_GROUPS = 4
+
+
+def length_groups(rows: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Decode rows sorted by length and cut into up to four groups of similar length.
+
+    One padded batch pads every sequence to the longest of all: with lengths spread
+    evenly from 20 to 300 tokens, 45 % of what it gathers and attends to is padding.
+    Each group is padded only to its own longest, which cuts the padding to ~10 %
+    for three more (cheap) attention calls. A group has at least 8 sequences.
+    """
+    if not rows:
+        return []
+    rows = sorted(rows, key=seq_lens.__getitem__)
+    num_groups = max(1, min(MAX_DECODE_GROUPS, len(rows) // MIN_DECODE_GROUP))
+    cuts = [len(rows) * g // num_groups for g in range(num_groups + 1)]  # sizes differ by at most one
+    return [rows[cuts[g] : cuts[g + 1]] for g in range(num_groups)]
