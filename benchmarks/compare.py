@@ -21,7 +21,7 @@ Contenders:
     tinyserve               `LLM.generate` (prefix caching off, so a repetition cannot
                             reuse the previous one's KV blocks)
     tinyserve traced        the same with `trace_dir=` (every span written to a file)
-    transformers static bf16, tinyserve bf16
+    transformers static bf16, tinyserve bf16, tinyserve bf16 traced
                             the static batch and tinyserve again with bf16 weights and KV
                             cache: on a CPU with bf16 matrix instructions (AVX-512 BF16,
                             AMX) matmuls run several times faster than in fp32. Ratios in
@@ -36,8 +36,13 @@ the best run is the closest to an idle machine).
 Throughput is generated tokens per second. tinyserve's time includes detokenizing its
 outputs, which transformers' generate does not do.
 
+Tracing overhead is the median, over the rounds, of the traced run's time divided by
+the untraced run's time in the same round (a paired ratio: a slow minute of the machine
+affects both sides of it).
+
 The roofline line bounds what any engine could do on this machine: the workload's
-FLOPs (2 per weight per token, plus attention) at the fp32 matmul rate measured here,
+FLOPs (2 per weight per token, plus attention) at the fp32 matmul rate measured here
+(and at the bf16 rate for the bf16 contenders),
 and the bytes an ideal batched engine must move (every weight once per step, at least
 one step per output token, plus the KV cache each decode step reads) at the copy
 bandwidth measured here. The larger of the two times is the bound.
@@ -191,8 +196,8 @@ def best_time(fn: Callable[[], None], repeats: int) -> float:
     return min(times)
 
 
-def matmul_flops_per_second(n: int) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_flops_per_second(n: int, dtype: torch.dtype = torch.float32) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     return 2 * n**3 / best_time(lambda: torch.mm(a, b), repeats=5)
 
 
@@ -295,7 +300,7 @@ def tinyserve_generate(llm, workload: Workload) -> list[list[int]]:
 
 
 CONTENDERS = ("transformers static", "transformers continuous", "tinyserve", "tinyserve traced",
-              "transformers static bf16", "tinyserve bf16")
+              "transformers static bf16", "tinyserve bf16", "tinyserve bf16 traced")
 
 
 def make_runner(name: str, folder: str, num_kv_blocks: int, trace_dir: str) -> Callable[[Workload], list[list[int]]]:
@@ -305,8 +310,8 @@ def make_runner(name: str, folder: str, num_kv_blocks: int, trace_dir: str) -> C
     if name == "transformers continuous":
         model = load_hf(folder)
         return lambda workload: hf_continuous(model, workload)
-    llm = make_llm(folder, num_kv_blocks, trace_dir if name == "tinyserve traced" else None,
-                   "bfloat16" if name.endswith("bf16") else "float32")
+    llm = make_llm(folder, num_kv_blocks, trace_dir if name.endswith("traced") else None,
+                   "bfloat16" if "bf16" in name else "float32")
     return lambda workload: tinyserve_generate(llm, workload)
 
 
@@ -322,7 +327,7 @@ def contender_process(name: str, folder: str, num_kv_blocks: int, trace_dir: str
         start = time.perf_counter()
         outputs = run(workload)
         conn.send((time.perf_counter() - start, outputs))
-    if name == "tinyserve traced":
+    if name.endswith("traced"):
         from tinyserve.lifecycle.tracing import shutdown_tracing
 
         shutdown_tracing()
@@ -396,7 +401,8 @@ class Roofline:
         return max(self.compute_time, self.memory_time)
 
 
-def roofline(shape: Shape, workload: Workload, flops_per_second: float, bytes_per_second: float) -> Roofline:
+def roofline(shape: Shape, workload: Workload, flops_per_second: float, bytes_per_second: float,
+             bytes_per_value: int = BYTES_PER_PARAM) -> Roofline:
     """FLOPs and bytes of the workload for an ideal engine (see the module docstring)."""
     attention_flops_per_context_token = 4 * shape.num_layers * shape.num_heads * shape.head_dim  # QKᵀ and PV
     flops = 0.0
@@ -410,7 +416,8 @@ def roofline(shape: Shape, workload: Workload, flops_per_second: float, bytes_pe
         kv_bytes += shape.kv_bytes_per_token * sum(range(len(prompt), positions))
     weight_bytes = (shape.body_matmul_params + shape.head_params) * BYTES_PER_PARAM
     steps = max(workload.output_lens)  # at least one step per output token, each reading every weight
-    return Roofline(flops, steps * weight_bytes + kv_bytes, flops_per_second, bytes_per_second)
+    moved = (steps * weight_bytes + kv_bytes) * bytes_per_value / BYTES_PER_PARAM
+    return Roofline(flops, moved, flops_per_second, bytes_per_second)
 
 
 # ---- the run -------------------------------------------------------------------------
@@ -420,7 +427,20 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> str:
     return f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
 
 
-def report(workload: Workload, results: list[Measurement], line: Roofline) -> tuple[str, dict]:
+def paired_ratio(slow: Measurement, fast: Measurement) -> float:
+    """Median over the rounds of slow's time / fast's time in the same round."""
+    return statistics.median(a / b for a, b in zip(slow.times, fast.times))
+
+
+def roofline_line(label: str, line: Roofline, m: Measurement) -> str:
+    kind = "compute" if line.compute_time >= line.memory_time else "memory"
+    return (f"roofline {label}: {line.flops / 1e9:.1f} GFLOP at {line.flops_per_second / 1e9:.1f} GFLOP/s = "
+            f"{line.compute_time:.2f} s; {line.bytes / 1e9:.2f} GB at {line.bytes_per_second / 1e9:.1f} GB/s = "
+            f"{line.memory_time:.2f} s -> {kind}-bound, at least {line.bound:.2f} s; "
+            f"{m.name} reaches {line.bound / m.median:.1%} of it ({line.bound / m.best:.1%} in its best run)")
+
+
+def report(workload: Workload, results: list[Measurement], lines: dict[str, Roofline]) -> tuple[str, dict]:
     base = results[0].median
     rows = [workload.describe(), "",
             f"{'contender':<26} {'median s':>9} {'best s':>7} {'output tok/s':>13} {'total tok/s':>12} "
@@ -436,29 +456,31 @@ def report(workload: Workload, results: list[Measurement], line: Roofline) -> tu
                            "vs_hf_static_best": results[0].best / m.best}
     by_name = {m.name: m for m in results}
     tiny, traced = by_name["tinyserve"], by_name["tinyserve traced"]
-    kind = "compute" if line.compute_time >= line.memory_time else "memory"
+    tiny_bf16, traced_bf16 = by_name["tinyserve bf16"], by_name["tinyserve bf16 traced"]
+    hf_bf16 = by_name["transformers static bf16"]
+    overhead = {"fp32": paired_ratio(traced, tiny), "bf16": paired_ratio(traced_bf16, tiny_bf16)}
     rows += [
         "",
-        f"roofline: {line.flops / 1e9:.1f} GFLOP at {line.flops_per_second / 1e9:.1f} GFLOP/s = "
-        f"{line.compute_time:.2f} s; {line.bytes / 1e9:.2f} GB at {line.bytes_per_second / 1e9:.1f} GB/s = "
-        f"{line.memory_time:.2f} s -> {kind}-bound, at least {line.bound:.2f} s; "
-        f"tinyserve reaches {line.bound / tiny.median:.1%} of it ({line.bound / tiny.best:.1%} in its best run)",
-        f"tracing overhead: traced / untraced time = {traced.median / tiny.median:.3f} (medians), "
-        f"{traced.best / tiny.best:.3f} (best runs)",
+        roofline_line("fp32", lines["fp32"], tiny),
+        roofline_line("bf16", lines["bf16"], tiny_bf16),
+        f"tracing overhead (traced / untraced, median of the per-round ratios): "
+        f"fp32 {overhead['fp32']:.3f}, bf16 {overhead['bf16']:.3f}",
         "greedy outputs equal to tinyserve's: "
         f"transformers static {agreement(by_name['transformers static'].outputs, tiny.outputs)}, "
         f"continuous {agreement(by_name['transformers continuous'].outputs, tiny.outputs)}, "
         f"tinyserve traced {agreement(traced.outputs, tiny.outputs)} requests",
-        f"bf16: tinyserve bf16 / transformers static bf16 = "
-        f"{by_name['transformers static bf16'].median / by_name['tinyserve bf16'].median:.2f}x (medians); "
-        f"greedy outputs equal between the two: "
-        f"{agreement(by_name['transformers static bf16'].outputs, by_name['tinyserve bf16'].outputs)} requests "
-        "(bf16 rounding differs between the two implementations, so near-ties can flip)",
+        f"bf16: tinyserve bf16 / transformers static bf16 = {hf_bf16.median / tiny_bf16.median:.2f}x (medians); "
+        f"greedy outputs equal between the two: {agreement(hf_bf16.outputs, tiny_bf16.outputs)} requests "
+        "(bf16 rounding differs between the two implementations, so near-ties can flip); "
+        f"tinyserve bf16 traced equal to tinyserve bf16: {agreement(traced_bf16.outputs, tiny_bf16.outputs)}",
     ]
-    figures["roofline"] = {"flops": line.flops, "bytes": line.bytes, "bound_s": line.bound, "bound_kind": kind,
-                           "tinyserve_fraction": line.bound / tiny.median,
-                           "tinyserve_fraction_best": line.bound / tiny.best}
-    figures["tracing_overhead"] = {"median": traced.median / tiny.median, "best": traced.best / tiny.best}
+    figures["roofline"] = {
+        dtype: {"flops": line.flops, "bytes": line.bytes, "bound_s": line.bound,
+                "bound_kind": "compute" if line.compute_time >= line.memory_time else "memory",
+                "tinyserve_fraction": line.bound / m.median, "tinyserve_fraction_best": line.bound / m.best}
+        for dtype, line, m in (("fp32", lines["fp32"], tiny), ("bf16", lines["bf16"], tiny_bf16))
+    }
+    figures["tracing_overhead"] = overhead
     return "\n".join(rows), figures
 
 
@@ -477,9 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     machine = describe_machine()
     print(f"machine: {machine}")
     flops_per_second = matmul_flops_per_second(256 if args.quick else 2048)
+    bf16_flops_per_second = matmul_flops_per_second(256 if args.quick else 2048, torch.bfloat16)
     bytes_per_second = copy_bytes_per_second((16 if args.quick else 256) << 20)
-    print(f"measured here: fp32 matmul {flops_per_second / 1e9:.1f} GFLOP/s, "
-          f"memory copy {bytes_per_second / 1e9:.1f} GB/s")
+    print(f"measured here: fp32 matmul {flops_per_second / 1e9:.1f} GFLOP/s, bf16 matmul "
+          f"{bf16_flops_per_second / 1e9:.1f} GFLOP/s, memory copy {bytes_per_second / 1e9:.1f} GB/s")
 
     with tempfile.TemporaryDirectory(prefix="tinyserve-compare-") as tmp:
         folder = os.path.join(tmp, "model")
@@ -497,9 +520,12 @@ def main(argv: list[str] | None = None) -> int:
         results = run_contenders(folder, num_kv_blocks, os.path.join(tmp, "traces"), workloads, repeats)
 
     figures = {"machine": machine, "num_parameters": num_params, "repeats": repeats,
-               "matmul_flops_per_second": flops_per_second, "copy_bytes_per_second": bytes_per_second}
+               "matmul_flops_per_second": flops_per_second, "bf16_matmul_flops_per_second": bf16_flops_per_second,
+               "copy_bytes_per_second": bytes_per_second}
     for w in workloads:
-        text, figures[w.name] = report(w, results[w.name], roofline(shape, w, flops_per_second, bytes_per_second))
+        lines = {"fp32": roofline(shape, w, flops_per_second, bytes_per_second),
+                 "bf16": roofline(shape, w, bf16_flops_per_second, bytes_per_second, bytes_per_value=2)}
+        text, figures[w.name] = report(w, results[w.name], lines)
         print("\n" + text)
     print(f"\nat the end: load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.output_json:

@@ -249,15 +249,19 @@ def test_compare_quick_runs_every_contender_and_prints_the_roofline():
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert out.startswith("machine: ")
-    assert re.search(r"measured here: fp32 matmul [\d.]+ GFLOP/s, memory copy [\d.]+ GB/s", out)
+    assert re.search(r"measured here: fp32 matmul [\d.]+ GFLOP/s, bf16 matmul [\d.]+ GFLOP/s, "
+                     r"memory copy [\d.]+ GB/s", out)
     assert re.search(r"tied embeddings: [\d.]+M parameters", out)
     for workload in ("workload A: 4 prompts", "workload B: 4 prompts"):
         assert workload in out
     for contender in ("transformers static", "transformers continuous", "tinyserve", "tinyserve traced",
-                      "transformers static bf16", "tinyserve bf16"):
+                      "transformers static bf16", "tinyserve bf16", "tinyserve bf16 traced"):
         row = rf"^{contender} +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+x +[\d.]+x$"
         assert len(re.findall(row, out, re.MULTILINE)) == 2
-    assert out.count("roofline: ") == 2 and out.count("tracing overhead: traced / untraced time = ") == 2
+    assert out.count("roofline fp32: ") == 2 and out.count("roofline bf16: ") == 2
+    assert len(re.findall(r"^tracing overhead \(traced / untraced, median of the per-round ratios\): "
+                          r"fp32 [\d.]+, bf16 [\d.]+$", out, re.MULTILINE)) == 2
     # Greedy decoding of the same checkpoint: every contender generates the same tokens.
     assert out.count("transformers static 4/4, continuous 4/4, tinyserve traced 4/4 requests") == 2
     assert out.count("bf16: tinyserve bf16 / transformers static bf16 = ") == 2
+    assert out.count("tinyserve bf16 traced equal to tinyserve bf16: 4/4") == 2
