@@ -150,6 +150,23 @@ def test_store_kv_writes_each_token_to_its_slot_and_nothing_else(head_dim, dtype
     assert slots[:, untouched].isnan().all()
 
 
+def test_store_kv_skips_slot_minus_one():
+    # The padding rows of a CUDA-graph batch carry slot -1: nothing of theirs may land anywhere.
+    gen = torch.Generator().manual_seed(3)
+    num_blocks, block_size, num_kv_heads, head_dim = 4, 16, 2, 64
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    slot_mapping = torch.tensor([5, -1, 17, -1, -1, 63])
+    key, value = torch.randn(2, 6, num_kv_heads, head_dim, generator=gen)
+
+    store_kv(key, value, kv_cache, slot_mapping)
+
+    slots = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    written = slot_mapping >= 0
+    torch.testing.assert_close(slots[0, slot_mapping[written]], key[written], rtol=0, atol=0)
+    torch.testing.assert_close(slots[1, slot_mapping[written]], value[written], rtol=0, atol=0)
+    assert slots.isnan().sum() == 2 * (num_blocks * block_size - 3) * num_kv_heads * head_dim
+
+
 @pytest.mark.parametrize("queries_per_kv, head_dim, block_size, dtype", KERNEL_CASES)
 def test_decode_attention_matches_reference(queries_per_kv, head_dim, block_size, dtype):
     # Ragged contexts: inside one block, exactly one block, and a partial last block.

@@ -12,6 +12,9 @@ Every new token's K and V go to the slot the scheduler gave it
 
 head_dim need not be a power of two: the vector is padded to BLOCK_D lanes and
 the extra lanes are masked off on both the load and the store.
+
+A slot of -1 means "write nothing": the padding rows of a CUDA-graph batch
+(engine/worker/cuda_graphs.py) carry it.
 """
 
 import torch
@@ -43,11 +46,14 @@ def store_kv_kernel(
     # Where this token lives in the cache. slot_mapping is int64, so the
     # address arithmetic below cannot overflow on a large cache.
     slot = tl.load(slot_mapping_ptr + token)
+    # Slot -1 (a padding row): no lane is stored, and no address is formed from it.
+    lanes = tl.where(slot >= 0, head_dim, 0)
+    slot = tl.maximum(slot, 0)
     block = slot // block_size
     offset = slot % block_size
 
     dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < head_dim
+    dim_mask = dims < lanes
     key = tl.load(key_ptr + token * stride_key_token + head * stride_key_head + dims, mask=dim_mask)
     value = tl.load(value_ptr + token * stride_value_token + head * stride_value_head + dims, mask=dim_mask)
 
