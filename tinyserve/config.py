@@ -21,6 +21,7 @@ class EngineArgs:
     model: str | None = None  # None: the built-in default model
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes for the KV pool, when num_kv_blocks is not given
+    gpu_memory_utilization: float = 0.9  # on CUDA, without either of the above: this share of the GPU
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -30,6 +31,7 @@ class EngineArgs:
     dtype: str = "auto"
     seed: int = 0
     device: str | None = None  # None: cuda if available, else cpu
+    enforce_eager: bool = False  # on CUDA: no CUDA graphs for decode steps
     scheduling_policy: str = "fcfs"
     # Tracing of the engine process(es): the run folder for engine-<i>.jsonl, and/or an OTLP/HTTP endpoint.
     trace_run_dir: str | None = None
@@ -54,6 +56,8 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
 

@@ -17,7 +17,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
     group.add_argument("--num-kv-blocks", type=int, default=None,
                        help="KV-cache blocks per engine (default: from --kv-cache-memory)")
-    group.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per engine (default 1 GiB)")
+    group.add_argument("--kv-cache-memory", type=int, default=None,
+                       help="bytes of KV cache per engine (default: 1 GiB on CPU; on CUDA, from --gpu-memory-utilization)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="on CUDA: the share of the GPU's memory this engine may use for weights, activations "
+                            "and KV cache; the KV cache gets what the other two leave (default 0.9)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse KV blocks of identical prompt prefixes (default on)")
     group.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
@@ -26,6 +30,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="attention kernels (default: triton on CUDA, torch elsewhere)")
     group.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests (default 0)")
     group.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="on CUDA: run decode steps eagerly instead of replaying CUDA graphs")
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
@@ -33,6 +39,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         model=args.model,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
@@ -42,6 +49,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         dtype=args.dtype,
         seed=args.seed,
         device=args.device,
+        enforce_eager=args.enforce_eager,
     )
     engine_args.validate()
     return engine_args

@@ -16,6 +16,7 @@ from tinyserve.engine.core.request import Request
 from tinyserve.engine.core.scheduler import Scheduler
 from tinyserve.engine.core.scheduler_output import SchedulerOutput
 from tinyserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from tinyserve.engine.worker.gpu_memory import MemorySnapshot, kv_cache_budget
 from tinyserve.engine.worker.model_runner import ModelRunner
 from tinyserve.kernels.backend import default_attention_backend, get_attention_backend
 from tinyserve.lifecycle.engine_spans import EngineSpanBuilder, FinishedRequest
@@ -37,7 +38,8 @@ class StepRecord:
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs, engine_index: int = 0, model_info: ModelInfo | None = None) -> None:
+    def __init__(self, args: EngineArgs, engine_index: int = 0, model_info: ModelInfo | None = None, *,
+                 spans_inline: bool = False) -> None:
         from tinyserve.models.loader import load_model
 
         self.args = args
@@ -46,10 +48,11 @@ class EngineCore:
         device = args.torch_device
         backend_name = args.attention_backend or default_attention_backend(device)
         backend = get_attention_backend(backend_name, device)
+        gpu_at_start = MemorySnapshot.take(device) if device.type == "cuda" else None
         model, _ = load_model(
             self.model_info.path, self.model_info.torch_dtype, device, backend, max_model_len=self.model_info.max_model_len
         )
-        num_blocks = args.num_kv_blocks or self._blocks_from_memory(model)
+        num_blocks = args.num_kv_blocks or self._blocks_from_memory(model, gpu_at_start)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -65,15 +68,31 @@ class EngineCore:
             dtype=self.model_info.torch_dtype,
             device=device,
             seed=args.seed,
+            # The Triton kernels read every shape from tensors, so a decode step can be
+            # recorded once per batch-size bucket and replayed (CUDA graphs).
+            decode_graphs=backend.name == "triton" and not args.enforce_eager,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=self.model_info.max_model_len,
         )
         self.model_runner.warm_up()
         self.last_step: StepRecord | None = None
-        # Tracing: spans are built on the builder's own thread from what each step recorded.
-        self.span_builder = EngineSpanBuilder(engine_index) if tracing_enabled() else None
+        # Tracing: spans are built from what each step recorded, on the builder's own thread,
+        # or in batches in this thread (spans_inline: the offline LLM, see engine_spans.py).
+        self.span_builder = EngineSpanBuilder(engine_index, inline=spans_inline) if tracing_enabled() else None
         self._traced: dict[str, tuple[dict[str, str], int, int]] = {}  # id -> (context, prompt len, queue depth)
 
-    def _blocks_from_memory(self, model) -> int:
-        budget = self.args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+    def _blocks_from_memory(self, model, gpu_at_start: MemorySnapshot | None) -> int:
+        """--kv-cache-memory if given; else on a GPU what --gpu-memory-utilization leaves; else 1 GiB."""
+        args, info = self.args, self.model_info
+        if args.kv_cache_memory is None and gpu_at_start is not None:
+            budget = kv_cache_budget(
+                model, gpu_at_start, utilization=args.gpu_memory_utilization,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                max_model_len=info.max_model_len, block_size=args.block_size, dtype=info.torch_dtype,
+                device=args.torch_device,
+            )
+        else:
+            budget = args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
         per_block = ModelRunner.kv_bytes_per_block(model, self.args.block_size, self.model_info.torch_dtype)
         # No point in more blocks than every seat filled to the full context length.
         blocks_per_seq = -(-self.model_info.max_model_len // self.args.block_size)

@@ -21,6 +21,7 @@ import torch
 from tinyserve.engine.core.request import Request
 from tinyserve.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from tinyserve.engine.messages import TokenLogprobs
+from tinyserve.engine.worker.cuda_graphs import DecodeGraphs
 from tinyserve.engine.worker.sampler import Sampler
 from tinyserve.kernels.metadata import AttentionMetadata
 
@@ -42,7 +43,8 @@ class ModelInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    def __init__(self, model, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                 decode_graphs: bool = False, max_num_seqs: int = 256, max_model_len: int = 2048):
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -50,6 +52,13 @@ class ModelRunner:
         shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
         self.sampler = Sampler(device, seed)
+        # Decode-only steps through static buffers, recorded as CUDA graphs on a GPU
+        # (cuda_graphs.py); on a CPU the same buffers run eagerly.
+        self.decode_graphs = DecodeGraphs(
+            model, self.kv_caches, max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
+            device=device, capture=device.type == "cuda",
+        ) if decode_graphs else None
+        self.num_graph_steps = 0  # decode steps that ran through decode_graphs
 
     @staticmethod
     def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -106,6 +115,8 @@ class ModelRunner:
         inputs = self.prepare_inputs(SchedulerOutput(step_id=0, scheduled=[dummy]))
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
         self.model.compute_logits(hidden[inputs.logits_indices])
+        if self.decode_graphs is not None:
+            self.decode_graphs.capture_all()
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> ModelRunnerOutput:
@@ -114,7 +125,7 @@ class ModelRunner:
             return ModelRunnerOutput({}, {}, 0.0)
         start = time.perf_counter()
         inputs = self.prepare_inputs(scheduler_output)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        hidden = self._forward(inputs)
         sampled, logprobs = {}, {}
         if inputs.sampling_request_ids:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -123,3 +134,11 @@ class ModelRunner:
             sampled = dict(zip(inputs.sampling_request_ids, token_ids))
             logprobs = {rid: lp for rid, lp in zip(inputs.sampling_request_ids, token_logprobs) if lp is not None}
         return ModelRunnerOutput(sampled, logprobs, time.perf_counter() - start)
+
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        graphs = self.decode_graphs
+        if (graphs is not None and inputs.metadata.is_decode_only
+                and graphs.bucket_for(inputs.metadata.num_seqs) is not None):
+            self.num_graph_steps += 1
+            return graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
