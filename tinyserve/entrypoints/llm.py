@@ -46,7 +46,7 @@ class LLM:
         self.tokenizer = load_tokenizer(self.model_info.path)
         self.input_processor = InputProcessor(self.model_info, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(self.engine_args, model_info=self.model_info)
+        self.engine_core = EngineCore(self.engine_args, model_info=self.model_info, spans_inline=True)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
@@ -124,7 +124,10 @@ class LLM:
         if run_dir is not None:
             write_manifest(run_dir, model=self.engine_args.model, served_model_name=self.model_name,
                            engine_args=asdict(self.engine_args), data_parallel_size=1)
-        setup_tracing(schema.SERVICE_OFFLINE, run_dir / schema.OFFLINE_TRACE_FILE if run_dir else None, otlp_endpoint)
+        # Export when the engine flushes its spans (every few hundred steps and at the end
+        # of generate), in this thread: not on a timer, from a thread competing with the model.
+        setup_tracing(schema.SERVICE_OFFLINE, run_dir / schema.OFFLINE_TRACE_FILE if run_dir else None, otlp_endpoint,
+                      export_every_ms=60_000)
         atexit.register(shutdown_tracing)
         return run_dir
 

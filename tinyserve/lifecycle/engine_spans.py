@@ -11,6 +11,12 @@ into spans with the recorded start and end times:
       tinyserve.decode   first token → finished (token timestamps, preemptions)
 - per step, in a trace of its own: tinyserve.step with schedule/execute/update
   children, the batch and KV attributes, and a link to each request it served.
+
+In the offline `LLM` (inline=True) there is no thread: the records wait in a list
+and are built, and exported, in the caller's thread every INLINE_BATCH steps and
+when generate() finishes. There the CPU is already fully used by PyTorch's own
+threads, and a background thread costs more than its CPU time: every parallel
+operator it interrupts waits for the core it took.
 """
 
 import queue
@@ -22,7 +28,9 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Link, Status, StatusCode
 
 from tinyserve.lifecycle import schema
-from tinyserve.lifecycle.tracing import extract_context, get_tracer
+from tinyserve.lifecycle.tracing import extract_context, flush_tracing, get_tracer
+
+INLINE_BATCH = 256  # steps whose spans an inline builder holds before building them
 
 
 def _ns(seconds: float) -> int:
@@ -42,32 +50,53 @@ class FinishedRequest:
 
 
 class EngineSpanBuilder:
-    def __init__(self, engine_index: int) -> None:
+    def __init__(self, engine_index: int, *, inline: bool = False) -> None:
         self.engine_index = engine_index
         self.tracer = get_tracer()
+        self.inline = inline
+        self._pending: list[tuple] = []  # inline: records not built yet
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         # The link to each running request's span, made once from its trace context:
         # parsing a traceparent for every request at every step would cost more than
         # the rest of the step span. Dropped when the request finishes.
         self._links: dict[str, Link | None] = {}
-        self._thread = threading.Thread(target=self._run, name=f"tinyserve-spans-{engine_index}", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if not inline:
+            self._thread = threading.Thread(target=self._run, name=f"tinyserve-spans-{engine_index}", daemon=True)
+            self._thread.start()
 
     # ---- called from the engine loop: cheap -------------------------------------
 
     def submit(self, step_record, served_contexts: dict[str, dict[str, str]], finished: list[FinishedRequest]) -> None:
-        self._queue.put((step_record, served_contexts, finished))
+        if not self.inline:
+            self._queue.put((step_record, served_contexts, finished))
+            return
+        self._pending.append((step_record, served_contexts, finished))
+        if len(self._pending) >= INLINE_BATCH:
+            self._build_pending()
 
     def flush(self, timeout: float = 30.0) -> None:
         """Return once every span submitted so far has been built."""
+        if self.inline:
+            self._build_pending()
+            return
         done = threading.Event()
         self._queue.put(done)
         done.wait(timeout)
 
     def close(self) -> None:
         """Build every span still queued, then stop the thread."""
+        if self.inline:
+            self._build_pending()
+            return
         self._queue.put(None)
         self._thread.join(timeout=30)
+
+    def _build_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for item in pending:
+            self._build(*item)
+        flush_tracing()  # export now, in this thread, not on the exporter's thread during a step
 
     # ---- the background thread -----------------------------------------------------
 
@@ -79,11 +108,13 @@ class EngineSpanBuilder:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            step_record, served_contexts, finished = item
-            if step_record is not None:
-                self._step_spans(step_record, served_contexts)
-            for request in finished:
-                self._request_spans(request)
+            self._build(*item)
+
+    def _build(self, step_record, served_contexts: dict[str, dict[str, str]], finished: list[FinishedRequest]) -> None:
+        if step_record is not None:
+            self._step_spans(step_record, served_contexts)
+        for request in finished:
+            self._request_spans(request)
 
     def _request_spans(self, request: FinishedRequest) -> None:
         self._links.pop(request.request_id, None)

@@ -128,7 +128,15 @@ def _value(value) -> dict:
     if isinstance(value, bytes):
         return {"bytesValue": base64.b64encode(value).decode("ascii")}
     if isinstance(value, Sequence):
-        return {"arrayValue": {"values": [_value(item) for item in value]} if value else {}}
+        if not value:
+            return {"arrayValue": {}}
+        # Token ids, timestamps, request ids: long lists of one type, rendered without a call per item.
+        kinds = {type(item) for item in value}
+        if kinds == {int}:
+            return {"arrayValue": {"values": [{"intValue": str(item)} for item in value]}}
+        if kinds == {str}:
+            return {"arrayValue": {"values": [{"stringValue": item} for item in value]}}
+        return {"arrayValue": {"values": [_value(item) for item in value]}}
     if isinstance(value, Mapping):
         items = [{"key": str(key), "value": _value(item)} for key, item in value.items()]
         return {"kvlistValue": {"values": items} if items else {}}

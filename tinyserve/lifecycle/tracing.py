@@ -36,8 +36,13 @@ _propagator = TraceContextTextMapPropagator()
 _provider: TracerProvider | None = None
 
 
-def setup_tracing(service_name: str, trace_file: str | Path | None = None, otlp_endpoint: str | None = None) -> bool:
-    """Install this process's tracer provider. Returns False (and stays a no-op) if given nowhere to send."""
+def setup_tracing(service_name: str, trace_file: str | Path | None = None, otlp_endpoint: str | None = None, *,
+                  export_every_ms: int = 500) -> bool:
+    """Install this process's tracer provider. Returns False (and stays a no-op) if given nowhere to send.
+
+    Ended spans are exported every export_every_ms (or sooner when 4096 are waiting),
+    on the batch processor's thread, and at every flush_tracing().
+    """
     global _provider
     if trace_file is None and otlp_endpoint is None:
         return False
@@ -46,17 +51,18 @@ def setup_tracing(service_name: str, trace_file: str | Path | None = None, otlp_
         span_limits=SpanLimits(max_links=_MAX_LINKS, max_attributes=256, max_events=4096, max_span_attributes=256),
     )
     if trace_file is not None:
-        provider.add_span_processor(_batch(OTLPJsonFileExporter(trace_file)))
+        provider.add_span_processor(_batch(OTLPJsonFileExporter(trace_file), export_every_ms))
     if otlp_endpoint is not None:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        provider.add_span_processor(_batch(OTLPSpanExporter(endpoint=_traces_url(otlp_endpoint))))
+        provider.add_span_processor(_batch(OTLPSpanExporter(endpoint=_traces_url(otlp_endpoint)), export_every_ms))
     _provider = provider
     return True
 
 
-def _batch(exporter) -> BatchSpanProcessor:
-    return BatchSpanProcessor(exporter, max_queue_size=_QUEUE_SIZE, schedule_delay_millis=500, max_export_batch_size=4096)
+def _batch(exporter, export_every_ms: int) -> BatchSpanProcessor:
+    return BatchSpanProcessor(exporter, max_queue_size=_QUEUE_SIZE, schedule_delay_millis=export_every_ms,
+                              max_export_batch_size=4096)
 
 
 def _traces_url(endpoint: str) -> str:
