@@ -3,9 +3,10 @@
 Outside the model: Scheduler.schedule, ModelRunner.prepare_inputs (flattening the
 batch, slot mapping, block tables) and Scheduler.update_from_output. The engine's own
 step timestamps give schedule and update; prepare_inputs is timed around the call. The
-model is compare.py's 27M-parameter Llama (random weights), in fp32.
+model is compare.py's 27M-parameter Llama (random weights), in fp32 or bf16 (whose
+shorter steps make the same overhead a larger share).
 
-    python benchmarks/step_overhead.py [--requests 64] [--max-tokens 40]
+    python benchmarks/step_overhead.py [--requests 64] [--max-tokens 40] [--dtype bfloat16]
 """
 
 import argparse
@@ -28,10 +29,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=40)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         build_model(folder, FULL, quick=False)
-        llm = LLM(folder, num_kv_blocks=4096)
+        llm = LLM(folder, num_kv_blocks=4096, dtype=args.dtype)
     core, runner = llm.engine_core, llm.engine_core.model_runner
     prepare_times = []
     prepare = runner.prepare_inputs
@@ -60,7 +62,7 @@ def main() -> None:
             outside.append(schedule + prepare_times[0] + update)
             steps.append(record.end_time - record.start_time)
     share = statistics.median(o / s for o, s in zip(outside, steps))
-    print(f"decode steps at {args.requests} running: {len(steps)}; median step {statistics.median(steps) * 1e3:.1f} ms; "
+    print(f"{args.dtype}: decode steps at {args.requests} running: {len(steps)}; median step {statistics.median(steps) * 1e3:.1f} ms; "
           f"schedule + input preparation + update = {statistics.median(outside) * 1e3:.2f} ms = {share:.1%} of the step")
 
 
