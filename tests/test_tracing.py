@@ -121,15 +121,18 @@ def test_incoming_traceparent_is_continued(traced_run):
 
 def test_step_spans_link_to_the_requests_they_served_and_carry_the_batch(traced_run):
     _, spans, _ = traced_run
-    request_span_ids = {s.span_id for s in spans if s.name.startswith(("chat ", "text_completion "))}
+    request_span_of = {s.attributes[schema.REQUEST_ID]: s.span_id for s in spans
+                       if s.name.startswith(("chat ", "text_completion "))}
     steps = [s for s in spans if s.name == schema.STEP]
     assert steps
     children = collections.Counter(s.name for s in spans if s.name in (schema.SCHEDULE, schema.EXECUTE, schema.UPDATE))
     assert children == {schema.SCHEDULE: len(steps), schema.EXECUTE: len(steps), schema.UPDATE: len(steps)}
     for step in steps:
-        assert step.links and {link.span_id for link in step.links} <= request_span_ids
         attributes = step.attributes
-        assert len(attributes[schema.STEP_REQUEST_IDS]) == len(attributes[schema.STEP_TOKENS_PER_REQUEST]) == len(step.links)
+        assert len(attributes[schema.STEP_REQUEST_IDS]) == len(attributes[schema.STEP_TOKENS_PER_REQUEST])
+        # One link per request served, in the order of the step's request ids.
+        assert step.links and [link.span_id for link in step.links] == [
+            request_span_of[request_id] for request_id in attributes[schema.STEP_REQUEST_IDS]]
         assert attributes[schema.KV_BLOCKS_USED] + attributes[schema.KV_BLOCKS_FREE] == attributes[schema.KV_BLOCKS_TOTAL] == 128
         assert attributes[schema.STEP_NUM_PREFILL_TOKENS] + attributes[schema.STEP_NUM_DECODE_TOKENS] == sum(
             attributes[schema.STEP_TOKENS_PER_REQUEST])

@@ -156,11 +156,13 @@ class EngineSpanBuilder:
         self._end(decode, end, request.finish_reason)
 
     @staticmethod
-    def _link_to(request_id: str, trace_context: dict[str, str]) -> Link | None:
+    def _link_to(trace_context: dict[str, str]) -> Link | None:
         context = extract_context(trace_context)
         if context is None:
             return None
-        return Link(trace.get_current_span(context).get_span_context(), {schema.REQUEST_ID: request_id})
+        # No attributes on the link: the step's request ids list the same requests in the same
+        # order, and attributes here would be copied and checked again for every step span.
+        return Link(trace.get_current_span(context).get_span_context())
 
     @staticmethod
     def _end(span, end_time: float, finish_reason: str | None) -> None:
@@ -175,7 +177,7 @@ class EngineSpanBuilder:
         for scheduled in out.scheduled:
             request_id = scheduled.request_id
             if request_id not in self._links:
-                self._links[request_id] = self._link_to(request_id, served_contexts.get(request_id, {}))
+                self._links[request_id] = self._link_to(served_contexts.get(request_id, {}))
             if self._links[request_id] is not None:
                 links.append(self._links[request_id])
         attributes = {

@@ -18,12 +18,12 @@ more CPU, and the exporter shares the CPU with the engine it is tracing.
 """
 
 import base64
-import json
 import math
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import msgspec
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
@@ -154,7 +154,7 @@ class OTLPJsonFileExporter(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if not spans:
             return SpanExportResult.SUCCESS
-        line = json.dumps(spans_to_otlp_json(spans), separators=(",", ":"))
+        line = msgspec.json.encode(spans_to_otlp_json(spans)).decode()  # compact, several times faster than json
         with self._lock:
             if self._file.closed:
                 return SpanExportResult.FAILURE
