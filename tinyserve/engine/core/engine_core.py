@@ -7,6 +7,7 @@ returns EngineCoreOutputs with the new tokens. The in-process client calls
 `step()` directly; the engine process (stage ⑤–⑦) calls it from its busy loop.
 """
 
+import atexit
 import gc
 import time
 from dataclasses import dataclass
@@ -87,6 +88,7 @@ class EngineCore:
         # ~200 ms pause in the middle of a step, whenever enough small objects were made.
         gc.collect()
         gc.freeze()
+        atexit.register(gc.unfreeze)  # let the interpreter's last collection free them at exit
 
     def _blocks_from_memory(self, model, gpu_at_start: MemorySnapshot | None) -> int:
         """--kv-cache-memory if given; else on a GPU what --gpu-memory-utilization leaves; else 1 GiB."""
