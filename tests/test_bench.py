@@ -293,3 +293,22 @@ def test_gpu_check_without_a_gpu_says_so_and_measures_nothing():
                           text=True, timeout=120, cwd=REPO, env=env)
     assert done.returncode == 2
     assert "no CUDA GPU on this machine" in done.stderr and done.stdout == ""
+
+
+# ---- benchmarks/tracing_cost.py ----------------------------------------------------------------
+
+
+def test_tracing_cost_quick_prints_the_cost_per_workload_and_dtype():
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "tracing_cost.py"), "--quick"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    number = r"(-?[\d.]+)"
+    rows = re.findall(rf"^([AB]) +(float32|bfloat16) +{number} +{number} +{number} +{number} +{number} +{number} "
+                      rf"+{number} +{number}% +(\d+)/(\d+)$", done.stdout, re.MULTILINE)
+    assert [(w, dtype) for w, dtype, *_ in rows] == [
+        ("A", "float32"), ("B", "float32"), ("A", "bfloat16"), ("B", "bfloat16")]
+    for _, _, total_off, total_on, loop_off, loop_on, rest_off, rest_on, ratio, lost, same, count in rows:
+        assert float(loop_off) <= float(total_off) and float(loop_on) <= float(total_on)
+        assert float(rest_on) > float(rest_off)  # building and exporting spans happens after the loop
+        assert abs((1 - 1 / float(ratio)) * 100 - float(lost)) < 0.06  # the loss is computed from the ratio
+        assert same == count == "4"  # tracing never changes a token

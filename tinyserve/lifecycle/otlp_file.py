@@ -34,14 +34,18 @@ _FLAG_IS_REMOTE = 0x200
 
 def spans_to_otlp_json(spans: Sequence[ReadableSpan]) -> dict:
     """One ExportTraceServiceRequest: spans grouped by resource, then by instrumentation scope."""
-    by_resource: dict = {}
+    # Grouped by identity: a process has one resource and one scope, shared by all its
+    # spans, and hashing a Resource serialises its attributes every time.
+    by_resource: dict[int, tuple] = {}
+    links: dict[int, dict] = {}  # a step links to the same few request spans again and again
     for span in spans:
-        by_scope = by_resource.setdefault(span.resource, {})
-        by_scope.setdefault(span.instrumentation_scope, []).append(_span(span))
+        resource, by_scope = by_resource.setdefault(id(span.resource), (span.resource, {}))
+        scope, rendered = by_scope.setdefault(id(span.instrumentation_scope), (span.instrumentation_scope, []))
+        rendered.append(_span(span, links))
     resource_spans = []
-    for resource, by_scope in by_resource.items():
+    for resource, by_scope in by_resource.values():
         entry = {"resource": _with_attributes({}, resource.attributes),
-                 "scopeSpans": [_scope_spans(scope, rendered) for scope, rendered in by_scope.items()]}
+                 "scopeSpans": [_scope_spans(scope, rendered) for scope, rendered in by_scope.values()]}
         if resource.schema_url:
             entry["schemaUrl"] = resource.schema_url
         resource_spans.append(entry)
@@ -61,7 +65,7 @@ def _scope_spans(scope, rendered: list[dict]) -> dict:
     return entry
 
 
-def _span(span: ReadableSpan) -> dict:
+def _span(span: ReadableSpan, links: dict[int, dict]) -> dict:
     context = span.get_span_context()
     out = {"traceId": f"{context.trace_id:032x}", "spanId": f"{context.span_id:016x}"}
     if context.trace_state:
@@ -79,7 +83,7 @@ def _span(span: ReadableSpan) -> dict:
     if span.dropped_events:
         out["droppedEventsCount"] = span.dropped_events
     if span.links:
-        out["links"] = [_link(link) for link in span.links]
+        out["links"] = [links.get(id(link)) or links.setdefault(id(link), _link(link)) for link in span.links]
     if span.dropped_links:
         out["droppedLinksCount"] = span.dropped_links
     status = {}
