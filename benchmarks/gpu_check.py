@@ -203,7 +203,7 @@ def end_to_end(device: torch.device, smoke: bool) -> list[Row]:
                 results[name] = [list(o.outputs[0].token_ids) for o in outputs]
 
             times[name] = timed(run, device, repeats=1 if smoke else 3)
-            del llm
+            del llm, run  # run holds the LLM too: free its KV cache before the next one sizes its own
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
