@@ -218,3 +218,32 @@ def test_offline_llm_traces_the_stages_that_exist_in_process(tmp_path):
                     schema.PREFILL, schema.QUEUE, schema.RENDER]
         assert names == sorted(expected)
         assert {s.service for s in trace_spans} == {schema.SERVICE_OFFLINE}
+
+
+def test_an_interrupted_offline_run_keeps_the_spans_of_the_steps_that_ran(tmp_path):
+    # Offline, engine spans are built after the loop; an interrupt (Ctrl-C in a notebook)
+    # must not take the steps that did run out of the trace.
+    from tinyserve import LLM, SamplingParams
+    from tinyserve.lifecycle.tracing import shutdown_tracing
+
+    try:
+        llm = LLM(str(tiny_model_with_tokenizer("llama")), trace_dir=str(tmp_path), num_kv_blocks=64)
+        step, steps_run = llm.engine_core.step, []
+
+        def step_then_interrupt():
+            if len(steps_run) == 5:
+                raise KeyboardInterrupt
+            steps_run.append(step())
+            return steps_run[-1]
+
+        llm.engine_core.step = step_then_interrupt
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["one", "two"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                         use_tqdm=False)
+        spans = read_spans(run_folder(tmp_path) / schema.OFFLINE_TRACE_FILE)
+    finally:
+        shutdown_tracing()
+    step_ids = sorted(s.attributes[schema.STEP_ID] for s in spans if s.name == schema.STEP)
+    assert len(step_ids) == 5 and step_ids == list(range(step_ids[0], step_ids[0] + 5))
+    assert collections.Counter(s.name for s in spans if s.name in (schema.SCHEDULE, schema.EXECUTE)) == {
+        schema.SCHEDULE: 5, schema.EXECUTE: 5}

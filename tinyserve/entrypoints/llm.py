@@ -111,11 +111,12 @@ class LLM:
                 )
                 for _, engine_request in children:
                     self.engine_core.add_request(engine_request)
-        outputs = self._run_engine(order, use_tqdm and len(order) >= _PROGRESS_BAR_MIN_PROMPTS)
-        if self.trace_run_dir is not None or tracing_enabled():
-            self.engine_core.flush_spans()
-            flush_tracing()
-        return outputs
+        try:
+            return self._run_engine(order, use_tqdm and len(order) >= _PROGRESS_BAR_MIN_PROMPTS)
+        finally:  # even when interrupted: the steps that ran are in the trace file
+            if self.trace_run_dir is not None or tracing_enabled():
+                self.engine_core.flush_spans()
+                flush_tracing()
 
     def _start_tracing(self, trace_dir: str | None, otlp_endpoint: str | None) -> Path | None:
         if trace_dir is None and otlp_endpoint is None:
