@@ -334,7 +334,7 @@ def contender_process(name: str, folder: str, num_kv_blocks: int, trace_dir: str
 
 
 def run_contenders(folder: str, num_kv_blocks: int, trace_dir: str, workloads: list[Workload],
-                   repeats: int, names: tuple[str, ...] = CONTENDERS) -> dict[str, list[Measurement]]:
+                   repeats: int) -> dict[str, list[Measurement]]:
     """Warm each contender up, then run them in turn, repeat after repeat, rotating who goes first.
 
     Only one contender runs at any moment; interleaving spreads the machine's slow
@@ -343,7 +343,7 @@ def run_contenders(folder: str, num_kv_blocks: int, trace_dir: str, workloads: l
     context = multiprocessing.get_context("spawn")
     workers = {}
     try:
-        for name in names:
+        for name in CONTENDERS:
             conn, child_conn = context.Pipe()
             process = context.Process(target=contender_process, args=(name, folder, num_kv_blocks, trace_dir,
                                                                       child_conn), daemon=True)
@@ -360,15 +360,15 @@ def run_contenders(folder: str, num_kv_blocks: int, trace_dir: str, workloads: l
 
         results = {}
         for workload in workloads:
-            times: dict[str, list[float]] = {name: [] for name in names}
-            outputs = {name: run(name, workload)[1] for name in names}  # warm-up
+            times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+            outputs = {name: run(name, workload)[1] for name in CONTENDERS}  # warm-up
             for repeat in range(repeats):
-                shift = repeat % len(names)
-                for name in names[shift:] + names[:shift]:
+                shift = repeat % len(CONTENDERS)
+                for name in CONTENDERS[shift:] + CONTENDERS[:shift]:
                     elapsed, outputs[name] = run(name, workload)
                     times[name].append(elapsed)
                     print(f"  {workload.name} {name:<26} {elapsed:.2f}s", file=sys.stderr, flush=True)
-            results[workload.name] = [Measurement(name, times[name], outputs[name]) for name in names]
+            results[workload.name] = [Measurement(name, times[name], outputs[name]) for name in CONTENDERS]
         return results
     finally:
         for process, conn in workers.values():
