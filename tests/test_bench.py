@@ -244,10 +244,16 @@ def test_bench_serve_rejects_bad_arguments_with_exit_2(flags, message, capsys):
 # ---- benchmarks/compare.py ---------------------------------------------------------------
 
 
-def test_compare_quick_runs_every_contender_and_prints_the_roofline():
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compare.py"), "--quick"],
+def run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run benchmarks/<script> in a fresh interpreter; it must succeed."""
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_compare_quick_runs_every_contender_and_prints_the_roofline():
+    done = run_benchmark("compare.py", "--quick")
     out = done.stdout
     assert out.startswith("machine: ")
     assert re.search(r"measured here: fp32 matmul [\d.]+ GFLOP/s, bf16 matmul [\d.]+ GFLOP/s, "
@@ -274,9 +280,7 @@ def test_compare_quick_runs_every_contender_and_prints_the_roofline():
 def test_gpu_check_smoke_runs_every_part_on_the_cpu_and_prints_the_table():
     # The script is meant for a GPU; --smoke runs the same code on tiny sizes here, so a
     # GPU run is not the first time it ever executes.
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--smoke"],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_benchmark("gpu_check.py", "--smoke")
     out = done.stdout
     assert out.startswith("device: CPU (smoke run")
     assert re.search(r"^kernels +2 cases x decode, prefill, store_kv vs the PyTorch reference +all equal$", out,
@@ -299,9 +303,7 @@ def test_gpu_check_without_a_gpu_says_so_and_measures_nothing():
 
 
 def test_tracing_cost_quick_prints_the_cost_per_workload_and_dtype():
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "tracing_cost.py"), "--quick"],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_benchmark("tracing_cost.py", "--quick")
     number = r"(-?[\d.]+)"
     rows = re.findall(rf"^([AB]) +(float32|bfloat16) +{number} +{number} +{number} +{number} +{number} +{number} "
                       rf"+{number} +{number}% +(\d+)/(\d+)$", done.stdout, re.MULTILINE)
