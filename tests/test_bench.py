@@ -312,5 +312,7 @@ def test_tracing_cost_quick_prints_the_cost_per_workload_and_dtype():
     for _, _, total_off, total_on, loop_off, loop_on, rest_off, rest_on, ratio, lost, same, count in rows:
         assert float(loop_off) <= float(total_off) and float(loop_on) <= float(total_on)
         assert float(rest_on) > float(rest_off)  # building and exporting spans happens after the loop
-        assert abs((1 - 1 / float(ratio)) * 100 - float(lost)) < 0.06  # the loss is computed from the ratio
+        # The loss is computed from the ratio: printed to 3 and 1 decimals, the two must round consistently.
+        low, high = ((1 - 1 / (float(ratio) + d)) * 100 for d in (-0.0005, 0.0005))
+        assert low - 0.05 <= float(lost) <= high + 0.05
         assert same == count == "4"  # tracing never changes a token
