@@ -24,15 +24,16 @@ share of the softmax mass:
 
 With one split the partial output *is* the answer, and the reduction is skipped.
 
-All arithmetic is fp32 whatever the cache dtype: loads are upcast and the dots
-run in IEEE fp32 (not TF32), so an fp32 model equals the reference to 1e-5, at
-the price of half-precision tensor cores. (Triton's CPU interpreter also gets
-bf16 dots wrong; the upcast sidesteps that.)
+The walk over KV blocks (load through the block table, online softmax) is
+shared with the other paged kernel, in triton_paged.py. All arithmetic is fp32
+whatever the cache dtype, at the price of half-precision tensor cores.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from tinyserve.kernels.triton_paged import load_kv_block, online_softmax_update
 
 # A split is worth its extra pass once a program would otherwise walk more than
 # this many tokens; past MAX_SPLITS the extra parallelism no longer pays.
@@ -92,34 +93,17 @@ def paged_decode_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
 
-    offsets = tl.arange(0, BLOCK_SIZE)
+    block_table_ptr = block_tables_ptr + seq * stride_block_table
     for logical_block in range(first_block, end_block):
-        # --- Load one KV block through the block table: k, v are [BLOCK_SIZE, BLOCK_D].
-        # The tail of the sequence's last block holds no token: mask it (its
-        # memory is someone's, or garbage) and load zeros there instead.
-        physical_block = tl.load(block_tables_ptr + seq * stride_block_table + logical_block).to(tl.int64)
-        token_mask = logical_block * BLOCK_SIZE + offsets < seq_len
-        kv_mask = token_mask[:, None] & dim_mask[None, :]
-        kv_offsets = (
-            physical_block * stride_cache_block
-            + offsets[:, None] * stride_cache_offset
-            + kv_head * stride_cache_head
-            + dims[None, :]
+        # --- One KV block through the block table, loaded once for all G heads.
+        k, v, positions = load_kv_block(
+            kv_cache_ptr, block_table_ptr, logical_block, seq_len, kv_head, dims, dim_mask,
+            stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head, BLOCK_SIZE,
         )
-        k = tl.load(kv_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(kv_cache_ptr + stride_cache_kv + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-
         # --- Scores of all G heads against the block's tokens: [BLOCK_H, BLOCK_SIZE].
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        scores = tl.where(token_mask[None, :], scores, float("-inf"))
-
-        # --- Online softmax update: rescale what was summed under the old max.
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)  # 0 on the first block, where m_i = -inf
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        m_i = m_new
+        scores = tl.where((positions < seq_len)[None, :], scores, float("-inf"))
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, scores, v)
 
     # --- Normalise within the split and store it with its LSE. An empty split
     # (l_i = 0, m_i = -inf) stores zeros and lse = -inf: the reduction gives it no weight.

@@ -23,15 +23,16 @@ each rereads the KV block, which then comes from L2. A one-token query (decode)
 is just a tile with one valid row, so mixed batches of prefills and decodes run
 through this one kernel.
 
-All arithmetic is fp32 whatever the cache dtype: loads are upcast and the dots
-run in IEEE fp32 (not TF32), so an fp32 model equals the reference to 1e-5, at
-the price of half-precision tensor cores. (Triton's CPU interpreter also gets
-bf16 dots wrong; the upcast sidesteps that.)
+The walk over KV blocks (load through the block table, online softmax) is
+shared with the other paged kernel, in triton_paged.py. All arithmetic is fp32
+whatever the cache dtype, at the price of half-precision tensor cores.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from tinyserve.kernels.triton_paged import load_kv_block, online_softmax_update
 
 
 @triton.jit
@@ -89,36 +90,19 @@ def paged_prefill_kernel(
 
     # Causality: no row of this tile sees past its last row's position.
     kv_end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
-    offsets = tl.arange(0, BLOCK_SIZE)
+    block_table_ptr = block_tables_ptr + seq * stride_block_table
     for logical_block in range(0, tl.cdiv(kv_end, BLOCK_SIZE)):
-        # --- Load one KV block through the block table: k, v are [BLOCK_SIZE, BLOCK_D].
-        # Slots past seq_len are not this sequence's tokens: mask them to zeros.
-        physical_block = tl.load(block_tables_ptr + seq * stride_block_table + logical_block).to(tl.int64)
-        k_positions = logical_block * BLOCK_SIZE + offsets
-        kv_mask = (k_positions < seq_len)[:, None] & dim_mask[None, :]
-        kv_offsets = (
-            physical_block * stride_cache_block
-            + offsets[:, None] * stride_cache_offset
-            + kv_head * stride_cache_head
-            + dims[None, :]
+        k, v, k_positions = load_kv_block(
+            kv_cache_ptr, block_table_ptr, logical_block, seq_len, kv_head, dims, dim_mask,
+            stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head, BLOCK_SIZE,
         )
-        k = tl.load(kv_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(kv_cache_ptr + stride_cache_kv + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-
         # --- Scores [BLOCK_M, BLOCK_SIZE], with the causal mask. Key 0 is visible to
         # every row, so after the first block each row's max is finite and a row
         # whose keys are all masked in a later block just gets p = 0 there.
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         visible = (k_positions[None, :] <= q_positions[:, None]) & (k_positions < seq_len)[None, :]
         scores = tl.where(visible, scores, float("-inf"))
-
-        # --- Online softmax update: rescale what was summed under the old max.
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)  # 0 on the first block, where m_i = -inf
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, scores, v)
 
     out = acc / l_i[:, None]
     out_offsets = (query_start + rows)[:, None] * stride_out_token + head * stride_out_head + dims[None, :]
