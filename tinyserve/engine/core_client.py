@@ -1,7 +1,7 @@
 """The API process's handle on its engine processes (stages ④ and ⑦ from the client side).
 
-`MPClient` starts one engine process per data-parallel rank (engine_core_proc.py),
-sends each request to one of them (dp_client.py picks which), and hands back
+`MPClient` starts one engine process per data-parallel rank (engine_procs.py
+starts and stops them; engine_core_proc.py is what runs in them), sends each request to one of them (dp_client.py picks which), and hands back
 whatever the engines produce, one EngineCoreOutputs at a time, to AsyncLLM's
 output loop. The socket layout is drawn in ipc.py.
 
@@ -18,18 +18,15 @@ import asyncio
 import atexit
 import itertools
 import logging
-import multiprocessing
-import os
 import shutil
-import signal
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from tinyserve.config import EngineArgs, ModelInfo
-from tinyserve.engine.core.engine_core_proc import run_engine_core
 from tinyserve.engine.dp_client import DPLoadBalancer
+from tinyserve.engine.engine_procs import EngineProcesses
 from tinyserve.engine.ipc import (
     OUTPUT_TYPES,
     UTILITY_METHODS,
@@ -47,7 +44,6 @@ from tinyserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 300.0  # loading a model onto a GPU can take a while
-SHUTDOWN_TIMEOUT_S = 5.0  # SIGTERM, then SIGKILL after this long
 TRANSPORTS = ("ipc", "tcp")
 
 
@@ -86,7 +82,7 @@ class MPClient:
         self.load_balancer = DPLoadBalancer(data_parallel_size)
         self._ipc_parent = ipc_dir
         self._ipc_dir: str | None = None
-        self._processes: list[multiprocessing.Process] = []
+        self._engines = EngineProcesses(args, model_info, data_parallel_size)
         self._context: zmq.asyncio.Context | None = None
         self._input_sockets: list[zmq.Socket] = []
         self._output_socket: zmq.asyncio.Socket | None = None
@@ -117,7 +113,7 @@ class MPClient:
                 socket.setsockopt(zmq.SNDHWM, 0)
                 socket.bind(bind_address(self.transport, self._ipc_dir, f"input-{index}"))
                 self._input_sockets.append(socket)
-            self._spawn_engines()
+            self._engines.start([bound_endpoint(s) for s in self._input_sockets], bound_endpoint(self._output_socket))
             await asyncio.wait_for(self._wait_for_handshakes(), self.startup_timeout)
         except BaseException as error:
             self.shutdown()
@@ -126,37 +122,9 @@ class MPClient:
                     f"engines did not report ready within startup_timeout={self.startup_timeout}s"
                 ) from None
             raise
-        for index, process in enumerate(self._processes):
+        for index, process in enumerate(self._engines.processes):
             self._loop.add_reader(process.sentinel, self._on_engine_exit, index)
         self._output_task = asyncio.create_task(self._output_loop(), name="engine-outputs")
-
-    def _spawn_engines(self) -> None:
-        # spawn, not fork: a forked copy of a process with torch and ZeroMQ threads can deadlock.
-        # The arguments below reach the child pickled, over a pipe that only the two
-        # processes hold; everything after the start goes over the sockets as msgspec.
-        spawn = multiprocessing.get_context("spawn")
-        num_threads = None
-        if self.args.torch_device.type == "cpu" and self.data_parallel_size > 1:
-            # Engines on one CPU split its cores: thread pools that overlap slow each other down.
-            num_threads = max(1, (os.cpu_count() or 1) // self.data_parallel_size)
-        output_address = bound_endpoint(self._output_socket)
-        for index, input_socket in enumerate(self._input_sockets):
-            process = spawn.Process(
-                target=run_engine_core,
-                name=f"tinyserve-engine-{index}",
-                kwargs=dict(
-                    args=self.args,
-                    engine_index=index,
-                    input_address=bound_endpoint(input_socket),
-                    output_address=output_address,
-                    parent_pid=os.getpid(),
-                    model_info=self.model_info,
-                    num_threads=num_threads,
-                ),
-                daemon=True,  # multiprocessing terminates it if this interpreter exits normally
-            )
-            process.start()
-            self._processes.append(process)
 
     async def _wait_for_handshakes(self) -> None:
         ready = {}
@@ -171,12 +139,12 @@ class MPClient:
                     ready[message.engine_index] = message
                 elif kind is EngineOutputKind.FAILED:
                     raise EngineStartupError(f"engine {message.engine_index} failed to start: {message.error}")
-            for index, process in enumerate(self._processes):
-                if index not in ready and process.exitcode is not None:
+            for index in range(self.data_parallel_size):
+                if index not in ready and self._engines.has_exited(index):
                     if await self._output_socket.poll(timeout=200):
                         continue  # its last words are still on the way: read them first
                     raise EngineStartupError(
-                        f"engine {index} exited during start-up ({_describe_exit(process.exitcode)}) "
+                        f"engine {index} exited during start-up ({self._engines.exit_reason(index)}) "
                         "without reporting an error; see its log above"
                     )
         self.num_kv_blocks = [ready[i].num_kv_blocks for i in range(self.data_parallel_size)]
@@ -279,10 +247,9 @@ class MPClient:
         self._outputs.put_nowait(outputs)
 
     def _on_engine_exit(self, index: int) -> None:
-        process = self._processes[index]
-        self._loop.remove_reader(process.sentinel)
-        process.join(timeout=0.1)  # reap it, so exitcode is known
-        self._mark_dead(index, f"process {process.pid} exited ({_describe_exit(process.exitcode)})")
+        self._loop.remove_reader(self._engines.processes[index].sentinel)
+        reason = self._engines.exit_reason(index)
+        self._mark_dead(index, f"process {self._engines.pids[index]} exited ({reason})")
 
     def _mark_dead(self, index: int, reason: str) -> None:
         if self.dead_error is not None or self._closed:
@@ -291,9 +258,7 @@ class MPClient:
         self.dead_error = EngineDeadError(f"engine {index} died: {reason}; {lost} in-flight request(s) lost")
         logger.error("%s", self.dead_error)
         self._fail_waiters(self.dead_error)
-        for process in self._processes:
-            if process.exitcode is None:
-                process.terminate()
+        self._engines.terminate()
 
     def _fail_waiters(self, error: EngineDeadError) -> None:
         for future in self._utility_calls.values():
@@ -305,11 +270,11 @@ class MPClient:
 
     @property
     def is_healthy(self) -> bool:
-        return self.dead_error is None and not self._closed and bool(self._processes)
+        return self.dead_error is None and not self._closed and bool(self._engines.processes)
 
     @property
     def engine_pids(self) -> list[int]:
-        return [process.pid for process in self._processes]
+        return self._engines.pids
 
     def shutdown(self) -> None:
         """Stop every engine, close the sockets, remove the socket directory. Safe to call twice."""
@@ -321,18 +286,11 @@ class MPClient:
         if loop_open:
             if self.dead_error is None:
                 self._fail_waiters(EngineDeadError("the engine client was shut down"))
-            for process in self._processes:
+            for process in self._engines.processes:
                 self._loop.remove_reader(process.sentinel)
             if self._output_task is not None:
                 self._output_task.cancel()
-        for process in self._processes:
-            if process.exitcode is None:
-                process.terminate()  # SIGTERM: the engine closes its sockets and exits
-        for process in self._processes:
-            process.join(SHUTDOWN_TIMEOUT_S)
-            if process.exitcode is None:
-                process.kill()
-                process.join()
+        self._engines.stop()
         for socket in [*self._input_sockets, self._output_socket]:
             if socket is not None:
                 socket.close(linger=0)
@@ -341,10 +299,3 @@ class MPClient:
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
-
-def _describe_exit(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "still running"
-    if exitcode < 0:
-        return f"killed by {signal.Signals(-exitcode).name}"
-    return f"exit code {exitcode}"

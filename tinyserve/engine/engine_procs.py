@@ -1,0 +1,83 @@
+"""The engine processes themselves: start them, tell how one ended, stop them.
+
+MPClient (core_client.py) talks to the engines over sockets; this is the part
+that deals with them as operating-system processes, one per data-parallel rank,
+each running engine_core_proc.run_engine_core.
+"""
+
+import multiprocessing
+import os
+import signal
+
+from tinyserve.config import EngineArgs, ModelInfo
+from tinyserve.engine.core.engine_core_proc import run_engine_core
+
+SHUTDOWN_TIMEOUT_S = 5.0  # SIGTERM, then SIGKILL after this long
+
+
+class EngineProcesses:
+    def __init__(self, args: EngineArgs, model_info: ModelInfo, data_parallel_size: int) -> None:
+        self.args = args
+        self.model_info = model_info
+        self.data_parallel_size = data_parallel_size
+        self.processes: list[multiprocessing.Process] = []
+
+    def start(self, input_addresses: list[str], output_address: str) -> None:
+        """Start engine i reading requests from input_addresses[i]; all write to output_address."""
+        # spawn, not fork: a forked copy of a process with torch and ZeroMQ threads can deadlock.
+        # The arguments below reach the child pickled, over a pipe that only the two
+        # processes hold; everything after the start goes over the sockets as msgspec.
+        spawn = multiprocessing.get_context("spawn")
+        num_threads = None
+        if self.args.torch_device.type == "cpu" and self.data_parallel_size > 1:
+            # Engines on one CPU split its cores: thread pools that overlap slow each other down.
+            num_threads = max(1, (os.cpu_count() or 1) // self.data_parallel_size)
+        for index, input_address in enumerate(input_addresses):
+            process = spawn.Process(
+                target=run_engine_core,
+                name=f"tinyserve-engine-{index}",
+                kwargs=dict(
+                    args=self.args,
+                    engine_index=index,
+                    input_address=input_address,
+                    output_address=output_address,
+                    parent_pid=os.getpid(),
+                    model_info=self.model_info,
+                    num_threads=num_threads,
+                ),
+                daemon=True,  # multiprocessing terminates it if this interpreter exits normally
+            )
+            process.start()
+            self.processes.append(process)
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
+
+    def has_exited(self, index: int) -> bool:
+        return self.processes[index].exitcode is not None
+
+    def exit_reason(self, index: int) -> str:
+        """How engine `index` ended ("exit code 1", "killed by SIGKILL"), reaping it first."""
+        process = self.processes[index]
+        process.join(timeout=0.1)  # reap it, so exitcode is known
+        if process.exitcode is None:
+            return "still running"
+        if process.exitcode < 0:
+            return f"killed by {signal.Signals(-process.exitcode).name}"
+        return f"exit code {process.exitcode}"
+
+    def terminate(self) -> None:
+        """SIGTERM every engine still running: each closes its sockets, flushes its spans and exits."""
+        for process in self.processes:
+            if process.exitcode is None:
+                process.terminate()
+
+    def stop(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Terminate every engine and wait for it; SIGKILL one still there after timeout_s."""
+        self.terminate()
+        for process in self.processes:
+            process.join(timeout_s)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
