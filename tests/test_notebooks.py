@@ -5,7 +5,7 @@ python, on the CPU, in under 3 minutes, and shows figures; it runs in memory wit
 scripts/build_notebooks.py's own `execute`, so the committed file (saved with its
 outputs, to render on GitHub) is never rewritten. The recorded runs in traces/ load, are
 small, and every request in them can be replayed; scripts/record_traces.py still records
-a loadable run from a real server. plots_extra is checked on the synthetic runs of
+a loadable run from a real server. plots_extra and plots_compare are checked on the synthetic runs of
 tests/synthetic_trace.py, whose span times are round milliseconds known by hand.
 """
 
@@ -21,7 +21,7 @@ from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 
 from tests.synthetic_trace import DEMO_REQUESTS, DEMO_STEPS, SyntheticSequence, write_demo_run, write_run
-from tinyserve.lifecycle import load_run, plots_extra
+from tinyserve.lifecycle import load_run, plots_compare, plots_extra
 from tinyserve.lifecycle.replay import why_not_reproducible
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,7 +132,7 @@ def test_record_traces_records_a_run_from_a_real_server(tmp_path, built_model):
     assert recording["model_fingerprint"] == record_traces.model_fingerprint()
 
 
-# ---- plots_extra ----------------------------------------------------------------------------------
+# ---- plots_extra and plots_compare --------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -178,12 +178,12 @@ FIGURES = {
     "kv_pressure": lambda run: plots_extra.plot_kv_pressure(run, engine_index=1),
     "prefix_cache_hits": lambda run: plots_extra.plot_prefix_cache_hits(run),
     "engine_balance": lambda run: plots_extra.plot_engine_balance(run),
-    "latency_by_run": lambda run: plots_extra.plot_latency_by_run({"a": run, "b": run}, ("ttft", "tpot", "itl", "e2e")),
-    "stage_comparison": lambda run: plots_extra.plot_stage_comparison({"a": run, "b": run}),
-    "completion_cdf_time": lambda run: plots_extra.plot_completion_cdf({"a": run}, clock="time"),
-    "completion_cdf_steps": lambda run: plots_extra.plot_completion_cdf({"a": run}, clock="steps"),
-    "run_comparison_time": lambda run: plots_extra.plot_run_comparison({"a": run, "b": run}, clock="time"),
-    "run_comparison_steps": lambda run: plots_extra.plot_run_comparison({"a": run, "b": run}, clock="steps"),
+    "latency_by_run": lambda run: plots_compare.plot_latency_by_run({"a": run, "b": run}, ("ttft", "tpot", "itl", "e2e")),
+    "stage_comparison": lambda run: plots_compare.plot_stage_comparison({"a": run, "b": run}),
+    "completion_cdf_time": lambda run: plots_compare.plot_completion_cdf({"a": run}, clock="time"),
+    "completion_cdf_steps": lambda run: plots_compare.plot_completion_cdf({"a": run}, clock="steps"),
+    "run_comparison_time": lambda run: plots_compare.plot_run_comparison({"a": run, "b": run}, clock="time"),
+    "run_comparison_steps": lambda run: plots_compare.plot_run_comparison({"a": run, "b": run}, clock="steps"),
     "block_tables": lambda run: plots_extra.plot_block_tables(
         [{"r1": [0, 1]}, {"r1": [0, 1, 4], "r2": [0, 2]}, {"r2": [0, 2, 3]}], num_blocks=6,
         step_ids=[7, 8, 9], cached_free_blocks=[set(), set(), {1, 4}]),
@@ -209,14 +209,14 @@ def test_step_occupancy_draws_one_cell_per_request_and_step(demo):
 
 
 def test_completion_cdf_in_steps_counts_the_steps_started_by_then(demo):
-    ax = plots_extra.plot_completion_cdf({"demo": demo}, clock="steps").axes[0]
+    ax = plots_compare.plot_completion_cdf({"demo": demo}, clock="steps").axes[0]
     finished = next(line for line in ax.get_lines() if line.get_label() == "demo: finished")
     # the requests end at 50, 60 and 70 ms, after all five steps (the last starts at 36 ms) had started
     assert list(finished.get_xdata()) == [0, 5, 5, 5]
 
 
 def test_run_comparison_in_steps_counts_ttft_and_the_largest_decode_step(demo):
-    axes = plots_extra.plot_run_comparison({"demo": demo}, clock="steps").axes
+    axes = plots_compare.plot_run_comparison({"demo": demo}, clock="steps").axes
     heights = [[bar.get_height() for bar in ax.patches] for ax in axes]
     # steps: 5; tokens per step: (6+4+6+5+6)/5; TTFT in steps: a 2 (5, 10 ms), b 2 (14, 20 ms), c 1 (36 ms);
     # the largest step with a decode: 6 tokens (engine 0 step 2, engine 1 step 1)
@@ -225,8 +225,8 @@ def test_run_comparison_in_steps_counts_ttft_and_the_largest_decode_step(demo):
 
 def test_bad_plot_arguments_are_value_errors_naming_the_parameter(demo):
     with pytest.raises(ValueError, match="metrics"):
-        plots_extra.plot_latency_by_run({"a": demo}, metrics=("p99",))
+        plots_compare.plot_latency_by_run({"a": demo}, metrics=("p99",))
     with pytest.raises(ValueError, match="clock"):
-        plots_extra.plot_completion_cdf({"a": demo}, clock="tokens")
+        plots_compare.plot_completion_cdf({"a": demo}, clock="tokens")
     with pytest.raises(ValueError, match="clock"):
-        plots_extra.plot_run_comparison({"a": demo}, clock="tokens")
+        plots_compare.plot_run_comparison({"a": demo}, clock="tokens")

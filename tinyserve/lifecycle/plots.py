@@ -24,6 +24,8 @@ from tinyserve.lifecycle.timeline import RequestTimeline, process_sort_key
 from tinyserve.lifecycle.summary import percentile
 
 STAGE_COLORS = {schema.QUEUE: "tab:gray", schema.PREFILL: "tab:orange", schema.DECODE: "tab:blue"}
+# One color per request, run or engine, in order.
+PALETTE = [f"tab:{c}" for c in ("blue", "orange", "green", "red", "purple", "brown", "pink", "olive", "cyan")]
 
 
 def _process_colors(services) -> dict[str, str]:
