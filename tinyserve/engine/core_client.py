@@ -1,9 +1,10 @@
 """The API process's handle on its engine processes (stages ④ and ⑦ from the client side).
 
 `MPClient` starts one engine process per data-parallel rank (engine_procs.py
-starts and stops them; engine_core_proc.py is what runs in them), sends each request to one of them (dp_client.py picks which), and hands back
-whatever the engines produce, one EngineCoreOutputs at a time, to AsyncLLM's
-output loop. The socket layout is drawn in ipc.py.
+starts and stops them; engine_core_proc.py is what runs in them), sends each
+request to one of them (dp_client.py picks which), and hands back whatever the
+engines produce, one EngineCoreOutputs at a time, to AsyncLLM's output loop.
+The socket layout is drawn in ipc.py.
 
 It also watches the engines. Each process has a sentinel, a file descriptor that
 becomes readable the moment the process exits; the event loop watches them, so
@@ -70,8 +71,6 @@ class MPClient:
             raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        self.args = args
-        self.model_info = model_info
         self.data_parallel_size = data_parallel_size
         self.transport = transport
         self.startup_timeout = startup_timeout
