@@ -111,6 +111,31 @@ def test_of_stop_strings_found_together_the_one_starting_first_wins(tokenizer):
     assert detokenizer.stop_reason == "ugly."
 
 
+def test_stop_strings_are_looked_for_only_after_min_tokens(tokenizer):
+    output_ids = tokenizer.encode(TEXT)
+    first = TEXT.index("better")
+    second = TEXT.index("better", first + 1)
+    tokens_through_first = next(n for n in range(len(output_ids))
+                                if len(tokenizer.decode(output_ids[:n])) >= first + len("better"))
+    detokenizer = IncrementalDetokenizer(tokenizer, [], stop=["better"], min_tokens=tokens_through_first)
+    text = "".join(stream(detokenizer, output_ids))
+    # The first "better" ends within the first min_tokens tokens: only the second one stops.
+    assert text == TEXT[:second]
+    assert detokenizer.stop_reason == "better"
+
+
+@pytest.mark.parametrize("include_stop_str_in_output", [False, True])
+def test_the_stop_token_that_ended_a_request_is_not_in_its_text(tokenizer, include_stop_str_in_output):
+    # The engine stopped on the last id, a stop_token_ids token with ordinary text.
+    ids = tokenizer.encode(" Simple is better.")
+    detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False,
+                                         include_stop_str_in_output=include_stop_str_in_output)
+    text = detokenizer.update(ids[:-2]) + detokenizer.update(ids[-2:], finished=True, stop_terminated=True)
+    assert text == tokenizer.decode(ids if include_stop_str_in_output else ids[:-1])
+    assert text.startswith(" Simple is better") and text.endswith(".") is include_stop_str_in_output
+    assert detokenizer.output_text == text
+
+
 def test_text_held_back_for_stop_strings_is_released_when_the_request_finishes(tokenizer):
     stop = "not in the text"
     output_ids = tokenizer.encode(TEXT)

@@ -30,7 +30,10 @@ Stop strings (vLLM's rule): text may only be streamed once no stop string can st
 begin inside it, so the last `max(len(stop)) - 1` characters are held back until more
 text (or the end of the request) arrives. When a stop string appears, even across a
 token boundary, the text is cut before it (after it with include_stop_str_in_output),
-`stop_reason` names it and the request is done.
+`stop_reason` names it and the request is done. As in vLLM, stop strings are looked
+for only once the output has more than `min_tokens` tokens, and a request the engine
+stopped on a stop token (EOS, or one of stop_token_ids) leaves that token's text out
+unless include_stop_str_in_output.
 
 For byte-level tokenizers (every tokenizer tinyserve builds, Llama 3, Qwen) the final
 `output_text` equals `tokenizer.decode(output_ids)`; for SentencePiece tokenizers it keeps
@@ -57,6 +60,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
@@ -64,6 +68,8 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
+        self.min_tokens = min_tokens
+        self.num_output_tokens = 0
         # With the stop string kept in the output there is nothing to hide before it.
         self.stop_buffer_length = 0 if include_stop_str_in_output or not stop else max(map(len, stop)) - 1
 
@@ -80,16 +86,21 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
         self.num_streamed_chars = 0
 
-    def update(self, new_token_ids: Sequence[int], finished: bool = False) -> str:
+    def update(self, new_token_ids: Sequence[int], finished: bool = False, stop_terminated: bool = False) -> str:
         """Add the ids the engine produced and return the text that may be streamed now.
 
         Pass finished=True with the request's last ids (or alone): the held-back text is
-        then returned too. After a stop string was found, ids are ignored and "" returned.
+        then returned too; stop_terminated=True when the engine stopped the request on
+        its last id, a stop token whose text is not output. After a stop string was
+        found, ids are ignored and "" returned.
         """
         if self.stop_reason is not None:
             return ""
+        if stop_terminated and not self.include_stop_str_in_output:
+            new_token_ids = new_token_ids[:-1]
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
+            self.num_output_tokens += 1
             self._append(self._decode_new_text(complete_characters_only=True))
             if self.stop_reason is not None:
                 break
@@ -115,7 +126,7 @@ class IncrementalDetokenizer:
         if not text:
             return
         self.output_text += text
-        if self.stop:
+        if self.stop and self.num_output_tokens > self.min_tokens:
             self._cut_at_stop_string(num_new_chars=len(text))
 
     def _cut_at_stop_string(self, num_new_chars: int) -> None:

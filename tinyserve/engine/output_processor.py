@@ -102,6 +102,7 @@ class OutputProcessor:
                 skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop or [],
                 include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens,
             )
             self.children[child_id] = ChildState(parent, index, detokenizer, params.logprobs is not None)
             child_ids.append(child_id)
@@ -122,7 +123,8 @@ class OutputProcessor:
             started = time.perf_counter()
             # On the last update the detokenizer releases what it held back (a possible
             # stop-string prefix, an unfinished character).
-            delta_text = child.detokenizer.update(output.new_token_ids, finished=output.finish_reason is not None)
+            delta_text = child.detokenizer.update(output.new_token_ids, finished=output.finish_reason is not None,
+                                                  stop_terminated=output.finish_reason == "stop")
             now = time.time()
             parent.detokenize_seconds += time.perf_counter() - started
             parent.detokenize_calls += 1
@@ -133,10 +135,13 @@ class OutputProcessor:
             new_logprobs = [self._convert_logprobs(lp) for lp in output.new_logprobs or ()]
             child.logprobs += new_logprobs
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
-            if finish_reason is None and child.detokenizer.stop_reason is not None:
+            if child.detokenizer.stop_reason is not None:
+                # A stop string ends the request even when the engine ended it in the same
+                # step (max_tokens, or a stop token after the string): the text was cut there.
+                if finish_reason is None:
+                    to_abort.append(output.request_id)
                 finish_reason, stop_reason = "stop", child.detokenizer.stop_reason
                 parent.stop_string = stop_reason
-                to_abort.append(output.request_id)
             parent.num_cached_tokens = max(parent.num_cached_tokens, output.num_cached_tokens)
             if finish_reason is not None:
                 del self.children[output.request_id]
