@@ -136,6 +136,24 @@ def test_stop_token_id_is_reported_as_stop_reason():
     assert (finished["a"].finish_reason, finished["a"].stop_reason) == ("stop", 7)
 
 
+def test_a_stop_token_that_is_also_the_last_allowed_token_stops_rather_than_caps():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("eos", max_tokens=1))
+    finished = run_to_completion(scheduler, token=EOS)
+    assert (finished["eos"].finish_reason, finished["eos"].stop_reason) == ("stop", None)
+    scheduler.add_request(make_request("stop-id", max_tokens=1, stop_token_ids=[7]))
+    finished = run_to_completion(scheduler, token=7)
+    assert (finished["stop-id"].finish_reason, finished["stop-id"].stop_reason) == ("stop", 7)
+
+
+def test_a_further_eos_id_of_the_generation_config_is_named_as_stop_reason():
+    scheduler = make_scheduler()
+    scheduler.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=4), eos_token_ids=[EOS, 9],
+                                  arrival_time=0.0))
+    finished = run_to_completion(scheduler, token=9)
+    assert (finished["a"].finish_reason, finished["a"].stop_reason) == ("stop", 9)
+
+
 def test_max_model_len_caps_generation():
     scheduler = make_scheduler(max_model_len=8)
     scheduler.add_request(make_request("a", prompt_len=6, max_tokens=100))

@@ -221,17 +221,18 @@ class Scheduler:
         self._enqueue(request)
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
+        """As vLLM's check_stop: a stop token first (even the last one max_tokens allows), then length."""
         params = request.sampling_params
+        last_token = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens and last_token in request.stop_token_ids:
+            # The model's EOS gives no stop_reason; any other stop token (from stop_token_ids,
+            # or a further EOS id of generation_config.json) is named, as vLLM does.
+            if params.ignore_eos or request.eos_token_ids[:1] != [last_token]:
+                request.stop_reason = last_token
+            return RequestStatus.FINISHED_STOPPED
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
         if request.num_tokens >= self.max_model_len or request.num_output_tokens >= max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_output_tokens < params.min_tokens:
-            return None
-        last_token = request.output_token_ids[-1]
-        if last_token in request.stop_token_ids:
-            if last_token in (params.stop_token_ids or ()):
-                request.stop_reason = last_token
-            return RequestStatus.FINISHED_STOPPED
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
