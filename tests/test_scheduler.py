@@ -116,6 +116,17 @@ def test_preempted_request_is_recomputed_with_its_output_tokens():
     assert resumed[0].token_ids == victim.all_token_ids[start : start + count]
 
 
+def test_a_preempted_request_coming_back_is_not_counted_again_in_prefix_cache_stats():
+    scheduler = make_scheduler(num_blocks=7)
+    for i in range(3):  # three different prompts: nothing to share
+        scheduler.add_request(make_request(str(i), first_token=10 * i + 1, max_tokens=8))
+    run_to_completion(scheduler)
+    assert scheduler.num_preemptions > 0
+    # Each request is counted once, at its first admission; the blocks a resumed one
+    # finds are its own, freed by the preemption, and are not hits.
+    assert (scheduler.kv.prefix_cache_queries, scheduler.kv.prefix_cache_hits) == (3 * 5, 0)
+
+
 def test_stop_conditions():
     scheduler = make_scheduler()
     scheduler.add_request(make_request("eos", max_tokens=10))

@@ -79,8 +79,10 @@ class KVCacheManager:
         num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
             return False
-        if self.enable_prefix_caching and request.num_computed_tokens == 0:
-            # Counted once per admission, not for every attempt that found no room.
+        if self.enable_prefix_caching and request.num_computed_tokens == 0 and not request.times.preemption_times:
+            # Counted once per request, when it is admitted (not for every attempt that found
+            # no room). As in vLLM, a preempted request coming back is left out: its hits are
+            # mostly the blocks it just freed, which would inflate the hit rate.
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += len(new_computed_blocks) * self.block_size
         self.pool.touch(list(new_computed_blocks))
