@@ -99,6 +99,15 @@ def test_chat_renders_the_template(llm):
     assert len(output.outputs[0].token_ids) == 4
 
 
+def test_chat_can_continue_the_final_message(llm):
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hello to you"}]
+    [output] = llm.chat(messages, greedy(max_tokens=4), use_tqdm=False, add_generation_prompt=False,
+                        continue_final_message=True)
+    assert output.prompt.endswith("<|im_start|>assistant\nHello to you")
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        llm.chat(messages, greedy(max_tokens=4), use_tqdm=False, continue_final_message=True)
+
+
 @pytest.mark.parametrize(
     "prompt, params, match",
     [

@@ -73,6 +73,27 @@ def test_anthropic_stop_sequence(claude):
     assert stopped.content[0].text == text[: text.index(stop)]
 
 
+def test_anthropic_final_assistant_message_is_continued(server, claude):
+    messages = [{"role": "user", "content": "Go"}, {"role": "assistant", "content": "The Zen says"}]
+    continued = httpx.post(f"{server.url}/tokenize", json={"messages": messages, "add_generation_prompt": False,
+                                                          "continue_final_message": True}).json()["tokens"]
+    opened = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["tokens"]
+    message = claude.messages.create(model=MODEL, max_tokens=4, messages=messages, extra_body={"temperature": 0})
+    assert message.usage.input_tokens == len(continued) < len(opened)
+
+
+def test_anthropic_stop_sequence_on_the_last_allowed_token_is_a_stop_sequence(claude):
+    kwargs = dict(model=MODEL, extra_body={"temperature": 0}, messages=[{"role": "user", "content": "Go"}])
+    one = claude.messages.create(max_tokens=1, **kwargs).content[0].text
+    two = claude.messages.create(max_tokens=2, **kwargs).content[0].text
+    stop = two[len(one) - 1 :] if len(one) > 0 else two
+    assert stop and two.startswith(one)
+    # The stop sequence is completed by the second token, the last max_tokens=2 allows.
+    stopped = claude.messages.create(max_tokens=2, stop_sequences=[stop], **kwargs)
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
+    assert stopped.content[0].text == two[: two.index(stop)]
+
+
 def test_metrics_count_tokens_and_requests(server):
     before = metric(server, "generation_tokens_total")
     finished_before = metric(server, "request_success_total", finished_reason="length")

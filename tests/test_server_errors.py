@@ -53,10 +53,42 @@ def assert_openai_error(response, status, *words):
         ({"messages": [{"role": "wizard", "content": "x"}]}, ["role"]),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, ["content"]),
         ({"messages": "hello"}, ["messages"]),
+        ({"top_logprobs": 2}, ["top_logprobs", "logprobs"]),
+        ({"stream_options": {"include_usage": True}}, ["stream_options", "stream"]),
+        ({"continue_final_message": True}, ["continue_final_message", "add_generation_prompt"]),
     ],
 )
 def test_invalid_chat_fields_are_400_not_422(server, change, words):
     assert_openai_error(post(server, "/v1/chat/completions", {**CHAT, **change}), 400, *words)
+
+
+@pytest.mark.parametrize(
+    "change, param",
+    [
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"best_of": 2}, "best_of"),
+    ],
+)
+def test_chat_fields_asking_for_what_is_not_implemented_are_400_naming_them(server, change, param):
+    response = post(server, "/v1/chat/completions", {**CHAT, **change})
+    assert_openai_error(response, 400, param, "not supported")
+    assert response.json()["error"]["param"] == param
+
+
+def test_completion_suffix_is_400_naming_it(server):
+    response = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "suffix": "end"})
+    assert_openai_error(response, 400, "suffix", "not supported")
+
+
+def test_fields_that_ask_for_nothing_unusual_are_accepted(server):
+    nothing = {"logit_bias": {}, "response_format": {"type": "text"}, "best_of": 1, "tool_choice": "none",
+               "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
+    response = post(server, "/v1/chat/completions", {**CHAT, **nothing})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
 
 
 def test_missing_messages_is_400(server):
@@ -104,6 +136,18 @@ def test_anthropic_errors_use_the_anthropic_format(server):
     client = anthropic.Anthropic(base_url=server.url, api_key="sk-wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError):
         client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well, "}]},
+     "trailing whitespace"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tool use is not supported"),
+])
+def test_anthropic_refuses_a_prefill_ending_in_whitespace_and_tools(server, change, words):
+    client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match=words):
+        client.messages.create(**{"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                                  **change})
 
 
 def test_server_is_healthy_after_all_that(server):

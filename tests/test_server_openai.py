@@ -6,6 +6,7 @@ import pytest
 
 from tests.server_process import ServerProcess
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
+from tests.tiny_tokenizer import TINY_VOCAB_SIZE
 
 MODEL = "tiny"
 
@@ -117,6 +118,33 @@ def test_vllm_extra_sampling_fields_are_accepted(client):
         extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 6},
     )
     assert response.usage.completion_tokens == 6
+
+
+def test_stop_token_ids_end_the_request_on_that_token_without_its_text(client):
+    # Every id is a stop token here, so the first token generated ends the request.
+    response = client.completions.create(model=MODEL, prompt="Flat is better than", max_tokens=8, temperature=0,
+                                         extra_body={"stop_token_ids": list(range(TINY_VOCAB_SIZE))})
+    choice = response.choices[0]
+    assert (choice.finish_reason, choice.text, response.usage.completion_tokens) == ("stop", "", 1)
+    assert isinstance(choice.model_extra["stop_reason"], int)
+
+
+PREFILLED = [{"role": "user", "content": "Explain the Zen of Python."}, {"role": "assistant", "content": "The Zen says"}]
+
+
+def tokenize_messages(server, messages, **options) -> list[int]:
+    return httpx.post(f"{server.url}/tokenize", json={"messages": messages, **options}).json()["tokens"]
+
+
+def test_continue_final_message_renders_the_last_message_open(server, client):
+    continued = tokenize_messages(server, PREFILLED, add_generation_prompt=False, continue_final_message=True)
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": continued}).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\nThe Zen says")  # no end of turn, no new turn
+    assert len(continued) < len(tokenize_messages(server, PREFILLED))
+    response = client.chat.completions.create(
+        model=MODEL, messages=PREFILLED, max_tokens=4, temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert response.usage.prompt_tokens == len(continued)
 
 
 def test_max_completion_tokens_is_honoured(client):

@@ -26,16 +26,25 @@ class InputProcessor:
         self.model_info = model_info
         self.tokenizer = tokenizer
 
-    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True, chat_template: str | None = None) -> str:
-        """Apply the chat template; messages are [{"role": ..., "content": str | [{"type": "text", ...}]}]."""
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template: str | None = None) -> str:
+        """Apply the chat template; messages are [{"role": ..., "content": str | [{"type": "text", ...}]}].
+
+        add_generation_prompt: end with an open assistant turn for the reply. continue_final_message:
+        end inside the last message instead (its end-of-turn marker cut off), so the reply
+        continues it: an assistant message the caller has begun ("prefill").
+        """
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         normalized = [_normalize_message(i, message) for i, message in enumerate(messages)]
         template = chat_template or self.tokenizer.chat_template
         if template is None:
             raise ValueError("the model has no chat template; pass chat_template or send a plain prompt")
         return self.tokenizer.apply_chat_template(
-            normalized, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
+            normalized, chat_template=template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=False,
         )
 
     def tokenize_prompt(self, prompt, *, add_special_tokens: bool = True) -> ProcessedPrompt:

@@ -62,13 +62,18 @@ class LLM:
                          sampling_params, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, *, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """messages: one conversation (a list of {"role", "content"}) or a list of conversations."""
+             add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[RequestOutput]:
+        """messages: one conversation (a list of {"role", "content"}) or a list of conversations.
+
+        continue_final_message=True (with add_generation_prompt=False): each reply continues the
+        conversation's last message, as in vLLM's LLM.chat.
+        """
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
 
         def render(conversation) -> ProcessedPrompt:
             text = self.input_processor.render_chat(
-                conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+                conversation, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template,
             )
             return self.input_processor.tokenize_prompt(text, add_special_tokens=False)
 

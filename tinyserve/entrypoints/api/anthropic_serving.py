@@ -5,15 +5,17 @@ Anthropic names things differently from OpenAI: `stop_sequences` for stop,
 typed events: message_start, content_block_start, content_block_delta…,
 content_block_stop, message_delta (stop reason, usage), message_stop.
 A stream that cannot finish (the engine died, the server shut down and aborted
-it) ends with an `error` event instead, as Anthropic's own API does.
+it) ends with an `error` event instead, as Anthropic's own API does. A final
+assistant message is a prefill: the reply continues it rather than opening a new
+turn. Tools are not implemented, and a request that offers some is refused.
 """
 
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from tinyserve.engine.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError, anthropic_error_body
@@ -56,11 +58,30 @@ class MessagesRequest(StrictBody):
     messages: list[Message] = Field(min_length=1)
     system: Text | list[TextBlock] | None = None
     stop_sequences: list[Text] | None = None
+    tools: Any = None
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, lt=2**63)  # the sampler holds it in an int64
     stream: bool = False
     metadata: Metadata | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value):
+        if value:
+            raise ValueError("tool use is not supported by this server")
+        return value
+
+    @property
+    def prefilled(self) -> bool:
+        """A final assistant message is the start of the reply: the model continues it."""
+        return self.messages[-1].role == "assistant"
+
+    @model_validator(mode="after")
+    def _prefill_without_trailing_whitespace(self) -> "MessagesRequest":
+        if self.prefilled and self.messages[-1].text != self.messages[-1].text.rstrip():
+            raise ValueError("final assistant content cannot end with trailing whitespace")
+        return self
 
     def conversation(self) -> list[dict]:
         turns = []
@@ -94,7 +115,8 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request
         )
 
     try:
-        prompt, params = render_and_tokenize(ctx, spans, body.conversation(), True, body.max_tokens, make_params)
+        prompt, params = render_and_tokenize(ctx, spans, body.conversation(), not body.prefilled, body.max_tokens,
+                                             make_params, continue_final_message=body.prefilled)
         stream = await ctx.engine.add_request(prompt, params, message_id, spans=spans,
                                               output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
     except Exception as error:

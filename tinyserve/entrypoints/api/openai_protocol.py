@@ -1,15 +1,19 @@
 """Request bodies of the OpenAI endpoints, validated with pydantic.
 
 Field names and ranges follow the OpenAI API, plus vLLM's extra sampling fields
-(top_k, min_p, repetition_penalty, ignore_eos, min_tokens). Unknown fields are
-ignored, as OpenAI clients send fields a server may not use. Types are strict
-(no "2" for 2), numbers finite, and every string valid Unicode: JSON can carry
-a lone surrogate ("\ud800") that no tokenizer or UTF-8 encoder accepts.
+(top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
+continue_final_message). Unknown fields are ignored, as OpenAI clients send fields
+a server may not use; but a known field that would change what is generated and
+that tinyserve does not implement (logit_bias, tools, response_format, best_of,
+suffix) is refused with a 400 naming it, rather than quietly giving other output
+than was asked for. Types are strict (no "2" for 2), numbers finite, and every
+string valid Unicode: JSON can carry a lone surrogate ("\ud800") that no
+tokenizer or UTF-8 encoder accepts.
 """
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tinyserve.sampling_params import SamplingParams
 
@@ -83,6 +87,38 @@ class SamplingFields(StrictBody):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=-INT64, lt=INT64)
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = None
+    # Known, but not implemented: refused when they ask for anything (see the module docstring).
+    logit_bias: Any = None
+    response_format: Any = None
+    best_of: Any = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value):
+        if value:
+            raise ValueError("is not supported by this server")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, value):
+        if value is not None and value != {"type": "text"}:
+            raise ValueError('is not supported by this server beyond {"type": "text"}: it has no structured output')
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value):
+        if value is not None and value != 1:
+            raise ValueError("is not supported by this server (as in vLLM V1); use n")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "SamplingFields":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be given with stream=true")
+        return self
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -103,6 +139,7 @@ class SamplingFields(StrictBody):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            stop_token_ids=self.stop_token_ids or None,
         )
 
     @property
@@ -117,6 +154,26 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the reply continues the last message instead of opening a turn
+    # Tool calling is not implemented: tools are refused unless tool_choice is "none".
+    tool_choice: Any = None
+    tools: Any = None
+    functions: Any = None
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tool_calls(cls, value, info: ValidationInfo):
+        if value and info.data.get("tool_choice") != "none":
+            raise ValueError('tool calling is not supported by this server (only with tool_choice "none")')
+        return value
+
+    @model_validator(mode="after")
+    def _consistent_options(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -132,6 +189,14 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
+    suffix: Any = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value):
+        if value:
+            raise ValueError("is not supported by this server")
+        return value
 
     @property
     def prompts(self) -> list:
@@ -149,6 +214,8 @@ class TokenizeRequest(StrictBody):
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    add_generation_prompt: bool = True  # with messages, rendered as a chat request would be
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(StrictBody):

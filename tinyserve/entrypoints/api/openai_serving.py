@@ -109,11 +109,12 @@ def chat_logprobs(tokenizer, output: CompletionOutput, num_top: int) -> dict | N
 
 
 def render_and_tokenize(ctx: ServingContext, spans, messages: list[dict], add_generation_prompt: bool,
-                        requested_max_tokens: int | None, make_params):
+                        requested_max_tokens: int | None, make_params, continue_final_message: bool = False):
     """Stage ②: template, tokenize, check lengths, build SamplingParams — logged on the render span."""
     with spans.stage(schema.RENDER) as render_span:
         try:
-            text = ctx.engine.input_processor.render_chat(messages, add_generation_prompt=add_generation_prompt)
+            text = ctx.engine.input_processor.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                                          continue_final_message=continue_final_message)
         except ValueError as error:
             raise APIError(400, str(error), "messages") from error
         prompt = tokenize(ctx, text, add_special_tokens=False)
@@ -137,6 +138,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         prompt, params = render_and_tokenize(
             ctx, spans, [m.as_template_message() for m in body.messages], body.add_generation_prompt,
             body.requested_max_tokens, lambda max_tokens: body.sampling_params(max_tokens, body.num_logprobs),
+            continue_final_message=body.continue_final_message,
         )
         stream = await engine.add_request(prompt, params, request_id, priority=body.priority, spans=spans,
                                           output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)

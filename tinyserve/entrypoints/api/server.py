@@ -160,7 +160,13 @@ def build_app(
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of 'prompt' or 'messages'")
         if body.messages is not None:
-            text = engine.input_processor.render_chat([m.as_template_message() for m in body.messages])
+            try:
+                text = engine.input_processor.render_chat(
+                    [m.as_template_message() for m in body.messages], add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
+                )
+            except ValueError as error:
+                raise APIError(400, str(error), "messages") from error
             token_ids = engine.tokenizer.encode(text, add_special_tokens=False)
         else:
             token_ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
