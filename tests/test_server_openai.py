@@ -95,6 +95,25 @@ def test_completion_logprobs_shape(client):
     assert all(len(top) == 2 for top in logprobs.top_logprobs)
 
 
+def test_completion_top_logprobs_always_hold_the_sampled_token(client):
+    for num_top in (0, 1, 2):
+        response = client.completions.create(model=MODEL, prompt="Now is better", max_tokens=12, temperature=2.0,
+                                             seed=5, logprobs=num_top)
+        logprobs = response.choices[0].logprobs
+        for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+            assert top[token] == logprob
+            assert num_top <= len(top) <= num_top + 1
+
+
+def test_streamed_completion_text_offsets_count_from_the_start_of_the_text(client):
+    kwargs = dict(model=MODEL, prompt="Now is better", max_tokens=8, temperature=0, logprobs=1)
+    full = client.completions.create(**kwargs).choices[0].logprobs
+    streamed = [offset for chunk in client.completions.create(stream=True, **kwargs)
+                if chunk.choices[0].logprobs for offset in chunk.choices[0].logprobs.text_offset]
+    assert streamed == full.text_offset
+    assert full.text_offset == [sum(len(t) for t in full.tokens[:i]) for i in range(len(full.tokens))]
+
+
 def test_stop_string_is_honoured_and_not_emitted(client):
     free = client.completions.create(model=MODEL, prompt="Although never is", max_tokens=16, temperature=0).choices[0].text
     stop = free[4:7]

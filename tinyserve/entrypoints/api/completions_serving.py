@@ -23,7 +23,13 @@ from tinyserve.lifecycle.request_spans import start_request_spans
 from tinyserve.outputs import CompletionOutput
 
 
-def completion_logprobs(output: CompletionOutput, num_top: int, text_start: int) -> dict | None:
+def completion_logprobs(output: CompletionOutput, text_start: int) -> dict | None:
+    """The legacy logprobs object; text_start is where the output's text begins in the choice's text.
+
+    Each position's top_logprobs holds the sampled token and the `logprobs` most likely
+    ones (so logprobs + 1 entries when the sampled token is not among them), as OpenAI's
+    legacy API and vLLM give it.
+    """
     if output.logprobs is None:
         return None
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
@@ -32,8 +38,13 @@ def completion_logprobs(output: CompletionOutput, num_top: int, text_start: int)
         sampled = position[token_id]
         tokens.append(sampled.decoded_token)
         token_logprobs.append(sampled.logprob)
-        top_logprobs.append({lp.decoded_token: lp.logprob for lp in sorted(position.values(), key=lambda lp: lp.rank)
-                             if lp.rank <= max(num_top, 0)} or None)
+        # The engine sends the sampled token first, then the top ones by rank. Tokens whose
+        # text is the same (byte fragments all read "\ufffd") share a key: the first one keeps it,
+        # so the sampled token's own logprob is always found under its text.
+        top = {}
+        for lp in position.values():
+            top.setdefault(lp.decoded_token, lp.logprob)
+        top_logprobs.append(top)
         text_offset.append(offset)
         offset += len(sampled.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
@@ -73,10 +84,9 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
     echo_texts = [
         (p.prompt if p.prompt is not None else tokenizer.decode(p.prompt_token_ids)) if body.echo else "" for p in processed
     ]
-    num_top = body.logprobs or 0
 
     if body.stream:
-        events = _completion_stream(body, streams, processed, request_id, created, model, echo_texts, num_top)
+        events = _completion_stream(body, streams, processed, request_id, created, model, echo_texts)
         return EventStreamResponse(guard_stream(events), streams)
 
     outputs = await final_outputs_unless_disconnected(streams, raw_request)
@@ -90,7 +100,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
             choices.append({
                 "index": prompt_index * body.n + c.index,
                 "text": echo + c.text,
-                "logprobs": completion_logprobs(c, num_top, len(echo)),
+                "logprobs": completion_logprobs(c, len(echo)),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             })
@@ -117,7 +127,7 @@ async def _add_all(ctx, body, request_id, processed, params_list, spans_list) ->
     return streams
 
 
-async def _completion_stream(body, streams, processed, request_id, created, model, echo_texts, num_top):
+async def _completion_stream(body, streams, processed, request_id, created, model, echo_texts):
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(prompt_index, stream):
@@ -131,6 +141,7 @@ async def _completion_stream(body, streams, processed, request_id, created, mode
 
     tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
     echoed = set()
+    next_offsets: dict[int, int] = {}  # per choice index, the next token's text_offset
     num_generated, remaining = 0, len(tasks)
     try:
         while remaining:
@@ -149,9 +160,14 @@ async def _completion_stream(body, streams, processed, request_id, created, mode
                     prefix = echo_texts[prompt_index]
                 if not c.text and not prefix and not c.finished and c.logprobs is None:
                     continue
+                logprobs = completion_logprobs(c, next_offsets.get(index, 0) + len(prefix))
+                if logprobs is not None and logprobs["tokens"]:
+                    # Counted in token texts, as a non-streamed answer counts them: the streamed
+                    # text can lag behind its tokens (an unfinished character is held back).
+                    next_offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1] or "")
                 yield sse_data({
                     "id": request_id, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": index, "text": prefix + c.text, "logprobs": completion_logprobs(c, num_top, 0),
+                    "choices": [{"index": index, "text": prefix + c.text, "logprobs": logprobs,
                                  "finish_reason": c.finish_reason,
                                  **({"stop_reason": c.stop_reason} if c.finished else {})}],
                 })
