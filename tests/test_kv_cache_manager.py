@@ -61,6 +61,21 @@ def test_repeated_prompt_hits_prefix_cache_except_the_last_token():
     assert kv.prefix_cache_queries == 24
 
 
+def test_a_prefix_equal_only_under_pythons_hash_is_not_a_hit():
+    # In CPython hash(0) == hash(2**61 - 1), so chaining blocks by hash() would give these
+    # two first blocks the same chain value, and the second request below would take
+    # the first one's second block: K/V computed after another prefix.
+    assert hash(0) == hash(2**61 - 1)
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    first = make_request("first", [0, 1, 2, 3, 4, 5, 6, 7, 8])
+    admit(kv, first)
+    own_prefix = make_request("own-prefix", [2**61 - 1, 1, 2, 3, 9])  # caches its first block only
+    admit(kv, own_prefix)
+    second = make_request("second", [2**61 - 1, 1, 2, 3, 4, 5, 6, 7, 8])
+    assert admit(kv, second) == 4  # its own first block, not first's second block
+    assert kv.get_block_ids("second")[1] != kv.get_block_ids("first")[1]
+
+
 def test_shared_prefix_blocks_are_shared_with_reference_counts():
     kv = KVCacheManager(num_blocks=16, block_size=4)
     a = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])

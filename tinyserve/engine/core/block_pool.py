@@ -14,6 +14,8 @@ only does the bookkeeping of block ids:
     the first to lose their hash (evicted) and be overwritten.
 """
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -24,15 +26,19 @@ class BlockHash(NamedTuple):
 
     Chaining the parent's hash means equal blocks only match when the whole prefix
     before them is equal too, which is exactly when their K/V are equal. The token
-    ids are kept in the key, so two different blocks never collide.
+    ids are kept in the key, so two different blocks never collide; the prefix is
+    known only by its hash, which is SHA-256 (as vLLM's default) rather than
+    Python's hash(): 64 bits that are not made to resist a prompt crafted to
+    collide with another user's prefix, and so read or plant its K/V.
     """
 
-    parent_hash: int
+    parent_hash: bytes
     token_ids: tuple[int, ...]
 
     @property
-    def value(self) -> int:
-        return hash(self)
+    def value(self) -> bytes:
+        """The hash the next block chains from: SHA-256 of the parent's and these token ids."""
+        return hashlib.sha256(self.parent_hash + array("q", self.token_ids).tobytes()).digest()
 
 
 @dataclass(slots=True, eq=False)

@@ -16,7 +16,7 @@ from collections import defaultdict
 from tinyserve.engine.core.block_pool import BlockHash, BlockPool, KVBlock
 from tinyserve.engine.core.request import Request
 
-_ROOT_HASH = 0  # parent hash of a request's first block
+_ROOT_HASH = b""  # parent hash of a request's first block
 
 
 def cdiv(a: int, b: int) -> int:
