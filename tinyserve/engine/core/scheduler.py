@@ -109,6 +109,9 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
+                    # It was the least important itself. vLLM stops scheduling running
+                    # requests here; the loop goes on instead, so those after it (more
+                    # important, under the priority policy) still get this step's tokens.
                     break
             else:
                 scheduled[request.request_id] = self._schedule_tokens(request, num_new_tokens, 0)
