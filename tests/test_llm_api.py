@@ -91,6 +91,19 @@ def test_logprobs_hold_the_sampled_token_and_the_top_k(llm):
         assert sorted(lp.rank for lp in position.values()) == [1, 2, 3]
 
 
+def test_logit_bias_steers_greedy_and_sampled_choices(llm):
+    prompt = "Special cases aren't special enough"
+    [free] = llm.generate(prompt, greedy(max_tokens=4), use_tqdm=False)
+    first = free.outputs[0].token_ids[0]
+    [banned] = llm.generate(prompt, greedy(max_tokens=4, logit_bias={first: -100}), use_tqdm=False)
+    assert banned.outputs[0].token_ids[0] != first
+    chosen = 42
+    for params in (greedy(max_tokens=4, logit_bias={chosen: 100}),
+                   SamplingParams(temperature=1.0, seed=1, max_tokens=4, logit_bias={chosen: 100})):
+        [forced] = llm.generate(prompt, params, use_tqdm=False)
+        assert forced.outputs[0].token_ids == [chosen] * 4
+
+
 def test_chat_renders_the_template(llm):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
     [output] = llm.chat(messages, greedy(max_tokens=4), use_tqdm=False)
@@ -115,6 +128,7 @@ def test_chat_can_continue_the_final_message(llm):
         ({"prompt_token_ids": []}, SamplingParams(), "prompt must not be empty"),
         ({"prompt_token_ids": [1, 99999]}, SamplingParams(), "outside the vocabulary"),
         ({"prompt_token_ids": [5] * 600}, SamplingParams(), "max_model_len"),
+        ("fine", SamplingParams(logit_bias={99999: 1.0}), "logit_bias contains 99999, outside the vocabulary"),
     ],
 )
 def test_bad_prompts_raise_before_anything_is_scheduled(llm, prompt, params, match):
@@ -136,6 +150,8 @@ def test_bad_prompts_raise_before_anything_is_scheduled(llm, prompt, params, mat
         ({"min_p": 2.0}, "min_p"),
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logit_bias": {5: 101.0}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
     ],
 )
 def test_bad_sampling_params_name_the_parameter(kwargs, name):

@@ -166,6 +166,14 @@ def test_continue_final_message_renders_the_last_message_open(server, client):
     assert response.usage.prompt_tokens == len(continued)
 
 
+def test_logit_bias_forces_a_token(server, client):
+    chosen = 42
+    response = client.completions.create(model=MODEL, prompt="Flat is better than", max_tokens=3, temperature=1.0,
+                                         seed=2, logit_bias={str(chosen): 100})
+    expected = httpx.post(f"{server.url}/detokenize", json={"tokens": [chosen] * 3}).json()["prompt"]
+    assert response.choices[0].text == expected
+
+
 def test_max_completion_tokens_is_honoured(client):
     response = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=3, temperature=0)
     assert response.usage.completion_tokens == 3

@@ -28,6 +28,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,6 +48,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         _check(0 < self.repetition_penalty <= 2, "repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
         _check(not self.stop or all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(self.seed is None or -(2**63) <= self.seed < 2**63, "seed", f"must fit in 64 bits, got {self.seed}")
+        if self.logit_bias:
+            bad = [(t, b) for t, b in self.logit_bias.items() if not -100 <= b <= 100]
+            _check(not bad, "logit_bias", f"values must be in [-100, 100], got {bad[:3]}")
 
     @property
     def is_greedy(self) -> bool:

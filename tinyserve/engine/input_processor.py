@@ -75,9 +75,11 @@ class InputProcessor:
         trace_context: dict[str, str] | None = None,
     ) -> EngineCoreRequest:
         self.model_info.validate_prompt(prompt.prompt_token_ids)
-        for token_id in sampling_params.stop_token_ids or ():
-            if not 0 <= token_id < self.model_info.vocab_size:
-                raise ValueError(f"stop_token_ids contains {token_id}, outside the vocabulary [0, {self.model_info.vocab_size})")
+        for name, token_ids in (("stop_token_ids", sampling_params.stop_token_ids),
+                                ("logit_bias", sampling_params.logit_bias)):
+            for token_id in token_ids or ():
+                if not 0 <= token_id < self.model_info.vocab_size:
+                    raise ValueError(f"{name} contains {token_id}, outside the vocabulary [0, {self.model_info.vocab_size})")
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt.prompt_token_ids,

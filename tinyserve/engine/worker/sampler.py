@@ -5,6 +5,7 @@ The order of operations follows vLLM:
     raw logits ─► logprobs reported to the user (before any processing)
         │
         ├─► penalties (repetition on prompt+output; presence/frequency on output)
+        ├─► logit_bias: added to the chosen tokens' logits
         ├─► min_tokens: stop tokens masked until enough tokens were generated
         ├─► greedy rows: argmax — done
         └─► temperature ─► top-k ─► top-p ─► min-p ─► sample
@@ -42,6 +43,9 @@ class Sampler:
         for row, request in enumerate(requests):
             if request.sampling_params.has_penalties:
                 apply_penalties(logits[row], request)
+            if request.sampling_params.logit_bias:
+                bias = request.sampling_params.logit_bias
+                logits[row, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
             if request.num_output_tokens < request.sampling_params.min_tokens and request.stop_token_ids:
                 logits[row, list(request.stop_token_ids)] = float("-inf")
 

@@ -4,8 +4,8 @@ Field names and ranges follow the OpenAI API, plus vLLM's extra sampling fields
 (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
 continue_final_message). Unknown fields are ignored, as OpenAI clients send fields
 a server may not use; but a known field that would change what is generated and
-that tinyserve does not implement (logit_bias, tools, response_format, best_of,
-suffix) is refused with a 400 naming it, rather than quietly giving other output
+that tinyserve does not implement (tools, response_format, best_of, suffix) is
+refused with a 400 naming it, rather than quietly giving other output
 than was asked for. Types are strict (no "2" for 2), numbers finite, and every
 string valid Unicode: JSON can carry a lone surrogate ("\ud800") that no
 tokenizer or UTF-8 encoder accepts.
@@ -88,16 +88,17 @@ class SamplingFields(StrictBody):
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=-INT64, lt=INT64)
     stop_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # {"token id": bias}
     # Known, but not implemented: refused when they ask for anything (see the module docstring).
-    logit_bias: Any = None
     response_format: Any = None
     best_of: Any = None
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value):
-        if value:
-            raise ValueError("is not supported by this server")
+    def _token_id_keys(cls, value):
+        for key in value or ():
+            if not (key.isascii() and key.isdigit()) or int(key) >= INT64:
+                raise ValueError(f"keys must be token ids, got {key!r}")
         return value
 
     @field_validator("response_format")
@@ -140,6 +141,7 @@ class SamplingFields(StrictBody):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             stop_token_ids=self.stop_token_ids or None,
+            logit_bias={int(token_id): bias for token_id, bias in self.logit_bias.items()} if self.logit_bias else None,
         )
 
     @property
