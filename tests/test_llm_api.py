@@ -104,6 +104,18 @@ def test_logit_bias_steers_greedy_and_sampled_choices(llm):
         assert forced.outputs[0].token_ids == [chosen] * 4
 
 
+def test_prompt_logprobs_score_every_prompt_token_and_skip_the_prefix_cache(llm):
+    prompt = "Now is better than never. Although never is often better than right now."
+    params = greedy(max_tokens=2, prompt_logprobs=0)
+    llm.generate(prompt, greedy(max_tokens=2), use_tqdm=False)  # leaves the prompt's blocks cached
+    assert llm.generate(prompt, greedy(max_tokens=2), use_tqdm=False)[0].num_cached_tokens > 0
+    [output] = llm.generate(prompt, params, use_tqdm=False)
+    assert output.num_cached_tokens == 0  # every prompt position had to be computed
+    assert len(output.prompt_logprobs) == len(output.prompt_token_ids) and output.prompt_logprobs[0] is None
+    for token_id, position in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]):
+        assert list(position) == [token_id] and position[token_id].logprob <= 0
+
+
 def test_chat_renders_the_template(llm):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
     [output] = llm.chat(messages, greedy(max_tokens=4), use_tqdm=False)

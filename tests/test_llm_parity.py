@@ -70,3 +70,36 @@ def test_greedy_matches_with_preemption_and_chunked_prefill(model_and_reference)
     pool = llm.engine_core.kv_cache_manager.pool
     assert pool.num_free_blocks == pool.num_blocks
     pool.check_integrity()
+
+
+def hf_prompt_logprobs(folder, prompt: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' logits at every prompt position: row p predicts token p + 1."""
+    with torch.no_grad():
+        logits = _hf_model(folder)(torch.tensor([prompt])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    {},
+    # Chunked prefill (16-token budget) and preemption (12 blocks of 16 for four growing requests).
+    {"num_kv_blocks": 12, "block_size": 16, "max_num_batched_tokens": 16},
+    # 8 blocks: the 70-token prompt is preempted in the middle of its prefill, with part of
+    # its prompt logprobs computed; recomputed, it must not get those positions twice.
+    {"num_kv_blocks": 8, "block_size": 16, "max_num_batched_tokens": 16},
+], ids=["plain", "chunked-preempted", "preempted-mid-prefill"])
+def test_prompt_logprobs_equal_transformers(model_and_reference, engine_kwargs):
+    folder, prompts, _ = model_and_reference
+    llm = LLM(str(folder), **engine_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=2)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert (llm.engine_core.scheduler.num_preemptions > 0) == bool(engine_kwargs)
+    for prompt, output in zip(prompts, outputs):
+        want = hf_prompt_logprobs(folder, prompt)
+        assert len(output.prompt_logprobs) == len(prompt) and output.prompt_logprobs[0] is None
+        for position, entry in enumerate(output.prompt_logprobs[1:]):
+            token = prompt[position + 1]
+            row = want[position]
+            assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+            assert entry[token].rank == int((row > row[token]).sum()) + 1
+            top_ids = row.topk(2).indices.tolist()
+            assert {t for t, lp in entry.items() if lp.rank <= 2} == set(top_ids)

@@ -81,11 +81,6 @@ def test_chat_fields_asking_for_what_is_not_implemented_are_400_naming_them(serv
     assert response.json()["error"]["param"] == param
 
 
-def test_completion_echo_with_logprobs_is_400(server):
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "echo": True, "logprobs": 1}
-    assert_openai_error(post(server, "/v1/completions", body), 400, "echo with logprobs", "prompt logprobs")
-
-
 def test_completion_suffix_is_400_naming_it(server):
     response = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "suffix": "end"})
     assert_openai_error(response, 400, "suffix", "not supported")

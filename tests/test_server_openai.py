@@ -114,6 +114,30 @@ def test_streamed_completion_text_offsets_count_from_the_start_of_the_text(clien
     assert full.text_offset == [sum(len(t) for t in full.tokens[:i]) for i in range(len(full.tokens))]
 
 
+def test_echo_with_logprobs_scores_the_prompt_tokens_too(server, client):
+    prompt = "Errors should never pass silently."
+    prompt_ids = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=1)
+    plain = client.completions.create(**kwargs).choices[0].logprobs
+    echoed = client.completions.create(echo=True, **kwargs).choices[0]
+    logprobs = echoed.logprobs
+    assert echoed.text.startswith(prompt)
+    num_prompt = len(prompt_ids)
+    assert len(logprobs.tokens) == num_prompt + 4
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None  # nothing predicts it
+    for token, logprob, top in zip(logprobs.tokens[1:num_prompt], logprobs.token_logprobs[1:num_prompt],
+                                   logprobs.top_logprobs[1:num_prompt]):
+        assert logprob <= 0 and top[token] == logprob and len(top) in (1, 2)
+    # The generated part is scored as without echo; offsets run over every token's text from 0.
+    assert logprobs.tokens[num_prompt:] == plain.tokens
+    assert logprobs.token_logprobs[num_prompt:] == pytest.approx(plain.token_logprobs, abs=1e-5)
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    streamed = [chunk.choices[0].logprobs for chunk in client.completions.create(echo=True, stream=True, **kwargs)
+                if chunk.choices[0].logprobs]
+    assert [t for chunk in streamed for t in chunk.tokens] == logprobs.tokens
+    assert [o for chunk in streamed for o in chunk.text_offset] == logprobs.text_offset
+
+
 def test_stop_string_is_honoured_and_not_emitted(client):
     free = client.completions.create(model=MODEL, prompt="Although never is", max_tokens=16, temperature=0).choices[0].text
     stop = free[4:7]

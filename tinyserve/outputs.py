@@ -39,3 +39,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestTimes | None = None  # the engine's timestamps, once finished
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
+    # (nothing predicts it); each holds the prompt token itself plus the top ones.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

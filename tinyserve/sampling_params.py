@@ -23,6 +23,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return besides the sampled token's
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -43,6 +44,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", f"must not exceed max_tokens={self.max_tokens}, got {self.min_tokens}")
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs", f"must be non-negative, got {self.logprobs}")
+        _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
+               f"must be non-negative, got {self.prompt_logprobs}")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         _check(0 < self.repetition_penalty <= 2, "repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")

@@ -54,6 +54,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # With the first token, when asked for: one entry per prompt token after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
     times: RequestTimes | None = None  # set once, when the request finishes
 
     @property

@@ -38,6 +38,7 @@ class ParentRequest:
     latest: dict[int, CompletionOutput] = field(default_factory=dict)
     num_finished: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None
     metrics: RequestTimes | None = None
     spans: object = NO_SPANS  # lifecycle.request_spans: ended here when the request finishes
     final: dict[int, CompletionOutput] = field(default_factory=dict)  # cumulative, per finished child
@@ -132,6 +133,8 @@ class OutputProcessor:
             if parent.detokenize_first is None:
                 parent.detokenize_first = now
             child.token_ids += output.new_token_ids
+            if output.prompt_logprobs is not None and parent.prompt_logprobs is None:
+                parent.prompt_logprobs = [None] + [self._convert_logprobs(lp) for lp in output.prompt_logprobs]
             new_logprobs = [self._convert_logprobs(lp) for lp in output.new_logprobs or ()]
             child.logprobs += new_logprobs
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
@@ -200,6 +203,7 @@ class OutputProcessor:
             finished=parent.finished,
             num_cached_tokens=parent.num_cached_tokens,
             metrics=parent.metrics if parent.finished else None,
+            prompt_logprobs=parent.prompt_logprobs,
         )
 
     def _convert_logprobs(self, token_logprobs: TokenLogprobs) -> PositionLogprobs:

@@ -153,7 +153,7 @@ class EngineCore:
         runner_output = self.model_runner.execute_model(scheduler_output, self.scheduler.requests)
         executed = time.time()
         outputs = self.scheduler.update_from_output(
-            scheduler_output, runner_output.sampled_token_ids, runner_output.logprobs
+            scheduler_output, runner_output.sampled_token_ids, runner_output.logprobs, runner_output.prompt_logprobs
         )
         end = time.time()
         stats = self.scheduler.make_stats()

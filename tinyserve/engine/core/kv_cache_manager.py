@@ -53,7 +53,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Leading blocks of `request` already in the prefix cache, and how many tokens they hold."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need the logits of every prompt position: none may be skipped (vLLM's rule).
             return [], 0
         # At least one token must still be computed: its logits give the next token.
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

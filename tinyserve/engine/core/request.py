@@ -53,6 +53,8 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 = not yet scheduled
     stop_reason: int | str | None = None
     times: RequestTimes = None  # filled in __post_init__
+    # sampling_params.prompt_logprobs: those computed so far, prompt positions 1, 2, ...
+    prompt_logprobs: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

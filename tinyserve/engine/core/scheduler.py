@@ -155,6 +155,7 @@ class Scheduler:
         scheduler_output: SchedulerOutput,
         sampled_token_ids: dict[str, int],
         logprobs: dict[str, TokenLogprobs] | None = None,
+        prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> list[EngineCoreOutput]:
         """Append each sampled token, check stop conditions, and report what changed."""
         now = time.time()
@@ -165,6 +166,8 @@ class Scheduler:
                 continue
             if scheduled.is_prefill:
                 request.times.prefill_chunks.append((now, scheduled.num_new_tokens))
+            if prompt_logprobs and request.request_id in prompt_logprobs:
+                request.prompt_logprobs += prompt_logprobs[request.request_id]
             if not scheduled.samples_token:
                 continue
             token_id = sampled_token_ids[request.request_id]
@@ -174,7 +177,10 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, status)
             new_logprobs = [logprobs[request.request_id]] if logprobs and request.request_id in logprobs else None
-            outputs.append(self._output(request, [token_id], new_logprobs))
+            output = self._output(request, [token_id], new_logprobs)
+            if request.sampling_params.prompt_logprobs is not None and request.num_output_tokens == 1:
+                output.prompt_logprobs = request.prompt_logprobs  # complete once the first token is sampled
+            outputs.append(output)
         return outputs
 
     def make_stats(self) -> SchedulerStats:

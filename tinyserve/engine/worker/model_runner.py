@@ -14,7 +14,7 @@ end of its known tokens this step (A's chunk might not; B and C do).
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,7 +22,7 @@ from tinyserve.engine.core.request import Request
 from tinyserve.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from tinyserve.engine.messages import TokenLogprobs
 from tinyserve.engine.worker.cuda_graphs import DecodeGraphs
-from tinyserve.engine.worker.sampler import Sampler
+from tinyserve.engine.worker.sampler import Sampler, top_logprobs
 from tinyserve.kernels.metadata import AttentionMetadata
 
 
@@ -31,6 +31,7 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
     forward_time: float  # seconds spent in the model and sampler
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -133,7 +134,35 @@ class ModelRunner:
             token_ids, token_logprobs = self.sampler.sample(logits, sampling_requests)
             sampled = dict(zip(inputs.sampling_request_ids, token_ids))
             logprobs = {rid: lp for rid, lp in zip(inputs.sampling_request_ids, token_logprobs) if lp is not None}
-        return ModelRunnerOutput(sampled, logprobs, time.perf_counter() - start)
+        prompt_logprobs = self._prompt_logprobs(hidden, scheduler_output, requests)
+        return ModelRunnerOutput(sampled, logprobs, time.perf_counter() - start, prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, scheduler_output: SchedulerOutput,
+                         requests: dict[str, Request]) -> dict[str, list[TokenLogprobs]]:
+        """For requests that asked (prompt_logprobs), the logprobs of the prompt tokens this step predicts.
+
+        The hidden state at prompt position p predicts prompt token p + 1; the last prompt
+        position predicts the first output token instead, which the sampler reports. A
+        request recomputed after a preemption does not get the positions it already has.
+        """
+        result = {}
+        first_row = 0
+        for scheduled in scheduler_output.scheduled:
+            rows_start, first_row = first_row, first_row + scheduled.num_new_tokens
+            request = requests.get(scheduled.request_id)
+            if request is None or request.sampling_params.prompt_logprobs is None:
+                continue
+            prompt, computed = request.prompt_token_ids, scheduled.num_computed_tokens
+            start = max(computed, len(request.prompt_logprobs))
+            end = min(computed + scheduled.num_new_tokens, len(prompt) - 1)
+            if start >= end:
+                continue
+            rows = hidden[rows_start + start - computed : rows_start + end - computed]
+            logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+            num_top = request.sampling_params.prompt_logprobs
+            result[request.request_id] = [top_logprobs(logprobs[i], prompt[position + 1], num_top)
+                                          for i, position in enumerate(range(start, end))]
+        return result
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         graphs = self.decode_graphs

@@ -20,21 +20,35 @@ from tinyserve.entrypoints.api.openai_serving import ServingContext, guard_strea
 from tinyserve.entrypoints.api.sse import EventStreamResponse, close_all, final_outputs_unless_disconnected, sse_data
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import start_request_spans
-from tinyserve.outputs import CompletionOutput
+from tinyserve.outputs import CompletionOutput, RequestOutput
 
 
-def completion_logprobs(output: CompletionOutput, text_start: int) -> dict | None:
-    """The legacy logprobs object; text_start is where the output's text begins in the choice's text.
+def completion_logprobs(output: CompletionOutput, text_start: int, echoed: RequestOutput | None = None,
+                        tokenizer=None) -> dict | None:
+    """The legacy logprobs object; text_start is the text_offset of its first token.
 
     Each position's top_logprobs holds the sampled token and the `logprobs` most likely
     ones (so logprobs + 1 entries when the sampled token is not among them), as OpenAI's
-    legacy API and vLLM give it.
+    legacy API and vLLM give it. With `echoed` (echo=true) the prompt's tokens come first,
+    scored by its prompt logprobs; the first has none (null), as nothing predicts it.
     """
     if output.logprobs is None:
         return None
+    token_ids, positions = output.token_ids, output.logprobs
+    if echoed is not None and echoed.prompt_logprobs is not None:
+        token_ids = echoed.prompt_token_ids + token_ids
+        positions = echoed.prompt_logprobs + positions
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     offset = text_start
-    for token_id, position in zip(output.token_ids, output.logprobs):
+    for token_id, position in zip(token_ids, positions):
+        if position is None:
+            text = tokenizer.decode([token_id])
+            tokens.append(text)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            text_offset.append(offset)
+            offset += len(text)
+            continue
         sampled = position[token_id]
         tokens.append(sampled.decoded_token)
         token_logprobs.append(sampled.logprob)
@@ -68,6 +82,8 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
                 max_tokens = ctx.max_tokens_for(len(prompt.prompt_token_ids), body.max_tokens)
                 try:
                     params = body.sampling_params(max_tokens, body.logprobs)
+                    if body.echo and body.logprobs is not None:  # the echoed prompt is scored too
+                        params = params.clone(prompt_logprobs=body.logprobs)
                 except ValueError as error:
                     raise APIError(400, str(error)) from error
                 spans.log_inputs(render_span, prompt=prompt.prompt, prompt_token_ids=prompt.prompt_token_ids,
@@ -86,7 +102,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
     ]
 
     if body.stream:
-        events = _completion_stream(body, streams, processed, request_id, created, model, echo_texts)
+        events = _completion_stream(body, streams, processed, request_id, created, model, echo_texts, tokenizer)
         return EventStreamResponse(guard_stream(events), streams)
 
     outputs = await final_outputs_unless_disconnected(streams, raw_request)
@@ -100,7 +116,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
             choices.append({
                 "index": prompt_index * body.n + c.index,
                 "text": echo + c.text,
-                "logprobs": completion_logprobs(c, len(echo)),
+                "logprobs": completion_logprobs(c, 0, output if body.echo else None, tokenizer),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             })
@@ -127,7 +143,7 @@ async def _add_all(ctx, body, request_id, processed, params_list, spans_list) ->
     return streams
 
 
-async def _completion_stream(body, streams, processed, request_id, created, model, echo_texts):
+async def _completion_stream(body, streams, processed, request_id, created, model, echo_texts, tokenizer):
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(prompt_index, stream):
@@ -160,7 +176,8 @@ async def _completion_stream(body, streams, processed, request_id, created, mode
                     prefix = echo_texts[prompt_index]
                 if not c.text and not prefix and not c.finished and c.logprobs is None:
                     continue
-                logprobs = completion_logprobs(c, next_offsets.get(index, 0) + len(prefix))
+                # The echoed prompt's tokens come first, in the chunk that carries the prompt text.
+                logprobs = completion_logprobs(c, next_offsets.get(index, 0), item if prefix else None, tokenizer)
                 if logprobs is not None and logprobs["tokens"]:
                     # Counted in token texts, as a non-streamed answer counts them: the streamed
                     # text can lag behind its tokens (an unfinished character is held back).

@@ -200,13 +200,6 @@ class CompletionRequest(SamplingFields):
             raise ValueError("is not supported by this server")
         return value
 
-    @model_validator(mode="after")
-    def _no_prompt_logprobs(self) -> "CompletionRequest":
-        if self.echo and self.logprobs is not None:
-            # OpenAI then scores the prompt's tokens too, which needs prompt logprobs.
-            raise ValueError("echo with logprobs is not supported: this server does not compute prompt logprobs")
-        return self
-
     @property
     def prompts(self) -> list:
         """Always a list of prompts: strings or token-id lists."""
