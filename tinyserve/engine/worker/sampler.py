@@ -1,14 +1,14 @@
 """The sampler: turn the last position's logits of each sequence into the next token.
 
-The order of operations follows vLLM:
+The order of operations follows vLLM's (v1) sampler:
 
     raw logits ─► logprobs reported to the user (before any processing)
         │
-        ├─► penalties (repetition on prompt+output; presence/frequency on output)
+        ├─► min_tokens: stop tokens (EOS included) masked until enough tokens were generated
         ├─► logit_bias: added to the chosen tokens' logits
-        ├─► min_tokens: stop tokens masked until enough tokens were generated
+        ├─► penalties (repetition on prompt+output; presence/frequency on output)
         ├─► greedy rows: argmax — done
-        └─► temperature ─► top-k ─► top-p ─► min-p ─► sample
+        └─► temperature ─► min-p ─► top-k ─► top-p ─► sample
 
 Sampling uses the "exponential race": argmax(p / q) with q ~ Exp(1) picks token i
 with probability p_i. A request with a seed draws its q from its own generator,
@@ -40,14 +40,15 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
         logits = logits.clone()
-        for row, request in enumerate(requests):
-            if request.sampling_params.has_penalties:
+        for row, (request, p) in enumerate(zip(requests, params)):
+            if request.num_output_tokens < p.min_tokens:
+                # Every stop token, EOS even under ignore_eos (vLLM masks its "all stop token ids").
+                logits[row, list(request.stop_token_ids.union(request.eos_token_ids))] = float("-inf")
+            if p.logit_bias:
+                bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+                logits[row, list(p.logit_bias)] += bias
+            if p.has_penalties:
                 apply_penalties(logits[row], request)
-            if request.sampling_params.logit_bias:
-                bias = request.sampling_params.logit_bias
-                logits[row, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
-            if request.num_output_tokens < request.sampling_params.min_tokens and request.stop_token_ids:
-                logits[row, list(request.stop_token_ids)] = float("-inf")
 
         sampled = logits.argmax(dim=-1)
         random_rows = [row for row, p in enumerate(params) if not p.is_greedy]
@@ -71,14 +72,15 @@ class Sampler:
     def _probs(self, logits: torch.Tensor, params) -> torch.Tensor:
         temperature = torch.tensor([p.temperature for p in params], device=logits.device)
         logits = logits / temperature[:, None]
-        if any(p.top_k > 0 for p in params) or any(p.top_p < 1 for p in params):
-            logits = apply_top_k_top_p(logits, params)
-        probs = torch.softmax(logits, dim=-1)
         if any(p.min_p > 0 for p in params):
+            # On the whole (temperature-scaled) distribution, before top-k and top-p.
+            probs = torch.softmax(logits, dim=-1)
             min_p = torch.tensor([p.min_p for p in params], device=logits.device)
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        return probs
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        if any(p.top_k > 0 for p in params) or any(p.top_p < 1 for p in params):
+            logits = apply_top_k_top_p(logits, params)
+        return torch.softmax(logits, dim=-1)
 
     def _request_generator(self, request: Request) -> torch.Generator | None:
         seed = request.sampling_params.seed
@@ -107,24 +109,35 @@ def apply_penalties(logits: torch.Tensor, request: Request) -> None:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
-    """Mask everything outside each row's top-k and its top-p nucleus with -inf."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    """Mask everything outside each row's top-k and its top-p nucleus with -inf (vLLM's algorithm).
+
+    Sorted ascending, so the tokens to drop come first. Top-k drops logits below the k-th
+    largest (tokens tied with it stay). Top-p drops the least likely tokens while their
+    summed probability stays within 1 - p: what is left is the smallest set whose mass
+    reaches p, and the most likely token always stays.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
     vocab_size = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=logits.device)
-    ranks = torch.arange(vocab_size, device=logits.device)
-    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],
+                         device=logits.device)
+    kth_largest = sorted_logits.gather(-1, (vocab_size - top_k)[:, None])
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_largest, float("-inf"))
     top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    # Probability mass strictly before each token; the token that crosses top_p stays in.
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_logits = sorted_logits.masked_fill(mass_before > top_p[:, None], float("-inf"))
+    mass_from_bottom = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    drop = mass_from_bottom <= 1 - top_p[:, None]
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
 def top_logprobs(logprobs: torch.Tensor, sampled_token: int, num_top: int) -> TokenLogprobs:
-    """The sampled token's logprob and rank, followed by the num_top most likely tokens."""
+    """The sampled token's logprob and rank, followed by the num_top most likely tokens.
+
+    The rank counts the tokens at least as likely as the sampled one (vLLM's rule: a tie
+    ranks the sampled token last among equals).
+    """
     sampled_logprob = logprobs[sampled_token]
-    rank = int((logprobs > sampled_logprob).sum()) + 1
+    rank = int((logprobs >= sampled_logprob).sum())
     token_ids, values, ranks = [sampled_token], [float(sampled_logprob)], [rank]
     if num_top > 0:
         top_values, top_ids = logprobs.topk(num_top)
