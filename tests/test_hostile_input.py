@@ -100,7 +100,7 @@ def user(content):
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"repetition_penalty": 3}, "repetition_penalty"),
+    ({"repetition_penalty": -1}, "repetition_penalty"),
     ({"seed": 2**64}, "seed"),
     ({"priority": 2**70}, "priority"),
     ({"stop": 5}, "stop"),

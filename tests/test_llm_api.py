@@ -116,6 +116,56 @@ def test_prompt_logprobs_score_every_prompt_token_and_skip_the_prefix_cache(llm)
         assert list(position) == [token_id] and position[token_id].logprob <= 0
 
 
+def test_prompt_forms_as_in_vllm(llm):
+    ids = llm.get_tokenizer().encode("Readability counts.")
+    as_dict = llm.generate({"prompt_token_ids": ids}, greedy(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate(ids, greedy(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids == as_dict
+    assert [o.prompt for o in llm.generate(("a", "b"), greedy(max_tokens=1), use_tqdm=False)] == ["a", "b"]
+    assert llm.generate([], greedy(), use_tqdm=False) == []
+    with pytest.raises(ValueError, match="multi_modal_data is not supported"):
+        llm.generate({"prompt": "Describe:", "multi_modal_data": {"image": None}}, greedy(), use_tqdm=False)
+
+
+def test_completion_output_sums_logprobs_and_says_finished_as_vllm(llm):
+    [with_logprobs] = llm.generate("Flat is better", greedy(max_tokens=4, logprobs=1), use_tqdm=False)
+    completion = with_logprobs.outputs[0]
+    sampled = [position[token].logprob for token, position in zip(completion.token_ids, completion.logprobs)]
+    assert completion.cumulative_logprob == pytest.approx(sum(sampled))
+    assert completion.finished() and with_logprobs.finished
+    [without] = llm.generate("Flat is better", greedy(max_tokens=4), use_tqdm=False)
+    assert without.outputs[0].cumulative_logprob is None
+
+
+def test_an_interrupted_generate_leaves_the_engine_idle(llm, monkeypatch):
+    step = llm.engine_core.step
+    calls = []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # Ctrl-C in a notebook, in the middle of generation
+        return step()
+
+    monkeypatch.setattr(llm.engine_core, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["Sparse is better than dense."] * 3, greedy(max_tokens=8), use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine_core.has_unfinished_requests and not llm.output_processor.parents
+    assert_pool_idle(llm)
+    [output] = llm.generate("Sparse is better than dense.", greedy(max_tokens=2), use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 2
+
+
+def test_chat_template_kwargs_reach_the_template(llm):
+    template = "{{ greeting }}: {% for m in messages %}{{ m['content'] }}{% endfor %}"
+    [output] = llm.chat([{"role": "user", "content": "hi"}], greedy(max_tokens=1), use_tqdm=False,
+                        chat_template=template, chat_template_kwargs={"greeting": "Ahoy"})
+    assert output.prompt == "Ahoy: hi"
+    with pytest.raises(ValueError, match="chat_template_kwargs cannot set"):
+        llm.chat([{"role": "user", "content": "hi"}], greedy(max_tokens=1), use_tqdm=False,
+                 chat_template_kwargs={"tokenize": True})
+
+
 def test_chat_renders_the_template(llm):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
     [output] = llm.chat(messages, greedy(max_tokens=4), use_tqdm=False)
@@ -164,6 +214,13 @@ def test_bad_prompts_raise_before_anything_is_scheduled(llm, prompt, params, mat
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"logit_bias": {5: 101.0}}, "logit_bias"),
         ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        # Wrong types once passed here and failed inside an engine step instead.
+        ({"logprobs": True}, "logprobs"),
+        ({"top_k": 2.0}, "top_k"),
+        ({"max_tokens": "8"}, "max_tokens"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"stop_token_ids": [1.5]}, "stop_token_ids"),
+        ({"logit_bias": {"a": 1.0}}, "logit_bias"),
     ],
 )
 def test_bad_sampling_params_name_the_parameter(kwargs, name):

@@ -24,9 +24,10 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None  # the sum of the sampled tokens' logprobs, when logprobs are asked for
 
-    @property
     def finished(self) -> bool:
+        """A method, as vLLM's CompletionOutput.finished() (RequestOutput.finished is a field)."""
         return self.finish_reason is not None
 
 

@@ -34,6 +34,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self._check_types()
         _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be at least 1, got {self.n}")
         _check(self.temperature >= 0, "temperature", f"must be non-negative, got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -48,12 +49,28 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                f"must be non-negative, got {self.prompt_logprobs}")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        _check(0 < self.repetition_penalty <= 2, "repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        _check(0 < self.repetition_penalty, "repetition_penalty", f"must be positive, got {self.repetition_penalty}")
         _check(not self.stop or all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(self.seed is None or -(2**63) <= self.seed < 2**63, "seed", f"must fit in 64 bits, got {self.seed}")
         if self.logit_bias:
             bad = [(t, b) for t, b in self.logit_bias.items() if not -100 <= b <= 100]
             _check(not bad, "logit_bias", f"values must be in [-100, 100], got {bad[:3]}")
+
+    def _check_types(self) -> None:
+        """Wrong types fail here, naming the parameter, rather than later inside an engine step."""
+        for name in ("n", "top_k", "min_tokens"):
+            _check(_is_int(getattr(self, name)), name, f"must be an integer, got {getattr(self, name)!r}")
+        for name in ("max_tokens", "logprobs", "prompt_logprobs", "seed"):
+            value = getattr(self, name)
+            _check(value is None or _is_int(value), name, f"must be an integer or None, got {value!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            _check(_is_number(getattr(self, name)), name, f"must be a number, got {getattr(self, name)!r}")
+        _check(self.stop is None or isinstance(self.stop, list), "stop", f"must be a string or a list of strings, got {self.stop!r}")
+        _check(self.stop_token_ids is None or (isinstance(self.stop_token_ids, list) and all(map(_is_int, self.stop_token_ids))),
+               "stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
+        _check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(map(_is_int, self.logit_bias))
+                                           and all(map(_is_number, self.logit_bias.values()))),
+               "logit_bias", f"must map token ids to numbers, got {self.logit_bias!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -65,6 +82,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
 
     def clone(self, **changes) -> "SamplingParams":
         return msgspec.structs.replace(self, **changes)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check(ok: bool, name: str, message: str) -> None:

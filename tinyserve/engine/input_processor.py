@@ -27,7 +27,8 @@ class InputProcessor:
         self.tokenizer = tokenizer
 
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, chat_template: str | None = None) -> str:
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    template_kwargs: dict | None = None) -> str:
         """Apply the chat template; messages are [{"role": ..., "content": str | [{"type": "text", ...}]}].
 
         add_generation_prompt: end with an open assistant turn for the reply. continue_final_message:
@@ -38,18 +39,25 @@ class InputProcessor:
             raise ValueError("messages must be a non-empty list")
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        reserved = {"tokenize", "add_generation_prompt", "continue_final_message", "chat_template", "conversation"}
+        if template_kwargs and reserved & set(template_kwargs):
+            raise ValueError(f"chat_template_kwargs cannot set {sorted(reserved & set(template_kwargs))}")
         normalized = [_normalize_message(i, message) for i, message in enumerate(messages)]
         template = chat_template or self.tokenizer.chat_template
         if template is None:
             raise ValueError("the model has no chat template; pass chat_template or send a plain prompt")
         return self.tokenizer.apply_chat_template(
             normalized, chat_template=template, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tokenize=False,
+            continue_final_message=continue_final_message, tokenize=False, **(template_kwargs or {}),
         )
 
     def tokenize_prompt(self, prompt, *, add_special_tokens: bool = True) -> ProcessedPrompt:
         """A string, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}."""
         if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if unknown:  # multi_modal_data, say: refused, not silently dropped
+                raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids'; {', '.join(unknown)} "
+                                 "is not supported")
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:

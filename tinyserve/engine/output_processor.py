@@ -68,6 +68,7 @@ class ChildState:
     want_logprobs: bool
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] = field(default_factory=list)
+    cumulative_logprob: float = 0.0  # of the sampled tokens, when logprobs are asked for
 
 
 def child_request_id(parent_id: str, index: int, n: int) -> str:
@@ -137,6 +138,7 @@ class OutputProcessor:
                 parent.prompt_logprobs = [None] + [self._convert_logprobs(lp) for lp in output.prompt_logprobs]
             new_logprobs = [self._convert_logprobs(lp) for lp in output.new_logprobs or ()]
             child.logprobs += new_logprobs
+            child.cumulative_logprob += sum(lp.logprobs[0] for lp in output.new_logprobs or ())  # sampled: first
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
             if child.detokenizer.stop_reason is not None:
                 # A stop string ends the request even when the engine ended it in the same
@@ -162,6 +164,7 @@ class OutputProcessor:
                 finish_reason=finish_reason,
                 stop_reason=stop_reason,
                 logprobs=(new_logprobs if delta else list(child.logprobs)) if child.want_logprobs else None,
+                cumulative_logprob=child.cumulative_logprob if child.want_logprobs else None,
             )
             parent.latest[child.index] = completion
             request_output = self._request_output(parent, completion)

@@ -53,20 +53,29 @@ class LLM:
         return self.tokenizer
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """prompts: a string, a list of strings, token-id dicts {"prompt_token_ids": [...]}, or a mix."""
-        if isinstance(prompts, (str, dict)):
+        """prompts: a string, a list of strings, token-id dicts {"prompt_token_ids": [...]}, or a mix.
+
+        A flat list of ints is one prompt of token ids; an empty list gives an empty list.
+        """
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
-        if not isinstance(prompts, list) or not prompts:
-            raise ValueError("prompts must be a string, a prompt dict, or a non-empty list of them")
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts must be a string, a prompt dict, a list of token ids, or a list of them")
+        if not prompts:
+            return []
+        prompts = [list(p) if isinstance(p, tuple) else p for p in prompts]
         return self._run(prompts, self.input_processor.tokenize_prompt, schema.OPERATION_TEXT_COMPLETION,
                          sampling_params, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, *, chat_template: str | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"}) or a list of conversations.
 
         continue_final_message=True (with add_generation_prompt=False): each reply continues the
-        conversation's last message, as in vLLM's LLM.chat.
+        conversation's last message, as in vLLM's LLM.chat. chat_template_kwargs are passed to
+        the template (enable_thinking=False, say).
         """
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
 
@@ -74,6 +83,7 @@ class LLM:
             text = self.input_processor.render_chat(
                 conversation, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=chat_template,
+                template_kwargs=chat_template_kwargs,
             )
             return self.input_processor.tokenize_prompt(text, add_special_tokens=False)
 
@@ -118,6 +128,13 @@ class LLM:
                     self.engine_core.add_request(engine_request)
         try:
             return self._run_engine(order, use_tqdm and len(order) >= _PROGRESS_BAR_MIN_PROMPTS)
+        except BaseException:
+            # Interrupted (Ctrl-C in a notebook) or failed: abort what this call queued, so its
+            # KV blocks are freed and the next call starts from an idle engine.
+            self.engine_core.abort_requests(
+                [child for request_id in order for child in self.output_processor.abort_request(request_id)]
+            )
+            raise
         finally:  # even when interrupted: the steps that ran are in the trace file
             if self.trace_run_dir is not None or tracing_enabled():
                 self.engine_core.flush_spans()

@@ -174,7 +174,7 @@ async def _completion_stream(body, streams, processed, request_id, created, mode
                 if body.echo and index not in echoed:
                     echoed.add(index)
                     prefix = echo_texts[prompt_index]
-                if not c.text and not prefix and not c.finished and c.logprobs is None:
+                if not c.text and not prefix and not c.finished() and c.logprobs is None:
                     continue
                 # The echoed prompt's tokens come first, in the chunk that carries the prompt text.
                 logprobs = completion_logprobs(c, next_offsets.get(index, 0), item if prefix else None, tokenizer)
@@ -186,7 +186,7 @@ async def _completion_stream(body, streams, processed, request_id, created, mode
                     "id": request_id, "object": "text_completion", "created": created, "model": model,
                     "choices": [{"index": index, "text": prefix + c.text, "logprobs": logprobs,
                                  "finish_reason": c.finish_reason,
-                                 **({"stop_reason": c.stop_reason} if c.finished else {})}],
+                                 **({"stop_reason": c.stop_reason} if c.finished() else {})}],
                 })
         if body.include_usage:
             num_prompt = sum(len(p.prompt_token_ids) for p in processed)

@@ -81,7 +81,7 @@ class SamplingFields(StrictBody):
     # vLLM's extras
     top_k: int | None = Field(None, ge=-1, lt=INT64)
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, lt=INT64)
     include_stop_str_in_output: bool = False

@@ -188,10 +188,10 @@ async def _chat_stream(ctx, body, stream, prompt, params, request_id, created, m
     async for output in stream:
         for c in output.outputs:
             num_generated += len(c.token_ids)
-            if not c.text and not c.finished and c.logprobs is None:
+            if not c.text and not c.finished() and c.logprobs is None:
                 continue  # nothing to show yet (e.g. held back: half a character, maybe a stop string)
             delta = {"content": c.text} if c.text else {}
             yield chunk([{"index": c.index, "delta": delta, "logprobs": chat_logprobs(ctx.engine.tokenizer, c, num_top),
-                          "finish_reason": c.finish_reason, **({"stop_reason": c.stop_reason} if c.finished else {})}])
+                          "finish_reason": c.finish_reason, **({"stop_reason": c.stop_reason} if c.finished() else {})}])
     if body.include_usage:
         yield chunk([], usage=usage(len(prompt.prompt_token_ids), num_generated))
