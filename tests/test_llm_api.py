@@ -1,5 +1,8 @@
 """The offline LLM API: prompts in every form, sampling, prefix caching, bad input."""
 
+import json
+import shutil
+
 import pytest
 
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
@@ -266,3 +269,27 @@ def test_engine_starts_warmed_up_with_every_block_free():
     fresh = llm.generate(prompt, greedy(max_tokens=6), use_tqdm=False)[0].outputs[0].token_ids
     llm.engine_core.reset_prefix_cache()
     assert llm.generate(prompt, greedy(max_tokens=6), use_tqdm=False)[0].outputs[0].token_ids == fresh
+
+
+@pytest.fixture(scope="module")
+def model_with_generation_config(tmp_path_factory):
+    """The tiny model, with a generation_config.json that asks for greedy decoding and 3 new tokens."""
+    folder = tmp_path_factory.mktemp("generation-config") / "model"
+    shutil.copytree(tiny_model_with_tokenizer("llama"), folder)
+    path = folder / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**config, "temperature": 0.0, "top_k": 5, "max_new_tokens": 3}))
+    return folder
+
+
+def test_generation_config_sets_the_default_sampling_params(model_with_generation_config):
+    llm = LLM(str(model_with_generation_config), num_kv_blocks=64)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens, defaults.top_p) == (0.0, 5, 3, 1.0)
+    [first] = llm.generate("Namespaces are one honking great idea", use_tqdm=False)
+    [again] = llm.generate("Namespaces are one honking great idea", use_tqdm=False)
+    assert len(first.outputs[0].token_ids) == 3 and first.outputs[0].token_ids == again.outputs[0].token_ids
+    # An explicit SamplingParams is used as given.
+    [explicit] = llm.generate("Namespaces", SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+    assert len(explicit.outputs[0].token_ids) == 5
+

@@ -1,5 +1,7 @@
 """The server through the official openai client, on a real loopback port."""
 
+from types import SimpleNamespace
+
 import httpx
 import openai
 import pytest
@@ -7,6 +9,8 @@ import pytest
 from tests.server_process import ServerProcess
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tests.tiny_tokenizer import TINY_VOCAB_SIZE
+from tinyserve.entrypoints.api.openai_protocol import ChatCompletionRequest
+from tinyserve.entrypoints.api.openai_serving import ServingContext
 
 MODEL = "tiny"
 
@@ -222,3 +226,17 @@ def test_log_requests_logs_inputs_and_one_access_line_per_request(server, client
     [inputs] = [line for line in log.splitlines() if f"Received request {response.id}" in line]
     assert "log me" in inputs and "prompt_token_ids" in inputs and "max_tokens=2" in inputs
     assert '"POST /v1/chat/completions HTTP/1.1" 200' in log
+
+
+def test_server_defaults_come_from_the_generation_config_where_it_sets_them():
+    model_info = SimpleNamespace(max_model_len=100, generation_defaults={"temperature": 0.0, "top_k": 5, "max_tokens": 3})
+    ctx = ServingContext(engine=SimpleNamespace(model_info=model_info), model_names=["tiny"])
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], top_p=0.5)
+    params = body.sampling_params(ctx.max_tokens_for(10, None), None, ctx.sampling_defaults)
+    assert (params.temperature, params.top_k, params.top_p, params.min_p, params.max_tokens) == (0.0, 5, 0.5, 0.0, 3)
+    assert ctx.max_tokens_for(10, 50) == 3  # max_new_tokens caps a request's max_tokens too (vLLM's rule)
+    plain = ServingContext(engine=SimpleNamespace(model_info=SimpleNamespace(max_model_len=100, generation_defaults={})),
+                           model_names=["tiny"])
+    assert plain.sampling_defaults == {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                                       "repetition_penalty": 1.0}
+    assert plain.max_tokens_for(10, None) == 90

@@ -7,13 +7,16 @@ end-of-sequence tokens. Prompts are validated against it at the boundary.
 """
 
 import json
-from dataclasses import dataclass, fields
+import logging
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of KV cache when neither a block count nor a budget is given
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -76,6 +79,9 @@ class ModelInfo:
     max_model_len: int
     eos_token_ids: list[int]
     torch_dtype: torch.dtype
+    # Sampling defaults from the checkpoint's generation_config.json, under SamplingParams'
+    # names: used where a request leaves a parameter out (vLLM's generation_config="auto").
+    generation_defaults: dict = field(default_factory=dict)
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "ModelInfo":
@@ -84,17 +90,23 @@ class ModelInfo:
 
         path = default_model_path() if args.model is None else resolve_model_path(args.model)
         config = json.loads((path / "config.json").read_text())
+        generation_file = path / "generation_config.json"
+        generation_config = json.loads(generation_file.read_text()) if generation_file.exists() else {}
         max_position = config.get("max_position_embeddings") or 2048
         max_model_len = args.max_model_len or max_position
         if max_model_len > max_position:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {max_position}")
+        generation_defaults = _generation_defaults(generation_config)
+        if generation_defaults:
+            logger.info("sampling defaults from the model's generation_config.json: %s", generation_defaults)
         return cls(
             path=path,
             model_type=config.get("model_type", ""),
             vocab_size=config["vocab_size"],
             max_model_len=max_model_len,
-            eos_token_ids=_eos_token_ids(path, config),
+            eos_token_ids=_eos_token_ids(generation_config, config),
             torch_dtype=_resolve_dtype(args, config),
+            generation_defaults=generation_defaults,
         )
 
     def validate_prompt(self, prompt_token_ids: list[int], max_tokens: int | None = None) -> None:
@@ -122,17 +134,25 @@ def check_kv_fit(num_prompt_tokens: int, max_tokens: int | None, max_model_len: 
         )
 
 
-def _eos_token_ids(path: Path, config: dict) -> list[int]:
+def _eos_token_ids(generation_config: dict, config: dict) -> list[int]:
     """End-of-sequence ids from generation_config.json (preferred) or config.json."""
-    generation_config = path / "generation_config.json"
-    eos = None
-    if generation_config.exists():
-        eos = json.loads(generation_config.read_text()).get("eos_token_id")
+    eos = generation_config.get("eos_token_id")
     if eos is None:
         eos = config.get("eos_token_id")
     if eos is None:
         return []
     return [eos] if isinstance(eos, int) else list(eos)
+
+
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _generation_defaults(generation_config: dict) -> dict:
+    """The sampling settings generation_config.json sets (max_new_tokens becomes max_tokens), as vLLM reads them."""
+    defaults = {key: generation_config[key] for key in GENERATION_DEFAULT_KEYS if generation_config.get(key) is not None}
+    if generation_config.get("max_new_tokens") is not None:
+        defaults["max_tokens"] = generation_config["max_new_tokens"]
+    return defaults
 
 
 def _resolve_dtype(args: EngineArgs, config: dict) -> torch.dtype:

@@ -52,6 +52,12 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() use without sampling_params: SamplingParams' defaults, with
+        whatever the model's generation_config.json sets (temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens as max_tokens), as vLLM's generation_config="auto"."""
+        return SamplingParams(**self.model_info.generation_defaults)
+
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """prompts: a string, a list of strings, token-id dicts {"prompt_token_ids": [...]}, or a mix.
 
@@ -167,10 +173,9 @@ class LLM:
         progress.close()
         return sorted(finished, key=lambda output: order[output.request_id])
 
-    @staticmethod
-    def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+    def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * count
+            return [self.get_default_sampling_params()] * count
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
         if isinstance(sampling_params, list) and len(sampling_params) == count:

@@ -106,11 +106,14 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request
     spans = start_request_spans(schema.OPERATION_CHAT, model, message_id, redact_inputs=ctx.redact_inputs)
 
     def make_params(max_tokens: int) -> SamplingParams:
+        defaults = ctx.sampling_defaults
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
+            temperature=defaults["temperature"] if body.temperature is None else body.temperature,
+            top_p=defaults["top_p"] if body.top_p is None else body.top_p,
+            top_k=defaults["top_k"] if body.top_k is None else body.top_k,
+            min_p=defaults["min_p"],
+            repetition_penalty=defaults["repetition_penalty"],
             stop=body.stop_sequences or None,
         )
 

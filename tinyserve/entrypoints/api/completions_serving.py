@@ -81,7 +81,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
                 prompt = tokenize(ctx, text_or_ids)
                 max_tokens = ctx.max_tokens_for(len(prompt.prompt_token_ids), body.max_tokens)
                 try:
-                    params = body.sampling_params(max_tokens, body.logprobs)
+                    params = body.sampling_params(max_tokens, body.logprobs, ctx.sampling_defaults)
                     if body.echo and body.logprobs is not None:  # the echoed prompt is scored too
                         params = params.clone(prompt_logprobs=body.logprobs)
                 except ValueError as error:

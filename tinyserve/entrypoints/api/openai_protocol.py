@@ -121,14 +121,20 @@ class SamplingFields(StrictBody):
             raise ValueError("stream_options can only be given with stream=true")
         return self
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
+        """defaults: the value of each of temperature, top_p, top_k, min_p, repetition_penalty
+        when the request leaves it out (ServingContext.sampling_defaults)."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
+
+        def value(name: str):
+            return defaults[name] if getattr(self, name) is None else getattr(self, name)
+
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=value("temperature"),
+            top_p=value("top_p"),
+            top_k=value("top_k"),
+            min_p=value("min_p"),
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -137,7 +143,7 @@ class SamplingFields(StrictBody):
             logprobs=logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=value("repetition_penalty"),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             stop_token_ids=self.stop_token_ids or None,

@@ -43,13 +43,23 @@ class ServingContext:
             raise APIError(404, f"The model `{model}` does not exist. Available: {self.model_names}", "model")
         return self.model_names[0]
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """What a request that leaves a sampling parameter out gets: the model's generation_config.json
+        where it sets one (vLLM's generation_config="auto"), else the OpenAI API's default."""
+        defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+        model = self.engine.model_info.generation_defaults
+        return defaults | {name: model[name] for name in defaults if name in model}
+
     def max_tokens_for(self, num_prompt_tokens: int, requested: int | None) -> int:
-        """vLLM's rule: default to the rest of the context; refuse what cannot fit."""
+        """vLLM's rule: default to the rest of the context, capped by the model's max_new_tokens
+        when its generation_config.json sets one; refuse what cannot fit."""
         max_model_len = self.engine.model_info.max_model_len
         if num_prompt_tokens >= max_model_len and requested is None:
             raise APIError(400, f"prompt has {num_prompt_tokens} tokens, but max_model_len is {max_model_len}", "messages")
+        cap = self.engine.model_info.generation_defaults.get("max_tokens")
         if requested is None:
-            return max_model_len - num_prompt_tokens
+            return min(max_model_len - num_prompt_tokens, cap or max_model_len)
         if num_prompt_tokens + requested > max_model_len:
             excess = num_prompt_tokens + requested - max_model_len
             raise APIError(
@@ -59,7 +69,7 @@ class ServingContext:
                 f"completion), {excess} too many. Reduce the prompt or max_tokens.",
                 "max_tokens",
             )
-        return requested
+        return min(requested, cap or requested)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -137,7 +147,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     try:
         prompt, params = render_and_tokenize(
             ctx, spans, [m.as_template_message() for m in body.messages], body.add_generation_prompt,
-            body.requested_max_tokens, lambda max_tokens: body.sampling_params(max_tokens, body.num_logprobs),
+            body.requested_max_tokens, lambda max_tokens: body.sampling_params(max_tokens, body.num_logprobs, ctx.sampling_defaults),
             continue_final_message=body.continue_final_message,
         )
         stream = await engine.add_request(prompt, params, request_id, priority=body.priority, spans=spans,
