@@ -62,6 +62,15 @@ def test_anthropic_stream_has_the_full_event_sequence_and_same_text(claude):
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 8
 
 
+def test_anthropic_stream_sends_a_ping_before_the_first_delta(server):
+    # The SDK drops ping events, so this reads the raw stream.
+    body = {"model": MODEL, "max_tokens": 3, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
+    text = httpx.post(f"{server.url}/v1/messages", json=body, timeout=30).text
+    events = [line.removeprefix("event: ") for line in text.splitlines() if line.startswith("event: ")]
+    assert events[:3] == ["message_start", "content_block_start", "ping"]
+    assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+
+
 def test_anthropic_stop_sequence(claude):
     free = claude.messages.create(model=MODEL, max_tokens=16, extra_body={"temperature": 0}, messages=[{"role": "user", "content": "Go"}])
     text = free.content[0].text

@@ -2,7 +2,7 @@
 
 Anthropic names things differently from OpenAI: `stop_sequences` for stop,
 `stop_reason` of "end_turn" / "max_tokens" / "stop_sequence", and a stream of
-typed events: message_start, content_block_start, content_block_delta…,
+typed events: message_start, content_block_start, ping, content_block_delta…,
 content_block_stop, message_delta (stop reason, usage), message_stop.
 A stream that cannot finish (the engine died, the server shut down and aborted
 it) ends with an `error` event instead, as Anthropic's own API does. A final
@@ -155,6 +155,7 @@ async def _stream(stream, message_id, model, num_prompt):
     }})
     yield sse_event("content_block_start", {"type": "content_block_start", "index": 0,
                                             "content_block": {"type": "text", "text": ""}})
+    yield sse_event("ping", {"type": "ping"})  # as Anthropic's own stream does, before the first delta
     num_generated, finish_reason, stop_reason = 0, None, None
     try:
         async for output in stream:
