@@ -143,7 +143,7 @@ def test_anthropic_errors_use_the_anthropic_format(server):
 @pytest.mark.parametrize("change, words", [
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well, "}]},
      "trailing whitespace"),
-    ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tool use is not supported"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools: is not supported"),
 ])
 def test_anthropic_refuses_a_prefill_ending_in_whitespace_and_tools(server, change, words):
     client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)

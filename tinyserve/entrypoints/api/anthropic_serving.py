@@ -11,15 +11,15 @@ turn. Tools are not implemented, and a request that offers some is refused.
 """
 
 import uuid
-from typing import Any, Literal
+from typing import Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from tinyserve.engine.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError, anthropic_error_body
-from tinyserve.entrypoints.api.openai_protocol import StrictBody, Text
+from tinyserve.entrypoints.api.openai_protocol import StrictBody, Text, Unsupported
 from tinyserve.entrypoints.api.openai_serving import ServingContext, render_and_tokenize
 from tinyserve.entrypoints.api.sse import (
     EventStreamResponse,
@@ -58,19 +58,12 @@ class MessagesRequest(StrictBody):
     messages: list[Message] = Field(min_length=1)
     system: Text | list[TextBlock] | None = None
     stop_sequences: list[Text] | None = None
-    tools: Any = None
+    tools: Unsupported = None  # tool use
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, lt=2**63)  # the sampler holds it in an int64
     stream: bool = False
     metadata: Metadata | None = None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value):
-        if value:
-            raise ValueError("tool use is not supported by this server")
-        return value
 
     @property
     def prefilled(self) -> bool:

@@ -31,6 +31,16 @@ def _check_unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_check_unicode)]
 
 
+def _refuse(value):
+    if value:
+        raise ValueError("is not supported by this server")
+    return value
+
+
+# A known field for a feature this server does not implement: accepted only when it asks for nothing.
+Unsupported = Annotated[Any, AfterValidator(_refuse)]
+
+
 class StrictBody(BaseModel):
     """A request body or part of one: strict types, finite numbers, unknown fields ignored."""
 
@@ -197,14 +207,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
-    suffix: Any = None
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value):
-        if value:
-            raise ValueError("is not supported by this server")
-        return value
+    suffix: Unsupported = None
 
     @property
     def prompts(self) -> list:
