@@ -6,6 +6,7 @@ exactly what the server answers.
 """
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -148,6 +149,7 @@ def test_run_batch_answers_every_line_in_order_as_the_server_would(server, tmp_p
 
     # Lines that could not be sent: no response, an error code and message instead.
     assert broken["response"] is None and broken["error"]["code"] == "invalid_json_line"
+    assert broken["error"]["message"].startswith("line 3: ")
     assert embeddings["response"] is None and embeddings["error"]["code"] == "invalid_url"
     assert "/v1/embeddings" in embeddings["error"]["message"]
 
@@ -161,8 +163,50 @@ def test_run_batch_without_a_readable_input_file_exits_1(tmp_path, capsys):
     assert capsys.readouterr().err.startswith(f"error: cannot read the input file {missing}")
 
 
-def test_run_batch_with_a_model_that_cannot_load_exits_1(tmp_path, capsys):
+def test_run_batch_with_a_model_that_cannot_load_exits_1_and_keeps_the_old_output(tmp_path, capsys):
     (tmp_path / "in.jsonl").write_text(batch_line("chat", "/v1/chat/completions", CHAT_BODY) + "\n")
+    (tmp_path / "out.jsonl").write_text("records of an earlier run\n")
     argv = ["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), str(tmp_path / "no-such-model")]
     assert main(argv) == 1
     assert capsys.readouterr().err.startswith("error: cannot load the model")
+    assert (tmp_path / "out.jsonl").read_text() == "records of an earlier run\n"
+    # vLLM's spelling, --model, names the model too.
+    assert main(argv[:-1] + ["--model", str(tmp_path / "no-such-model")]) == 1
+    assert capsys.readouterr().err.startswith("error: cannot load the model")
+
+
+def test_run_batch_into_a_directory_exits_1_before_loading_anything(tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_text(batch_line("chat", "/v1/chat/completions", CHAT_BODY) + "\n")
+    assert main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == f"error: cannot write the output file {tmp_path}: it is a directory\n"
+
+
+def test_a_model_folder_read_as_a_served_model_name_or_two_models_are_exit_2(tmp_path, capsys):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    common = ["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")]
+    assert main([*common, "--served-model-name", "tiny", str(folder)]) == 2
+    assert "was read as a --served-model-name; put the model before the flags" in capsys.readouterr().err
+    assert main([*common, str(folder), "--model", str(tmp_path / "other")]) == 2
+    assert "two models given" in capsys.readouterr().err
+
+
+def test_a_model_with_a_broken_config_names_the_file(tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_text(batch_line("chat", "/v1/chat/completions", CHAT_BODY) + "\n")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{model_type: llama")
+    assert main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), str(folder)]) == 1
+    assert f"{folder / 'config.json'} is not valid JSON" in capsys.readouterr().err
+
+
+def test_serve_on_a_taken_port_or_a_bad_one_exits_2_before_loading_the_model(tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # The model does not exist either: the port is checked first, so that is what is reported.
+        assert main(["serve", str(tmp_path / "no-such-model"), "--port", str(port)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: cannot listen on 127.0.0.1:{port}: ")
+    assert main(["serve", str(tmp_path / "no-such-model"), "--port", "70000"]) == 2
+    assert capsys.readouterr().err == "error: --port must be in [0, 65535], got 70000\n"

@@ -89,9 +89,9 @@ class ModelInfo:
         from tinyserve.models.loader import resolve_model_path
 
         path = default_model_path() if args.model is None else resolve_model_path(args.model)
-        config = json.loads((path / "config.json").read_text())
+        config = _read_json(path / "config.json")
         generation_file = path / "generation_config.json"
-        generation_config = json.loads(generation_file.read_text()) if generation_file.exists() else {}
+        generation_config = _read_json(generation_file) if generation_file.exists() else {}
         max_position = config.get("max_position_embeddings") or 2048
         max_model_len = args.max_model_len or max_position
         if max_model_len > max_position:
@@ -142,6 +142,13 @@ def _eos_token_ids(generation_config: dict, config: dict) -> list[int]:
     if eos is None:
         return []
     return [eos] if isinstance(eos, int) else list(eos)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
 
 
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

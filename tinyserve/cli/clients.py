@@ -8,7 +8,7 @@ application would, so what they show is what any OpenAI-compatible caller gets:
     tinyserve chat --quick "hi"         one turn, print the reply, exit
     tinyserve complete                  each line is a prompt for /v1/completions, no history
 
-Without --model they use the first model the server lists (as vLLM's CLI does).
+Without --model (vLLM's --model-name) they use the first model the server lists, as vLLM's CLI does.
 Failures (no server at the URL, a 4xx answer, an error in the stream) end the
 command with one line on stderr and exit code 1, never a traceback.
 """
@@ -43,13 +43,14 @@ def add_parsers(commands) -> None:
 
 def _add_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=DEFAULT_URL, help=f"the server's OpenAI base URL (default {DEFAULT_URL})")
-    parser.add_argument("--model", default=None, help="model name (default: the first one the server lists)")
+    parser.add_argument("--model", "--model-name", default=None, help="model name (default: the first one the server lists)")
     parser.add_argument("--api-key", default=None,
                         help="the server's --api-key (default: $OPENAI_API_KEY, else none)")
     parser.add_argument("--max-tokens", type=_positive_int, default=None,
                         help="most tokens per reply (default: the server's)")
     parser.add_argument("--temperature", type=float, default=None,
-                        help="sampling temperature, 0 for greedy (default: the server's, 1.0)")
+                        help="sampling temperature, 0 for greedy (default: the server's: the model's "
+                             "generation_config.json, else 1.0)")
 
 
 def _positive_int(text: str) -> int:

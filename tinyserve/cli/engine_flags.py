@@ -1,6 +1,7 @@
 """The engine flags shared by `serve`, `run-batch` and the benchmarks."""
 
 import argparse
+from pathlib import Path
 
 from tinyserve.config import DTYPES, EngineArgs
 from tinyserve.kernels.backend import ATTENTION_BACKENDS
@@ -9,6 +10,8 @@ from tinyserve.kernels.backend import ATTENTION_BACKENDS
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
                         help="a local Hugging Face model folder or a hub id in the local cache (default: the built-in model)")
+    parser.add_argument("--model", dest="model_flag", metavar="MODEL", default=None,
+                        help="the model, as a flag (vLLM's spelling); the same as the positional argument")
     group = parser.add_argument_group("engine")
     group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     group.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once (default 256)")
@@ -32,6 +35,20 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="on CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+
+
+def settle_model(args: argparse.Namespace) -> str | None:
+    """Fold --model into args.model; returns a problem to report, or None."""
+    if args.model_flag is not None:
+        if args.model is not None and args.model != args.model_flag:
+            return f"two models given: {args.model!r} and --model {args.model_flag!r}"
+        args.model = args.model_flag
+    names = getattr(args, "served_model_name", None) or []
+    if args.model is None and len(names) > 1 and Path(names[-1]).is_dir():
+        # --served-model-name takes one or more names, so a model folder after it is read as one.
+        return (f"{names[-1]!r} was read as a --served-model-name; put the model before the flags, "
+                "or pass it as --model")
+    return None
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:

@@ -4,6 +4,7 @@ import argparse
 import sys
 
 from tinyserve.cli import bench, clients, run_batch, serve, trace
+from tinyserve.cli.engine_flags import settle_model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "model_flag"):  # a command with the engine flags
+        problem = settle_model(args)
+        if problem is not None:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
     return args.handler(args) or 0
 
 

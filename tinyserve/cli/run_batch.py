@@ -1,11 +1,11 @@
 """`tinyserve run-batch -i IN.jsonl -o OUT.jsonl [MODEL]`: an OpenAI Batch file, offline.
 
-Each input line is one request (blank lines are skipped):
+Each input line is one request (blank lines are skipped; line numbers in errors count them):
 
     {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
 
-Each output line answers the input line at the same position, in the record
-shape of OpenAI's Batch API:
+Each output line answers the request at the same position (the n-th non-blank
+input line), in the record shape of OpenAI's Batch API:
 
     the endpoint answered (any status)  {"id": "batch_req_…", "custom_id": "a",
                                          "response": {"status_code": 200, "request_id": "chatcmpl-…",
@@ -24,6 +24,7 @@ are in flight together, so the scheduler batches them like concurrent clients.
 import argparse
 import asyncio
 import json
+import os
 import pathlib
 import sys
 import uuid
@@ -117,11 +118,12 @@ def response_record(custom_id: str, status_code: int, body) -> dict:
             "error": None}
 
 
-async def answer_line(client: httpx.AsyncClient, line: str) -> dict:
-    """The output record for one input line; never raises for a bad line."""
+async def answer_line(client: httpx.AsyncClient, line: str, number: int) -> dict:
+    """The output record for input line `number`; never raises for a bad line."""
     try:
         request = parse_line(line)
     except BatchLineError as error:
+        error.message = f"line {number}: {error.message}"
         return error_record(error)
     response = await client.post(request.url, json=request.body)
     try:
@@ -134,8 +136,8 @@ async def answer_line(client: httpx.AsyncClient, line: str) -> dict:
 # ---- the whole file ----------------------------------------------------------------
 
 
-async def run_batch(app, lines: list[str], out: TextIO, max_in_flight: int) -> None:
-    """Send every line through `app` concurrently; write the records in input order."""
+async def run_batch(app, lines: list[tuple[int, str]], out: TextIO, max_in_flight: int) -> None:
+    """Send every (line number, line) through `app` concurrently; write the records in input order."""
     # raise_app_exceptions=False: a crash inside one request answers 500 for that line
     # instead of ending the batch.
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
@@ -143,22 +145,37 @@ async def run_batch(app, lines: list[str], out: TextIO, max_in_flight: int) -> N
     async with httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None) as client:
         with tqdm(total=len(lines), unit="req", desc="run-batch", file=sys.stderr) as progress:
 
-            async def answer(line: str) -> dict:
+            async def answer(number: int, line: str) -> dict:
                 async with slots:
-                    record = await answer_line(client, line)
+                    record = await answer_line(client, line, number)
                 progress.update()
                 return record
 
-            tasks = [asyncio.create_task(answer(line)) for line in lines]
+            tasks = [asyncio.create_task(answer(number, line)) for number, line in lines]
             # Awaiting in input order writes each record as soon as all earlier ones are done.
             for task in tasks:
                 out.write(json.dumps(await task, ensure_ascii=False) + "\n")
                 out.flush()
 
 
-def _read_lines(path: str) -> list[str]:
+def _read_lines(path: str) -> list[tuple[int, str]]:
+    """The non-blank lines, with their line numbers (from 1)."""
     text = sys.stdin.read() if path == "-" else pathlib.Path(path).read_text(encoding="utf-8")
-    return [line for line in text.splitlines() if line.strip()]
+    return [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+
+
+def _unwritable(path: str) -> str | None:
+    """Why `path` could not be written, checked without touching it: an existing file's
+    records stay until the model has loaded and the batch can run."""
+    target = pathlib.Path(path)
+    if target.is_dir():
+        return "it is a directory"
+    if target.exists():
+        return None if os.access(target, os.W_OK) else "permission denied"
+    parent = target.parent
+    if not parent.is_dir():
+        return f"no directory {parent}"
+    return None if os.access(parent, os.W_OK) else f"permission denied in {parent}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -167,19 +184,18 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, UnicodeDecodeError) as error:
         print(f"error: cannot read the input file {args.input_file}: {error}", file=sys.stderr)
         return 1
-    try:
-        out = sys.stdout if args.output_file == "-" else open(args.output_file, "w", encoding="utf-8")
-    except OSError as error:
-        print(f"error: cannot write the output file {args.output_file}: {error}", file=sys.stderr)
+    problem = None if args.output_file == "-" else _unwritable(args.output_file)
+    if problem is not None:
+        print(f"error: cannot write the output file {args.output_file}: {problem}", file=sys.stderr)
         return 1
-    try:
-        return _run_with_engine(args, lines, out)
-    finally:
-        if out is not sys.stdout:
-            out.close()
+    return _run_with_engine(args, lines)
 
 
-def _run_with_engine(args: argparse.Namespace, lines: list[str], out: TextIO) -> int:
+def _open_output(path: str) -> TextIO:
+    return sys.stdout if path == "-" else open(path, "w", encoding="utf-8")
+
+
+def _run_with_engine(args: argparse.Namespace, lines: list[tuple[int, str]]) -> int:
     from tinyserve.engine.async_llm import AsyncLLM
     from tinyserve.entrypoints.api.metrics import ServerMetrics
     from tinyserve.entrypoints.api.openai_serving import ServingContext
@@ -199,8 +215,14 @@ def _run_with_engine(args: argparse.Namespace, lines: list[str], out: TextIO) ->
     async def main() -> None:
         # The app's lifespan starts and stops the engine (ASGITransport does not run it).
         async with app.router.lifespan_context(app):
-            # As vLLM's run_batch: enough in flight to fill every seat, twice over.
-            await run_batch(app, lines, out, max_in_flight=2 * engine_args.max_num_seqs)
+            # Opened (and so emptied) only now that the model has loaded.
+            out = _open_output(args.output_file)
+            try:
+                # As vLLM's run_batch: enough in flight to fill every seat, twice over.
+                await run_batch(app, lines, out, max_in_flight=2 * engine_args.max_num_seqs)
+            finally:
+                if out is not sys.stdout:
+                    out.close()
 
     try:
         asyncio.run(main())

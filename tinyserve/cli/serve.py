@@ -9,6 +9,7 @@ trace file is flushed and nothing of the server is left running.
 
 import argparse
 import logging
+import socket
 import sys
 
 import uvicorn
@@ -23,30 +24,33 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 def add_parser(commands) -> None:
     parser = commands.add_parser("serve", help="start the HTTP server", description=__doc__,
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_flags(parser)
     group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)")
-    group.add_argument("--port", type=int, default=8000, help="port to listen on")
+    group.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server to the network)")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="name(s) clients use for the model (default: the model argument, or 'tinyserve-default')")
     group.add_argument("--api-key", default=None, help="require this key (Bearer, or x-api-key on /v1/messages) on /v1 routes")
-    group.add_argument("--data-parallel-size", type=int, default=1, help="number of engine processes, each with its own KV cache")
+    group.add_argument("--data-parallel-size", type=int, default=1, help="number of engine processes, each with its own KV cache (default 1)")
     group.add_argument("--log-requests", action="store_true",
                        help="log each request's inputs and one access line per request "
                             "(the log holds prompt text and token ids, --trace-redact-inputs or not)")
     limits = parser.add_argument_group("limits and shutdown")
     limits.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                         help="requests (each of n counts) that may wait for a seat in the engines; "
-                             "beyond it new ones get 503 with Retry-After")
+                             "beyond it new ones get 503 with Retry-After (default %(default)s)")
     limits.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                        help="largest request body accepted; larger ones get 413, counted while reading")
+                        help="largest request body accepted; larger ones get 413, counted while reading "
+                             "(default %(default)s)")
     limits.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-                        help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
+                        help="on SIGTERM, seconds in-flight requests get to finish before they are aborted "
+                             "(default %(default)s)")
     tracing = parser.add_argument_group("tracing (traces hold prompts and outputs unless --trace-redact-inputs)")
     tracing.add_argument("--trace", action="store_true",
                          help="write OpenTelemetry spans of every stage to a run folder under --trace-dir")
-    tracing.add_argument("--trace-dir", default="traces", help="where --trace writes run folders")
+    tracing.add_argument("--trace-dir", default="traces", help="where --trace writes run folders (default traces)")
     tracing.add_argument("--otlp-endpoint", default=None,
                          help="also export spans over OTLP/HTTP, e.g. http://localhost:4318 (Jaeger, Tempo, a collector)")
     tracing.add_argument("--trace-redact-inputs", action="store_true",
@@ -69,11 +73,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     names = args.served_model_name or [args.model or "tinyserve-default"]
     try:
+        listener = bind_listener(args.host, args.port)
+    except OSError as error:
+        print(f"error: cannot listen on {args.host}:{args.port}: {error.strerror or error}", file=sys.stderr)
+        return 2
+    try:
         engine_args = engine_args_from(args)
         run_dir = start_tracing(args, engine_args, names[0])
         engine = AsyncLLM(engine_args, data_parallel_size=args.data_parallel_size, log_requests=args.log_requests,
                           max_waiting_requests=args.max_waiting_requests)
     except ValueError as error:
+        listener.close()
         print(f"error: {error}", file=sys.stderr)
         return 2
     ctx = ServingContext(engine, names, redact_inputs=args.trace_redact_inputs)
@@ -81,14 +91,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"tinyserve: tracing to {run_dir}", flush=True)
     app = build_app(ctx, ServerMetrics(names[0], args.data_parallel_size), api_key=args.api_key,
                     max_request_body_bytes=args.max_request_body_bytes)
-    print(f"tinyserve: serving {names[0]} ({engine.model_info.path}) on http://{args.host}:{args.port}/v1", flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=args.log_requests)
+    port = listener.getsockname()[1]
+    print(f"tinyserve: serving {names[0]} ({engine.model_info.path}) on http://{args.host}:{port}/v1", flush=True)
+    config = uvicorn.Config(app, host=args.host, port=port, log_level="info", access_log=args.log_requests)
     server = GracefulServer(config, engine, args.shutdown_timeout)
-    server.run()  # returns after a graceful shutdown; uvicorn then re-raises the signal that asked for it
+    server.run(sockets=[listener])  # returns after a graceful shutdown; uvicorn then re-raises the signal that asked for it
     return 0 if server.started else 1
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads (as vLLM does): a taken port or an
+    unknown host is reported at once instead of after a long start-up. uvicorn serves on it."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
 def _check_server_flags(args: argparse.Namespace) -> str | None:
+    if not 0 <= args.port <= 65535:
+        return f"--port must be in [0, 65535], got {args.port}"
     if args.data_parallel_size < 1:
         return "--data-parallel-size must be at least 1"
     if args.max_waiting_requests < 1:
