@@ -169,6 +169,13 @@ def test_chat_template_kwargs_reach_the_template(llm):
                  chat_template_kwargs={"tokenize": True})
 
 
+def test_chat_messages_keep_their_name_for_the_template(llm):
+    template = "{% for m in messages %}{{ m.get('name', m['role']) }}: {{ m['content'] }}\n{% endfor %}"
+    messages = [{"role": "user", "name": "Tim", "content": "hi"}, {"role": "user", "content": "hello"}]
+    [output] = llm.chat(messages, greedy(max_tokens=1), use_tqdm=False, chat_template=template)
+    assert output.prompt == "Tim: hi\nuser: hello\n"
+
+
 def test_chat_renders_the_template(llm):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
     [output] = llm.chat(messages, greedy(max_tokens=4), use_tqdm=False)

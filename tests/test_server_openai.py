@@ -240,3 +240,10 @@ def test_server_defaults_come_from_the_generation_config_where_it_sets_them():
     assert plain.sampling_defaults == {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
                                        "repetition_penalty": 1.0}
     assert plain.max_tokens_for(10, None) == 90
+
+
+def test_a_chat_messages_name_reaches_the_template():
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi", "name": "Tim"},
+                                           {"role": "user", "content": "hello"}])
+    assert [m.as_template_message() for m in body.messages] == [
+        {"role": "user", "content": "hi", "name": "Tim"}, {"role": "user", "content": "hello"}]

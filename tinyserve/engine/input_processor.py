@@ -115,4 +115,9 @@ def _normalize_message(index: int, message) -> dict:
         content = "".join(parts)
     if not isinstance(content, str):
         raise ValueError(f"messages[{index}].content must be a string or a list of text parts")
-    return {"role": role, "content": content}
+    name = message.get("name")
+    if name is None:
+        return {"role": role, "content": content}
+    if not isinstance(name, str):
+        raise ValueError(f"messages[{index}].name must be a string")
+    return {"role": role, "content": content, "name": name}

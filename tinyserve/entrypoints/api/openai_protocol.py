@@ -71,7 +71,10 @@ class ChatMessage(StrictBody):
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:  # a template may show who is speaking
+            message["name"] = self.name
+        return message
 
 
 class SamplingFields(StrictBody):
