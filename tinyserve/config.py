@@ -156,7 +156,8 @@ GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition
 
 def _generation_defaults(generation_config: dict) -> dict:
     """The sampling settings generation_config.json sets (max_new_tokens becomes max_tokens), as vLLM reads them."""
-    defaults = {key: generation_config[key] for key in GENERATION_DEFAULT_KEYS if generation_config.get(key) is not None}
+    defaults = {key: generation_config[key] for key in GENERATION_DEFAULT_KEYS
+                if generation_config.get(key) is not None}
     if generation_config.get("max_new_tokens") is not None:
         defaults["max_tokens"] = generation_config["max_new_tokens"]
     return defaults

@@ -65,8 +65,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             _check(value is None or _is_int(value), name, f"must be an integer or None, got {value!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             _check(_is_number(getattr(self, name)), name, f"must be a number, got {getattr(self, name)!r}")
-        _check(self.stop is None or isinstance(self.stop, list), "stop", f"must be a string or a list of strings, got {self.stop!r}")
-        _check(self.stop_token_ids is None or (isinstance(self.stop_token_ids, list) and all(map(_is_int, self.stop_token_ids))),
+        _check(self.stop is None or isinstance(self.stop, list), "stop",
+               f"must be a string or a list of strings, got {self.stop!r}")
+        _check(self.stop_token_ids is None
+               or (isinstance(self.stop_token_ids, list) and all(map(_is_int, self.stop_token_ids))),
                "stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
         _check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(map(_is_int, self.logit_bias))
                                            and all(map(_is_number, self.logit_bias.values()))),

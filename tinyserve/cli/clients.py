@@ -43,7 +43,8 @@ def add_parsers(commands) -> None:
 
 def _add_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=DEFAULT_URL, help=f"the server's OpenAI base URL (default {DEFAULT_URL})")
-    parser.add_argument("--model", "--model-name", default=None, help="model name (default: the first one the server lists)")
+    parser.add_argument("--model", "--model-name", default=None,
+                        help="model name (default: the first one the server lists)")
     parser.add_argument("--api-key", default=None,
                         help="the server's --api-key (default: $OPENAI_API_KEY, else none)")
     parser.add_argument("--max-tokens", type=_positive_int, default=None,

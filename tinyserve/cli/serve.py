@@ -33,7 +33,8 @@ def add_parser(commands) -> None:
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="name(s) clients use for the model (default: the model argument, or 'tinyserve-default')")
     group.add_argument("--api-key", default=None, help="require this key (Bearer, or x-api-key on /v1/messages) on /v1 routes")
-    group.add_argument("--data-parallel-size", type=int, default=1, help="number of engine processes, each with its own KV cache (default 1)")
+    group.add_argument("--data-parallel-size", type=int, default=1,
+                       help="number of engine processes, each with its own KV cache (default 1)")
     group.add_argument("--log-requests", action="store_true",
                        help="log each request's inputs and one access line per request "
                             "(the log holds prompt text and token ids, --trace-redact-inputs or not)")
@@ -95,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"tinyserve: serving {names[0]} ({engine.model_info.path}) on http://{args.host}:{port}/v1", flush=True)
     config = uvicorn.Config(app, host=args.host, port=port, log_level="info", access_log=args.log_requests)
     server = GracefulServer(config, engine, args.shutdown_timeout)
-    server.run(sockets=[listener])  # returns after a graceful shutdown; uvicorn then re-raises the signal that asked for it
+    # Returns after a graceful shutdown; uvicorn then re-raises the signal that asked for it.
+    server.run(sockets=[listener])
     return 0 if server.started else 1
 
 

@@ -87,7 +87,8 @@ class InputProcessor:
                                 ("logit_bias", sampling_params.logit_bias)):
             for token_id in token_ids or ():
                 if not 0 <= token_id < self.model_info.vocab_size:
-                    raise ValueError(f"{name} contains {token_id}, outside the vocabulary [0, {self.model_info.vocab_size})")
+                    raise ValueError(
+                        f"{name} contains {token_id}, outside the vocabulary [0, {self.model_info.vocab_size})")
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt.prompt_token_ids,

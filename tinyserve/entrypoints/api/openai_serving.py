@@ -147,7 +147,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     try:
         prompt, params = render_and_tokenize(
             ctx, spans, [m.as_template_message() for m in body.messages], body.add_generation_prompt,
-            body.requested_max_tokens, lambda max_tokens: body.sampling_params(max_tokens, body.num_logprobs, ctx.sampling_defaults),
+            body.requested_max_tokens,
+            lambda max_tokens: body.sampling_params(max_tokens, body.num_logprobs, ctx.sampling_defaults),
             continue_final_message=body.continue_final_message,
         )
         stream = await engine.add_request(prompt, params, request_id, priority=body.priority, spans=spans,
