@@ -32,9 +32,9 @@ import zmq
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tinyserve.config import EngineArgs, ModelInfo
-from tinyserve.engine.core.engine_core import EngineCore
-from tinyserve.engine.core_client import MPClient
-from tinyserve.engine.messages import (
+from tinyserve.engine.engine_core import EngineCore
+from tinyserve.frontend.core_client import MPClient
+from tinyserve.wire.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,

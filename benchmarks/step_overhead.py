@@ -22,7 +22,7 @@ import torch
 from compare import FULL, build_model
 
 from tinyserve import LLM, SamplingParams
-from tinyserve.engine.input_processor import ProcessedPrompt
+from tinyserve.frontend.input_processor import ProcessedPrompt
 
 
 def main() -> None:

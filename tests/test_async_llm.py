@@ -7,8 +7,8 @@ import pytest
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM, SamplingParams
 from tinyserve.config import EngineArgs
-from tinyserve.engine.async_llm import AsyncLLM
-from tinyserve.engine.output_processor import OutputKind
+from tinyserve.frontend.async_llm import AsyncLLM
+from tinyserve.frontend.output_processor import OutputKind
 
 PROMPTS = ["Beautiful is better than ugly.", "Explicit is better", "Simple", "Complex is better than complicated."]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)

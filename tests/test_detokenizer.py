@@ -3,7 +3,7 @@
 import pytest
 
 from tests.tiny_tokenizer import tiny_tokenizer_files
-from tinyserve.engine.detokenizer import IncrementalDetokenizer
+from tinyserve.frontend.detokenizer import IncrementalDetokenizer
 from tinyserve.models.tokenizer import IM_END_TOKEN, IM_START_TOKEN, load_tokenizer
 
 PROMPT = "The Zen of Python says:"

@@ -25,11 +25,11 @@ import torch
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM
 from tinyserve.config import EngineArgs, ModelInfo
-from tinyserve.engine.core_client import EngineDeadError, EngineStartupError, MPClient
-from tinyserve.engine.inproc_client import InprocClient
-from tinyserve.engine.input_processor import InputProcessor, ProcessedPrompt
-from tinyserve.engine.ipc import FINISH_REASON_ERROR
-from tinyserve.engine.messages import EngineCoreRequest
+from tinyserve.frontend.core_client import EngineDeadError, EngineStartupError, MPClient
+from tinyserve.frontend.inproc_client import InprocClient
+from tinyserve.frontend.input_processor import InputProcessor, ProcessedPrompt
+from tinyserve.wire.ipc import FINISH_REASON_ERROR
+from tinyserve.wire.messages import EngineCoreRequest
 from tinyserve.models.tokenizer import load_tokenizer
 from tinyserve.sampling_params import SamplingParams
 
@@ -350,7 +350,7 @@ def test_shutdown_leaves_no_processes_and_no_socket_directory(loop, engine_args,
 PARENT_SCRIPT = """
 import asyncio, json, sys
 from tinyserve.config import EngineArgs, ModelInfo
-from tinyserve.engine.core_client import MPClient
+from tinyserve.frontend.core_client import MPClient
 
 async def main():
     args = EngineArgs(model=sys.argv[1], num_kv_blocks=16)

@@ -250,7 +250,7 @@ def test_request_that_can_never_fit_the_pool_is_rejected():
 
 
 def test_aborting_running_requests_frees_every_block(llm):
-    from tinyserve.engine.input_processor import ProcessedPrompt
+    from tinyserve.frontend.input_processor import ProcessedPrompt
 
     for i in range(3):
         request = llm.input_processor.make_request(f"abort-{i}", ProcessedPrompt(None, list(range(5, 45))), greedy(max_tokens=50))

@@ -8,8 +8,8 @@ string wins (vLLM's rule): the text was cut there.
 import pytest
 
 from tests.tiny_tokenizer import tiny_tokenizer_files
-from tinyserve.engine.messages import EngineCoreOutput
-from tinyserve.engine.output_processor import OutputKind, OutputProcessor
+from tinyserve.wire.messages import EngineCoreOutput
+from tinyserve.frontend.output_processor import OutputKind, OutputProcessor
 from tinyserve.models.tokenizer import EOS_TOKEN, load_tokenizer
 from tinyserve.sampling_params import SamplingParams
 

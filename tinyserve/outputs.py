@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from tinyserve.engine.messages import RequestTimes
+from tinyserve.wire.messages import RequestTimes
 
 
 @dataclass(slots=True)

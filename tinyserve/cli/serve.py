@@ -61,7 +61,7 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tinyserve.engine.async_llm import AsyncLLM
+    from tinyserve.frontend.async_llm import AsyncLLM
     from tinyserve.entrypoints.api.metrics import ServerMetrics
     from tinyserve.entrypoints.api.openai_serving import ServingContext
     from tinyserve.entrypoints.api.server import build_app

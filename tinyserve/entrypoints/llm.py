@@ -13,9 +13,9 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from tinyserve.config import EngineArgs, ModelInfo
-from tinyserve.engine.core.engine_core import EngineCore
-from tinyserve.engine.input_processor import InputProcessor, ProcessedPrompt
-from tinyserve.engine.output_processor import OutputKind, OutputProcessor, child_request_id
+from tinyserve.engine.engine_core import EngineCore
+from tinyserve.frontend.input_processor import InputProcessor, ProcessedPrompt
+from tinyserve.frontend.output_processor import OutputKind, OutputProcessor, child_request_id
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import start_request_spans
 from tinyserve.lifecycle.tracing import (

@@ -1,1 +1,1 @@
-"""The engine-process side: the busy loop, the scheduler and the KV cache manager."""
+"""Engine process: the scheduler, the request state machine and the paged KV cache — plain Python, no torch."""

@@ -16,7 +16,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from tinyserve.engine.messages import EngineCoreRequest, RequestTimes
+from tinyserve.wire.messages import EngineCoreRequest, RequestTimes
 from tinyserve.sampling_params import SamplingParams
 
 

@@ -24,7 +24,7 @@ import time
 from tinyserve.engine.core.kv_cache_manager import KVCacheManager
 from tinyserve.engine.core.request import Request, RequestStatus
 from tinyserve.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from tinyserve.engine.messages import EngineCoreOutput, SchedulerStats, TokenLogprobs
+from tinyserve.wire.messages import EngineCoreOutput, SchedulerStats, TokenLogprobs
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 

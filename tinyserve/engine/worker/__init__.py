@@ -1,1 +1,1 @@
-"""The part of the engine that runs the model: input preparation, forward, sampling."""
+"""Engine process: the worker — input preparation, the forward pass and sampling, from a SchedulerOutput alone."""

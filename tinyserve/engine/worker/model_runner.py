@@ -20,7 +20,7 @@ import torch
 
 from tinyserve.engine.core.request import Request
 from tinyserve.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from tinyserve.engine.messages import TokenLogprobs
+from tinyserve.wire.messages import TokenLogprobs
 from tinyserve.engine.worker.cuda_graphs import DecodeGraphs
 from tinyserve.engine.worker.sampler import Sampler, top_logprobs
 from tinyserve.kernels.metadata import AttentionMetadata

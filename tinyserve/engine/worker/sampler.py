@@ -18,7 +18,7 @@ so its tokens do not depend on which other requests share the batch.
 import torch
 
 from tinyserve.engine.core.request import Request
-from tinyserve.engine.messages import TokenLogprobs
+from tinyserve.wire.messages import TokenLogprobs
 
 
 class Sampler:

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, model_validator
 
-from tinyserve.engine.output_processor import OutputKind
+from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError, anthropic_error_body
 from tinyserve.entrypoints.api.openai_protocol import StrictBody, Text, Unsupported
 from tinyserve.entrypoints.api.openai_serving import ServingContext, render_and_tokenize

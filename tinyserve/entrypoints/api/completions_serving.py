@@ -12,8 +12,8 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tinyserve.engine.async_llm import RequestStream
-from tinyserve.engine.output_processor import OutputKind
+from tinyserve.frontend.async_llm import RequestStream
+from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError
 from tinyserve.entrypoints.api.openai_protocol import CompletionRequest
 from tinyserve.entrypoints.api.openai_serving import ServingContext, guard_stream, tokenize, usage

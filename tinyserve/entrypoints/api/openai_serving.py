@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tinyserve.engine.async_llm import AsyncLLM
-from tinyserve.engine.input_processor import ProcessedPrompt
-from tinyserve.engine.output_processor import OutputKind
+from tinyserve.frontend.async_llm import AsyncLLM
+from tinyserve.frontend.input_processor import ProcessedPrompt
+from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError, openai_error_body
 from tinyserve.entrypoints.api.openai_protocol import ChatCompletionRequest
 from tinyserve.entrypoints.api.sse import (

@@ -22,7 +22,7 @@ from multiprocessing import resource_tracker
 
 import uvicorn
 
-from tinyserve.engine.async_llm import AsyncLLM
+from tinyserve.frontend.async_llm import AsyncLLM
 
 logger = logging.getLogger("tinyserve.api")
 

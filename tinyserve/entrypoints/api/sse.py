@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from tinyserve.engine.async_llm import RequestStream
-from tinyserve.engine.core_client import EngineDeadError
+from tinyserve.frontend.async_llm import RequestStream
+from tinyserve.frontend.core_client import EngineDeadError
 from tinyserve.outputs import RequestOutput
 
 logger = logging.getLogger("tinyserve.api")

@@ -10,7 +10,7 @@ import os
 import signal
 
 from tinyserve.config import EngineArgs, ModelInfo
-from tinyserve.engine.core.engine_core_proc import run_engine_core
+from tinyserve.engine.engine_core_proc import run_engine_core
 
 SHUTDOWN_TIMEOUT_S = 5.0  # SIGTERM, then SIGKILL after this long
 

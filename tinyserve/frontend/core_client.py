@@ -26,9 +26,9 @@ import zmq
 import zmq.asyncio
 
 from tinyserve.config import EngineArgs, ModelInfo
-from tinyserve.engine.dp_client import DPLoadBalancer
-from tinyserve.engine.engine_procs import EngineProcesses
-from tinyserve.engine.ipc import (
+from tinyserve.frontend.dp_client import DPLoadBalancer
+from tinyserve.frontend.engine_procs import EngineProcesses
+from tinyserve.wire.ipc import (
     OUTPUT_TYPES,
     UTILITY_METHODS,
     EngineCoreAbort,
@@ -40,7 +40,7 @@ from tinyserve.engine.ipc import (
     bound_endpoint,
     make_ipc_dir,
 )
-from tinyserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from tinyserve.wire.messages import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 

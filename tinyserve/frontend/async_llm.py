@@ -35,11 +35,11 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from tinyserve.config import EngineArgs, ModelInfo, check_kv_fit
-from tinyserve.engine.core_client import EngineDeadError, MPClient
-from tinyserve.engine.inproc_client import InprocClient
-from tinyserve.engine.input_processor import InputProcessor, ProcessedPrompt
-from tinyserve.engine.messages import EngineCoreRequest, SchedulerStats
-from tinyserve.engine.output_processor import OutputKind, OutputProcessor
+from tinyserve.frontend.core_client import EngineDeadError, MPClient
+from tinyserve.frontend.inproc_client import InprocClient
+from tinyserve.frontend.input_processor import InputProcessor, ProcessedPrompt
+from tinyserve.wire.messages import EngineCoreRequest, SchedulerStats
+from tinyserve.frontend.output_processor import OutputKind, OutputProcessor
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import NO_SPANS
 from tinyserve.models.tokenizer import load_tokenizer

@@ -9,7 +9,7 @@ spreads a burst: the engines cannot report in between, so without it every
 request of the burst would go to the same engine.
 """
 
-from tinyserve.engine.messages import SchedulerStats
+from tinyserve.wire.messages import SchedulerStats
 
 
 class DPLoadBalancer:

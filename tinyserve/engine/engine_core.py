@@ -17,7 +17,7 @@ from tinyserve.engine.core.kv_cache_manager import KVCacheManager
 from tinyserve.engine.core.request import Request
 from tinyserve.engine.core.scheduler import Scheduler
 from tinyserve.engine.core.scheduler_output import SchedulerOutput
-from tinyserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tinyserve.engine.worker.gpu_memory import MemorySnapshot, kv_cache_budget
 from tinyserve.engine.worker.model_runner import ModelRunner
 from tinyserve.kernels.backend import default_attention_backend, get_attention_backend

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 from tinyserve.config import ModelInfo
-from tinyserve.engine.messages import EngineCoreRequest
+from tinyserve.wire.messages import EngineCoreRequest
 from tinyserve.sampling_params import SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")

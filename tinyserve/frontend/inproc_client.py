@@ -13,10 +13,10 @@ import os
 import threading
 
 from tinyserve.config import EngineArgs, ModelInfo
-from tinyserve.engine.core.engine_core import EngineCore
-from tinyserve.engine.core_client import EngineDeadError
-from tinyserve.engine.ipc import UTILITY_METHODS, error_output, outputs_message
-from tinyserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from tinyserve.engine.engine_core import EngineCore
+from tinyserve.frontend.core_client import EngineDeadError
+from tinyserve.wire.ipc import UTILITY_METHODS, error_output, outputs_message
+from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
 
 class InprocClient:

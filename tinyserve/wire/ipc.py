@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from tinyserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
 # A request the engine refused finishes at once with this reason; stop_reason
 # carries the error message. The front end validates first, so this is a fallback.

@@ -34,8 +34,8 @@ import torch
 import zmq
 
 from tinyserve.config import EngineArgs, ModelInfo
-from tinyserve.engine.core.engine_core import EngineCore
-from tinyserve.engine.ipc import (
+from tinyserve.engine.engine_core import EngineCore
+from tinyserve.wire.ipc import (
     INPUT_TYPES,
     UTILITY_METHODS,
     EngineCoreAbort,
@@ -49,7 +49,7 @@ from tinyserve.engine.ipc import (
     error_output,
     outputs_message,
 )
-from tinyserve.engine.messages import EngineCoreOutput, EngineCoreRequest
+from tinyserve.wire.messages import EngineCoreOutput, EngineCoreRequest
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.tracing import setup_tracing, shutdown_tracing
 

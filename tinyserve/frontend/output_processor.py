@@ -13,8 +13,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from tinyserve.engine.detokenizer import IncrementalDetokenizer
-from tinyserve.engine.messages import EngineCoreOutput, RequestTimes, TokenLogprobs
+from tinyserve.frontend.detokenizer import IncrementalDetokenizer
+from tinyserve.wire.messages import EngineCoreOutput, RequestTimes, TokenLogprobs
 from tinyserve.lifecycle.request_spans import NO_SPANS
 from tinyserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from tinyserve.sampling_params import SamplingParams
