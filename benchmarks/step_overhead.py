@@ -49,18 +49,18 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     for i in range(args.requests):
         prompt = ProcessedPrompt(None, torch.randint(3, FULL.vocab_size, (64,), generator=generator).tolist())
-        core.add_request(llm.input_processor.make_request(f"r{i}", prompt, params))
+        for request in llm.llm_engine.make_requests(f"r{i}", prompt, params):
+            core.add_request(request)
     outside, steps = [], []
     while core.has_unfinished_requests:
         prepare_times.clear()
         core.step()
-        record = core.last_step
-        out = record.scheduler_output
+        times, out = core.last_step_times, core.last_scheduler_output
         if out.num_prefill_requests == 0 and len(out.scheduled) == args.requests:
-            schedule = record.schedule_end_time - record.start_time
-            update = record.end_time - record.execute_end_time
+            schedule = times.scheduled - times.start
+            update = times.end - times.executed
             outside.append(schedule + prepare_times[0] + update)
-            steps.append(record.end_time - record.start_time)
+            steps.append(times.end - times.start)
     share = statistics.median(o / s for o, s in zip(outside, steps))
     print(f"{args.dtype}: decode steps at {args.requests} running: {len(steps)}; median step {statistics.median(steps) * 1e3:.1f} ms; "
           f"schedule + input preparation + update = {statistics.median(outside) * 1e3:.2f} ms = {share:.1%} of the step")

@@ -25,8 +25,9 @@ import torch
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM
 from tinyserve.config import EngineArgs, ModelInfo
-from tinyserve.frontend.core_client import EngineDeadError, EngineStartupError, MPClient
-from tinyserve.frontend.inproc_client import InprocClient
+from tinyserve.frontend.core_client import MPClient
+from tinyserve.frontend.engine_client import EngineDeadError, EngineStartupError
+from tinyserve.frontend.inproc_client import AsyncInprocClient
 from tinyserve.frontend.input_processor import InputProcessor, ProcessedPrompt
 from tinyserve.wire.ipc import FINISH_REASON_ERROR
 from tinyserve.wire.messages import EngineCoreRequest
@@ -73,8 +74,8 @@ def model_info(engine_args) -> ModelInfo:
 
 
 @pytest.fixture(scope="module")
-def input_processor(model_info) -> InputProcessor:
-    return InputProcessor(model_info, load_tokenizer(model_info.path))
+def input_processor(model_info, engine_args) -> InputProcessor:
+    return InputProcessor(model_info, load_tokenizer(model_info.path), engine_args.block_size)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +98,7 @@ def start_client(loop, client):
 
 @pytest.fixture(scope="module")
 def inproc_client(loop, engine_args, model_info):
-    client = start_client(loop, InprocClient(engine_args, model_info))
+    client = start_client(loop, AsyncInprocClient(engine_args, model_info))
     yield client
     client.shutdown()
 
@@ -121,7 +122,8 @@ def dp_client(loop, engine_args, model_info):
 
 
 def make_request(input_processor, request_id: str, prompt: list[int], params: SamplingParams = GREEDY):
-    return input_processor.make_request(request_id, ProcessedPrompt(None, prompt), params)
+    [request] = input_processor.make_requests(request_id, ProcessedPrompt(None, prompt), params, num_kv_blocks=NUM_KV_BLOCKS)
+    return request
 
 
 async def generate(client, input_processor, prompts, prefix: str):
@@ -228,10 +230,9 @@ def test_abort_mid_generation_frees_the_kv_blocks(loop, client_fixture, input_pr
     assert client.in_flight == {}
 
 
-@pytest.mark.parametrize("client_fixture", ["inproc_client", "mp_client"])
-def test_request_the_engine_refuses_finishes_with_an_error(loop, client_fixture, model_info, request):
-    client = request.getfixturevalue(client_fixture)
-    # The front end validates first; this is the engine's own fallback check.
+def test_request_the_engine_process_refuses_finishes_with_an_error(loop, mp_client, model_info):
+    client = mp_client
+    # The front end validates first; this is the engine process's own check of what its socket brings.
     outside_vocabulary = EngineCoreRequest(
         "refused", [5, model_info.vocab_size], GREEDY, model_info.eos_token_ids, arrival_time=time.time()
     )

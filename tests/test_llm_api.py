@@ -153,7 +153,7 @@ def test_an_interrupted_generate_leaves_the_engine_idle(llm, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         llm.generate(["Sparse is better than dense."] * 3, greedy(max_tokens=8), use_tqdm=False)
     monkeypatch.undo()
-    assert not llm.engine_core.has_unfinished_requests and not llm.output_processor.parents
+    assert not llm.engine_core.has_unfinished_requests and not llm.llm_engine.output_processor.parents
     assert_pool_idle(llm)
     [output] = llm.generate("Sparse is better than dense.", greedy(max_tokens=2), use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 2
@@ -253,7 +253,8 @@ def test_aborting_running_requests_frees_every_block(llm):
     from tinyserve.frontend.input_processor import ProcessedPrompt
 
     for i in range(3):
-        request = llm.input_processor.make_request(f"abort-{i}", ProcessedPrompt(None, list(range(5, 45))), greedy(max_tokens=50))
+        [request] = llm.llm_engine.make_requests(f"abort-{i}", ProcessedPrompt(None, list(range(5, 45))),
+                                                 greedy(max_tokens=50))
         llm.engine_core.add_request(request)
     llm.engine_core.step()
     llm.engine_core.step()

@@ -10,33 +10,18 @@ returns EngineCoreOutputs with the new tokens. The in-process client calls
 import atexit
 import gc
 import time
-from dataclasses import dataclass
 
 from tinyserve.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs, ModelInfo, check_kv_fit
 from tinyserve.engine.core.kv_cache_manager import KVCacheManager
 from tinyserve.engine.core.request import Request
 from tinyserve.engine.core.scheduler import Scheduler
 from tinyserve.engine.core.scheduler_output import SchedulerOutput
-from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tinyserve.engine.worker.gpu_memory import MemorySnapshot, kv_cache_budget
 from tinyserve.engine.worker.model_runner import ModelRunner
 from tinyserve.kernels.backend import default_attention_backend, get_attention_backend
-from tinyserve.lifecycle.engine_spans import EngineSpanBuilder, FinishedRequest
+from tinyserve.lifecycle.engine_spans import EngineSpanBuilder, StepTimes
 from tinyserve.lifecycle.tracing import tracing_enabled
-
-
-@dataclass(slots=True)
-class StepRecord:
-    """What one step did and when: the raw material of the step span."""
-
-    scheduler_output: SchedulerOutput
-    start_time: float
-    schedule_end_time: float
-    execute_end_time: float
-    end_time: float
-    stats: SchedulerStats
-    prefix_cache_hit_tokens: int
-    finished_request_ids: list[str]  # requests that finished in this step
+from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
 
 class EngineCore:
@@ -77,11 +62,12 @@ class EngineCore:
             max_model_len=self.model_info.max_model_len,
         )
         self.model_runner.warm_up()
-        self.last_step: StepRecord | None = None
+        # The latest step's decisions and clock, for a notebook or a benchmark to look at.
+        self.last_scheduler_output: SchedulerOutput | None = None
+        self.last_step_times: StepTimes | None = None
         # Tracing: spans are built from what each step recorded, on the builder's own thread,
         # or in batches in this thread (spans_inline: the offline LLM, see engine_spans.py).
         self.span_builder = EngineSpanBuilder(engine_index, inline=spans_inline) if tracing_enabled() else None
-        self._traced: dict[str, tuple[dict[str, str], int, int]] = {}  # id -> (context, prompt len, queue depth)
         # Everything allocated so far (model, tokenizer, libraries) lives as long as the
         # engine: move it out of the garbage collector's sight, as vLLM does after start-up.
         # Otherwise every full collection walks those millions of objects again: a
@@ -114,16 +100,18 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Validate and queue a request; raises ValueError before anything is scheduled."""
-        self.check_request(request)
+        """Queue a request the front end has validated (its input processor checks every field)."""
         if self.span_builder is not None:
-            self._traced[request.request_id] = (
-                request.trace_context, len(request.prompt_token_ids), len(self.scheduler.waiting)
-            )
+            self.span_builder.on_request(request.request_id, request.trace_context, len(request.prompt_token_ids),
+                                         len(self.scheduler.waiting))
         self.scheduler.add_request(Request.from_engine_core_request(request))
 
     def check_request(self, request: EngineCoreRequest) -> None:
-        """Raise ValueError if this request could never be served by this engine."""
+        """Raise ValueError if this request could never be served by this engine.
+
+        The front end has checked the same things; an engine process checks again what
+        arrives on its socket, since a bad prompt id would fail a step for every request.
+        """
         self.model_info.validate_prompt(request.prompt_token_ids)
         check_kv_fit(
             len(request.prompt_token_ids),
@@ -136,7 +124,7 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         outputs = self.scheduler.abort_requests(request_ids)
         if self.span_builder is not None and outputs:
-            self.span_builder.submit(None, {}, self._finished_for_tracing(outputs))
+            self.span_builder.record_finished(outputs)
         return outputs
 
     @property
@@ -146,8 +134,8 @@ class EngineCore:
     # ---- one step --------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
+        """One iteration of the engine loop: schedule → execute → update."""
         start = time.time()
-        hits_before = self.kv_cache_manager.prefix_cache_hits
         scheduler_output = self.scheduler.schedule()
         scheduled = time.time()
         runner_output = self.model_runner.execute_model(scheduler_output, self.scheduler.requests)
@@ -157,27 +145,10 @@ class EngineCore:
         )
         end = time.time()
         stats = self.scheduler.make_stats()
-        self.last_step = StepRecord(
-            scheduler_output, start, scheduled, executed, end, stats, stats.prefix_cache_hits - hits_before,
-            [output.request_id for output in outputs if output.finished],
-        )
-        if self.span_builder is not None and not scheduler_output.is_empty:
-            served = {s.request_id: self._traced[s.request_id][0] for s in scheduler_output.scheduled if s.request_id in self._traced}
-            self.span_builder.submit(self.last_step, served, self._finished_for_tracing(outputs))
-        return EngineCoreOutputs(
-            engine_index=self.engine_index, timestamp=end, outputs=outputs, scheduler_stats=stats
-        )
-
-    def _finished_for_tracing(self, outputs: list[EngineCoreOutput]) -> list[FinishedRequest]:
-        finished = []
-        for output in outputs:
-            if output.finished and output.request_id in self._traced:
-                context, num_prompt_tokens, queue_depth = self._traced.pop(output.request_id)
-                finished.append(FinishedRequest(
-                    output.request_id, context, output.times, output.finish_reason, output.num_cached_tokens,
-                    num_prompt_tokens, len(output.times.token_times), queue_depth,
-                ))
-        return finished
+        self.last_scheduler_output, self.last_step_times = scheduler_output, StepTimes(start, scheduled, executed, end)
+        if self.span_builder is not None:
+            self.span_builder.record_step(scheduler_output, self.last_step_times, stats, outputs)
+        return EngineCoreOutputs(engine_index=self.engine_index, timestamp=end, outputs=outputs, scheduler_stats=stats)
 
     def flush_spans(self) -> None:
         if self.span_builder is not None:

@@ -207,6 +207,7 @@ class EngineCoreProc:
 
     def _add_request(self, request: EngineCoreRequest) -> None:
         try:
+            self.engine_core.check_request(request)
             self.engine_core.add_request(request)
         except ValueError as error:
             # The request must not hang: it finishes at once, carrying the reason.

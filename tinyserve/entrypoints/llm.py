@@ -1,8 +1,10 @@
 """The offline API: `LLM(model).generate(prompts, sampling_params)`, as in vLLM.
 
-Everything runs in this process: prompts are rendered and tokenized (stage ②),
-handed to an EngineCore, and the engine is stepped until every request is done;
-the output processor (stage ⑧) turns token ids back into text.
+Everything runs in this process, through the same front end as the server: prompts
+are rendered and tokenized (stage ②), validated and fanned out by the input
+processor, registered with the output processor (stage ③), and an LLMEngine steps
+its in-process engine until every request is done, the output processor (stage ⑧)
+turning token ids back into text.
 """
 
 import atexit
@@ -13,9 +15,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from tinyserve.config import EngineArgs, ModelInfo
-from tinyserve.engine.engine_core import EngineCore
-from tinyserve.frontend.input_processor import InputProcessor, ProcessedPrompt
-from tinyserve.frontend.output_processor import OutputKind, OutputProcessor, child_request_id
+from tinyserve.frontend.input_processor import ProcessedPrompt
+from tinyserve.frontend.llm_engine import LLMEngine
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import start_request_spans
 from tinyserve.lifecycle.tracing import (
@@ -44,10 +45,14 @@ class LLM:
         self.trace_run_dir = self._start_tracing(trace_dir, otlp_endpoint)
         self.model_info = ModelInfo.from_args(self.engine_args)
         self.tokenizer = load_tokenizer(self.model_info.path)
-        self.input_processor = InputProcessor(self.model_info, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(self.engine_args, model_info=self.model_info, spans_inline=True)
+        self.llm_engine = LLMEngine(self.engine_args, self.model_info, self.tokenizer)
+        self.input_processor = self.llm_engine.input_processor
         self._request_counter = itertools.count()
+
+    @property
+    def engine_core(self):
+        """The in-process engine (scheduler, KV cache, model runner), for looking inside."""
+        return self.llm_engine.engine_core
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -97,53 +102,39 @@ class LLM:
 
     def _run(self, prompts: list, render, operation: str, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         params = self._params_per_prompt(sampling_params, len(prompts))
+        engine = self.llm_engine
         # Build and check every request before the first one is queued: one bad
         # prompt rejects the call and leaves the engine untouched.
-        requests = []
+        made = []
         try:
             for raw_prompt, p in zip(prompts, params):
                 request_id = str(next(self._request_counter))
                 spans = start_request_spans(operation, self.model_name, request_id)
-                requests.append((request_id, spans, p, []))
+                made.append([request_id, spans, p, None, None])
                 with spans.stage(schema.RENDER) as render_span:
                     prompt = render(raw_prompt)
                     messages = raw_prompt if operation == schema.OPERATION_CHAT else None
                     spans.log_inputs(render_span, prompt=prompt.prompt, prompt_token_ids=prompt.prompt_token_ids,
                                      sampling_params=p, messages=messages)
-                for index in range(p.n):
-                    child_id = child_request_id(request_id, index, p.n)
-                    child_params = p.clone(n=1, seed=None if p.seed is None else p.seed + index)
-                    engine_request = self.input_processor.make_request(
-                        child_id, prompt, child_params, trace_context=spans.carrier()
-                    )
-                    self.engine_core.check_request(engine_request)
-                    requests[-1][3].append((prompt, engine_request))
+                made[-1][3:] = prompt, engine.make_requests(request_id, prompt, p, spans=spans)
         except Exception as error:
-            for _, spans, _, _ in requests:
+            for _, spans, _, _, _ in made:
                 spans.fail(error)
             raise
         order = {}
-        for request_id, spans, p, children in requests:
+        for request_id, spans, p, prompt, requests in made:
             order[request_id] = len(order)
-            prompt = children[0][0]
-            with spans.stage(schema.ENQUEUE, {schema.REQUEST_ID: request_id}):
-                self.output_processor.add_request(
-                    request_id, prompt.prompt, prompt.prompt_token_ids, p, OutputKind.FINAL_ONLY, spans
-                )
-                for _, engine_request in children:
-                    self.engine_core.add_request(engine_request)
+            engine.add_request(request_id, prompt, p, requests, spans=spans)
         try:
             return self._run_engine(order, use_tqdm and len(order) >= _PROGRESS_BAR_MIN_PROMPTS)
         except BaseException:
             # Interrupted (Ctrl-C in a notebook) or failed: abort what this call queued, so its
             # KV blocks are freed and the next call starts from an idle engine.
-            self.engine_core.abort_requests(
-                [child for request_id in order for child in self.output_processor.abort_request(request_id)]
-            )
+            engine.abort_request(list(order))
             raise
         finally:  # even when interrupted: the steps that ran are in the trace file
             if self.trace_run_dir is not None or tracing_enabled():
-                self.engine_core.flush_spans()
+                engine.flush_spans()
                 flush_tracing()
 
     def _start_tracing(self, trace_dir: str | None, otlp_endpoint: str | None) -> Path | None:
@@ -163,11 +154,8 @@ class LLM:
     def _run_engine(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         finished: list[RequestOutput] = []
         progress = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
-        while self.engine_core.has_unfinished_requests:
-            engine_outputs = self.engine_core.step()
-            request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs.outputs)
-            if to_abort:
-                self.engine_core.abort_requests(to_abort)
+        while self.llm_engine.has_unfinished_requests:
+            request_outputs = self.llm_engine.step()
             finished += request_outputs
             progress.update(len(request_outputs))
         progress.close()

@@ -34,9 +34,10 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from tinyserve.config import EngineArgs, ModelInfo, check_kv_fit
-from tinyserve.frontend.core_client import EngineDeadError, MPClient
-from tinyserve.frontend.inproc_client import InprocClient
+from tinyserve.config import EngineArgs, ModelInfo
+from tinyserve.frontend.core_client import MPClient
+from tinyserve.frontend.engine_client import EngineClient, EngineDeadError
+from tinyserve.frontend.inproc_client import AsyncInprocClient
 from tinyserve.frontend.input_processor import InputProcessor, ProcessedPrompt
 from tinyserve.wire.messages import EngineCoreRequest, SchedulerStats
 from tinyserve.frontend.output_processor import OutputKind, OutputProcessor
@@ -82,10 +83,11 @@ class AsyncLLM:
         self.log_requests = log_requests
         self.model_info = ModelInfo.from_args(engine_args)
         self.tokenizer = load_tokenizer(self.model_info.path)
-        self.input_processor = InputProcessor(self.model_info, self.tokenizer)
+        self.input_processor = InputProcessor(self.model_info, self.tokenizer, engine_args.block_size)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.client: EngineClient
         if in_process:
-            self.client = InprocClient(engine_args, self.model_info)
+            self.client = AsyncInprocClient(engine_args, self.model_info)
         else:
             self.client = MPClient(engine_args, self.model_info, data_parallel_size=data_parallel_size)
         self.queues: dict[str, asyncio.Queue] = {}
@@ -182,19 +184,21 @@ class AsyncLLM:
         try:
             self.check_admission(sampling_params.n)
             prompt = self.process_prompt(prompt)
-            child_requests = self._make_child_requests(prompt, sampling_params, request_id, priority, spans)
+            child_requests = self.input_processor.make_requests(
+                request_id, prompt, sampling_params, num_kv_blocks=self.num_kv_blocks, priority=priority,
+                trace_context=spans.carrier(),
+            )
             if self.log_requests:
                 log_inputs(request_id, prompt, sampling_params)
             with spans.stage(schema.ENQUEUE, {schema.REQUEST_ID: request_id}) as enqueue_span:
-                child_ids = self.output_processor.add_request(
+                self.output_processor.add_request(
                     request_id, prompt.prompt, prompt.prompt_token_ids, sampling_params, output_kind, spans
                 )
                 # Registered from here on: a failure must abort what was sent.
                 stream = RequestStream(self, request_id, spans)
                 self.queues[request_id] = stream.queue
                 try:
-                    for child_id, request in zip(child_ids, child_requests):
-                        request.request_id = child_id
+                    for request in child_requests:
                         engine_index = await self._send(request, spans)
                 except BaseException:
                     await stream.close()
@@ -218,22 +222,6 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> list[bool]:
         return [await self.client.call_utility("reset_prefix_cache", engine_index=i) for i in range(len(self.client.num_kv_blocks))]
-
-    def _make_child_requests(self, prompt: ProcessedPrompt, params: SamplingParams, request_id: str, priority: int,
-                             spans) -> list[EngineCoreRequest]:
-        """One validated EngineCoreRequest per sample (n); ids are assigned by the output processor."""
-        child_requests = []
-        for index in range(params.n):
-            child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + index)
-            request = self.input_processor.make_request(
-                request_id, prompt, child_params, priority=priority, trace_context=spans.carrier()
-            )
-            check_kv_fit(
-                len(prompt.prompt_token_ids), child_params.max_tokens, self.model_info.max_model_len,
-                self.engine_args.block_size, self.num_kv_blocks,
-            )
-            child_requests.append(request)
-        return child_requests
 
     async def _send(self, request: EngineCoreRequest, spans) -> int:
         attributes = {schema.REQUEST_ID: request.request_id}

@@ -1,5 +1,7 @@
 """The API process's handle on its engine processes (stages ④ and ⑦ from the client side).
 
+MPClient is the EngineClient (engine_client.py) for engines in their own processes.
+
 `MPClient` starts one engine process per data-parallel rank (engine_procs.py
 starts and stops them; engine_core_proc.py is what runs in them), sends each
 request to one of them (dp_client.py picks which), and hands back whatever the
@@ -27,6 +29,7 @@ import zmq.asyncio
 
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.frontend.dp_client import DPLoadBalancer
+from tinyserve.frontend.engine_client import EngineDeadError, EngineStartupError
 from tinyserve.frontend.engine_procs import EngineProcesses
 from tinyserve.wire.ipc import (
     OUTPUT_TYPES,
@@ -46,14 +49,6 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 300.0  # loading a model onto a GPU can take a while
 TRANSPORTS = ("ipc", "tcp")
-
-
-class EngineDeadError(RuntimeError):
-    """An engine process is gone; the requests it held are lost and no new ones are taken."""
-
-
-class EngineStartupError(RuntimeError):
-    """An engine process failed to load its model or to answer in time."""
 
 
 class MPClient:

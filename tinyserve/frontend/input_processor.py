@@ -2,13 +2,15 @@
 
 A chat conversation is rendered with the model's chat template into one prompt
 string, a prompt string is tokenized, and token ids are taken as they are. Every
-input is checked here, before anything reaches the engine.
+input is checked here, once, before anything reaches the engine (`make_requests`),
+for the offline LLM and the server alike; an n > 1 request fans out here into n
+engine requests.
 """
 
 import time
 from dataclasses import dataclass
 
-from tinyserve.config import ModelInfo
+from tinyserve.config import ModelInfo, check_kv_fit
 from tinyserve.wire.messages import EngineCoreRequest
 from tinyserve.sampling_params import SamplingParams
 
@@ -22,9 +24,10 @@ class ProcessedPrompt:
 
 
 class InputProcessor:
-    def __init__(self, model_info: ModelInfo, tokenizer) -> None:
+    def __init__(self, model_info: ModelInfo, tokenizer, block_size: int) -> None:
         self.model_info = model_info
         self.tokenizer = tokenizer
+        self.block_size = block_size
 
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template: str | None = None,
@@ -72,16 +75,25 @@ class InputProcessor:
             return ProcessedPrompt(None, prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def make_request(
+    def make_requests(
         self,
         request_id: str,
         prompt: ProcessedPrompt,
         sampling_params: SamplingParams,
         *,
+        num_kv_blocks: int,
         arrival_time: float | None = None,
         priority: int = 0,
         trace_context: dict[str, str] | None = None,
-    ) -> EngineCoreRequest:
+    ) -> list[EngineCoreRequest]:
+        """Check the request, then fan it out: one EngineCoreRequest per sample (n > 1 → n of them).
+
+        This is the one place a request is validated, for the offline LLM and the server
+        alike: the prompt against the vocabulary and max_model_len, token ids in the
+        sampling parameters, and whether the request could ever fit in the KV pool of
+        `num_kv_blocks` blocks. Child i of an n > 1 request gets `child_request_id(...)`
+        and, if seeded, the seed + i, so the n samples differ yet each is reproducible.
+        """
         self.model_info.validate_prompt(prompt.prompt_token_ids)
         for name, token_ids in (("stop_token_ids", sampling_params.stop_token_ids),
                                 ("logit_bias", sampling_params.logit_bias)):
@@ -89,15 +101,28 @@ class InputProcessor:
                 if not 0 <= token_id < self.model_info.vocab_size:
                     raise ValueError(
                         f"{name} contains {token_id}, outside the vocabulary [0, {self.model_info.vocab_size})")
-        return EngineCoreRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt.prompt_token_ids,
-            sampling_params=sampling_params,
-            eos_token_ids=self.model_info.eos_token_ids,
-            arrival_time=arrival_time if arrival_time is not None else time.time(),
-            priority=priority,
-            trace_context=trace_context or {},
-        )
+        check_kv_fit(len(prompt.prompt_token_ids), sampling_params.max_tokens, self.model_info.max_model_len,
+                     self.block_size, num_kv_blocks)
+        arrival_time = arrival_time if arrival_time is not None else time.time()
+        n = sampling_params.n
+        return [
+            EngineCoreRequest(
+                request_id=child_request_id(request_id, index, n),
+                prompt_token_ids=prompt.prompt_token_ids,
+                sampling_params=sampling_params if n == 1 else sampling_params.clone(
+                    n=1, seed=None if sampling_params.seed is None else sampling_params.seed + index),
+                eos_token_ids=self.model_info.eos_token_ids,
+                arrival_time=arrival_time,
+                priority=priority,
+                trace_context=trace_context or {},
+            )
+            for index in range(n)
+        ]
+
+
+def child_request_id(parent_id: str, index: int, n: int) -> str:
+    """The engine's id for sample `index` of a request: the request's own id when n == 1."""
+    return parent_id if n == 1 else f"{index}_{parent_id}"
 
 
 def _normalize_message(index: int, message) -> dict:

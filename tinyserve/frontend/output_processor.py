@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from tinyserve.frontend.detokenizer import IncrementalDetokenizer
+from tinyserve.frontend.input_processor import child_request_id
 from tinyserve.wire.messages import EngineCoreOutput, RequestTimes, TokenLogprobs
 from tinyserve.lifecycle.request_spans import NO_SPANS
 from tinyserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
@@ -69,10 +70,6 @@ class ChildState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0  # of the sampled tokens, when logprobs are asked for
-
-
-def child_request_id(parent_id: str, index: int, n: int) -> str:
-    return parent_id if n == 1 else f"{index}_{parent_id}"
 
 
 class OutputProcessor:

@@ -1,8 +1,10 @@
 """Engine-side spans, built from timestamps the engine already recorded.
 
-The busy loop never touches OpenTelemetry. After each step it hands this module
-the step's record and the requests that finished; a background thread turns them
-into spans with the recorded start and end times:
+The busy loop never touches OpenTelemetry. It tells the builder of each new
+request (`on_request`), and after each step hands it what the step decided, its
+clock, the stats and the outputs (`record_step`); the builder keeps the little it
+needs (each request's trace context, the prefix-cache counter) and a background
+thread turns the records into spans with the recorded start and end times:
 
 - per finished request, in the request's own trace (parent = the API's request
   span, carried in EngineCoreRequest.trace_context):
@@ -38,6 +40,34 @@ def _ns(seconds: float) -> int:
 
 
 @dataclass(slots=True)
+class StepTimes:
+    """When one engine step began, finished scheduling, finished executing, and ended (time.time())."""
+
+    start: float
+    scheduled: float
+    executed: float
+    end: float
+
+
+@dataclass(slots=True)
+class _StepSpanInput:
+    """What the step span is built from: the step's SchedulerOutput, its clock and the engine's stats after it."""
+
+    scheduler_output: object  # engine.core.scheduler_output.SchedulerOutput
+    times: StepTimes
+    stats: object  # wire.messages.SchedulerStats
+    prefix_cache_hit_tokens: int
+    finished_request_ids: list[str]
+
+
+@dataclass(slots=True)
+class _TracedRequest:
+    trace_context: dict[str, str]
+    num_prompt_tokens: int
+    queue_depth_at_arrival: int
+
+
+@dataclass(slots=True)
 class FinishedRequest:
     request_id: str
     trace_context: dict[str, str]
@@ -60,6 +90,8 @@ class EngineSpanBuilder:
         # parsing a traceparent for every request at every step would cost more than
         # the rest of the step span. Dropped when the request finishes.
         self._links: dict[str, Link | None] = {}
+        self._traced: dict[str, _TracedRequest] = {}  # the engine thread's own: requests not finished yet
+        self._prefix_cache_hits = 0  # the engine's cumulative count at the last step
         self._thread = None
         if not inline:
             self._thread = threading.Thread(target=self._run, name=f"tinyserve-spans-{engine_index}", daemon=True)
@@ -67,11 +99,48 @@ class EngineSpanBuilder:
 
     # ---- called from the engine loop: cheap -------------------------------------
 
-    def submit(self, step_record, served_contexts: dict[str, dict[str, str]], finished: list[FinishedRequest]) -> None:
-        if not self.inline:
-            self._queue.put((step_record, served_contexts, finished))
+    def on_request(self, request_id: str, trace_context: dict[str, str], num_prompt_tokens: int,
+                   queue_depth: int) -> None:
+        """A request was queued: remember what its spans will need."""
+        self._traced[request_id] = _TracedRequest(trace_context, num_prompt_tokens, queue_depth)
+
+    def record_step(self, scheduler_output, times: StepTimes, stats, outputs: list) -> None:
+        """After a step: its SchedulerOutput, clock, SchedulerStats and EngineCoreOutputs' outputs."""
+        hits, self._prefix_cache_hits = stats.prefix_cache_hits - self._prefix_cache_hits, stats.prefix_cache_hits
+        finished = self._finished(outputs)
+        if scheduler_output.is_empty:
+            if finished:
+                self._submit(None, {}, finished)
             return
-        self._pending.append((step_record, served_contexts, finished))
+        record = _StepSpanInput(scheduler_output, times, stats, hits,
+                                [output.request_id for output in outputs if output.finished])
+        served = {s.request_id: self._traced[s.request_id].trace_context
+                  for s in scheduler_output.scheduled if s.request_id in self._traced}
+        self._submit(record, served, finished)
+
+    def record_finished(self, outputs: list) -> None:
+        """Requests that finished outside a step (aborted): their spans."""
+        finished = self._finished(outputs)
+        if finished:
+            self._submit(None, {}, finished)
+
+    def _finished(self, outputs: list) -> list[FinishedRequest]:
+        finished = []
+        for output in outputs:
+            traced = self._traced.pop(output.request_id, None) if output.finished else None
+            if traced is not None:
+                finished.append(FinishedRequest(
+                    output.request_id, traced.trace_context, output.times, output.finish_reason,
+                    output.num_cached_tokens, traced.num_prompt_tokens, len(output.times.token_times),
+                    traced.queue_depth_at_arrival,
+                ))
+        return finished
+
+    def _submit(self, step, served_contexts: dict[str, dict[str, str]], finished: list[FinishedRequest]) -> None:
+        if not self.inline:
+            self._queue.put((step, served_contexts, finished))
+            return
+        self._pending.append((step, served_contexts, finished))
         if len(self._pending) >= INLINE_BATCH:
             self._build_pending()
 
@@ -110,9 +179,9 @@ class EngineSpanBuilder:
                 continue
             self._build(*item)
 
-    def _build(self, step_record, served_contexts: dict[str, dict[str, str]], finished: list[FinishedRequest]) -> None:
-        if step_record is not None:
-            self._step_spans(step_record, served_contexts)
+    def _build(self, step, served_contexts: dict[str, dict[str, str]], finished: list[FinishedRequest]) -> None:
+        if step is not None:
+            self._step_spans(step, served_contexts)
         for request in finished:
             self._request_spans(request)
 
@@ -170,7 +239,7 @@ class EngineSpanBuilder:
             span.set_status(Status(StatusCode.ERROR, "aborted"))
         span.end(end_time=_ns(end_time))
 
-    def _step_spans(self, record, served_contexts: dict[str, dict[str, str]]) -> None:
+    def _step_spans(self, record: _StepSpanInput, served_contexts: dict[str, dict[str, str]]) -> None:
         out = record.scheduler_output
         stats = record.stats
         links = []
@@ -201,13 +270,14 @@ class EngineSpanBuilder:
             schema.NUM_WAITING: stats.num_waiting_reqs,
             schema.NUM_RUNNING: stats.num_running_reqs,
         }
-        step = self.tracer.start_span(schema.STEP, context=Context(), start_time=_ns(record.start_time),
+        times = record.times
+        step = self.tracer.start_span(schema.STEP, context=Context(), start_time=_ns(times.start),
                                       attributes=attributes, links=links)
         step_context = trace.set_span_in_context(step)
         for name, start, end in (
-            (schema.SCHEDULE, record.start_time, record.schedule_end_time),
-            (schema.EXECUTE, record.schedule_end_time, record.execute_end_time),
-            (schema.UPDATE, record.execute_end_time, record.end_time),
+            (schema.SCHEDULE, times.start, times.scheduled),
+            (schema.EXECUTE, times.scheduled, times.executed),
+            (schema.UPDATE, times.executed, times.end),
         ):
             self.tracer.start_span(name, context=step_context, start_time=_ns(start)).end(end_time=_ns(end))
-        step.end(end_time=_ns(record.end_time))
+        step.end(end_time=_ns(times.end))

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tinyserve
 from tinyserve.frontend.async_llm import RequestRejectedError
-from tinyserve.frontend.core_client import EngineDeadError
+from tinyserve.frontend.engine_client import EngineDeadError
 from tinyserve.entrypoints.api.anthropic_serving import MessagesRequest, create_message
 from tinyserve.entrypoints.api.auth import ApiKeyMiddleware
 from tinyserve.entrypoints.api.completions_serving import create_completion

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from tinyserve.frontend.async_llm import RequestStream
-from tinyserve.frontend.core_client import EngineDeadError
+from tinyserve.frontend.engine_client import EngineDeadError
 from tinyserve.outputs import RequestOutput
 
 logger = logging.getLogger("tinyserve.api")
