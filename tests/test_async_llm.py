@@ -102,3 +102,27 @@ def test_bad_input_raises_before_anything_is_sent():
 
     [output] = run(bad, in_process=True)
     assert output.finished
+
+
+@pytest.mark.parametrize("kwargs", [{"in_process": True}, {}], ids=["in-process", "one-engine-process"])
+def test_abort_ends_the_callers_iterator_and_is_idempotent(kwargs):
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def abort_midway(engine):
+        received = []
+
+        async def read():
+            async for output in engine.generate("Errors should never pass silently.", long, "to-abort"):
+                received.append(output)
+                if len(received) == 3:
+                    await engine.abort("to-abort")
+
+        await asyncio.wait_for(read(), timeout=30)  # the iterator must end, not wait forever
+        await engine.abort("to-abort")  # again: harmless
+        await engine.abort("never-existed")
+        after = [o async for o in engine.generate("Simple", GREEDY, "after", output_kind=OutputKind.FINAL_ONLY)]
+        return received, after
+
+    received, [after] = run(abort_midway, **kwargs)
+    assert 3 <= len(received) < 400 and not any(o.finished for o in received)
+    assert after.finished and len(after.outputs[0].token_ids) == GREEDY.max_tokens

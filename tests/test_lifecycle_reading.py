@@ -160,7 +160,7 @@ def test_logged_inputs_and_outputs_are_decoded(run):
     assert a.inputs.messages == [{"role": "user", "content": "hi"}]
     assert a.inputs.prompt == "<user>hi</user>"
     assert a.inputs.prompt_token_ids == list(range(1, 11))
-    assert a.inputs.sampling_params == SamplingParams(temperature=0.0, max_tokens=4)
+    assert a.inputs.sampling_params == {"temperature": 0.0, "max_tokens": 4}
     assert [(c.index, c.token_ids, c.text, c.finish_reason) for c in run.request("cmpl-b").completions] == [
         (0, [21, 22, 23], "xyz", "length"), (1, [31, 32, 33], "uvw", "length")]
     c = run.request("chatcmpl-c")

@@ -124,7 +124,7 @@ def test_record_traces_records_a_run_from_a_real_server(tmp_path, built_model):
     assert files == ["api.jsonl", "engine-0.jsonl", "manifest.json", "recording.json"]
     run = load_run(folder)
     [request] = run.requests  # the warm-up request is gone, with the steps that served only it
-    assert request.operation == "chat" and request.inputs.sampling_params.seed == 1234
+    assert request.operation == "chat" and request.inputs.sampling_params["seed"] == 1234
     assert {s.service for s in request.stage_spans()} == {"tinyserve-api", "tinyserve-engine-0"}
     engine_id = request.sequences[0].request_id
     assert all(engine_id in step.request_ids for step in run.steps)

@@ -19,6 +19,14 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of KV cache when neither a block coun
 logger = logging.getLogger(__name__)
 
 
+class InvalidInputError(ValueError):
+    """A request the engine cannot serve; `param` names the field at fault (the API's error body carries it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(slots=True)
 class EngineArgs:
     model: str | None = None  # None: the built-in default model
@@ -112,15 +120,16 @@ class ModelInfo:
     def validate_prompt(self, prompt_token_ids: list[int], max_tokens: int | None = None) -> None:
         """Raise ValueError naming the problem if this prompt cannot be served."""
         if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
+            raise InvalidInputError("prompt must not be empty", "prompt")
         if len(prompt_token_ids) > self.max_model_len:
-            raise ValueError(
+            raise InvalidInputError(
                 f"prompt has {len(prompt_token_ids)} tokens, more than max_model_len={self.max_model_len} "
-                f"(by {len(prompt_token_ids) - self.max_model_len})"
+                f"(by {len(prompt_token_ids) - self.max_model_len})", "prompt",
             )
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
-            raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+            raise InvalidInputError(
+                f"prompt_token_ids contains ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}", "prompt")
 
 
 def check_kv_fit(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, block_size: int, num_kv_blocks: int) -> None:

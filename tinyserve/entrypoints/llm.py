@@ -12,6 +12,7 @@ import itertools
 from dataclasses import asdict
 from pathlib import Path
 
+import msgspec
 from tqdm.auto import tqdm
 
 from tinyserve.config import EngineArgs, ModelInfo
@@ -162,10 +163,17 @@ class LLM:
         return sorted(finished, key=lambda output: order[output.request_id])
 
     def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:
+        """One SamplingParams for each prompt. A dict is taken as SamplingParams' fields (as a trace logs them)."""
         if sampling_params is None:
             return [self.get_default_sampling_params()] * count
+        if isinstance(sampling_params, dict):
+            try:
+                sampling_params = msgspec.convert(sampling_params, SamplingParams)
+            except msgspec.ValidationError as error:
+                raise ValueError(f"sampling_params: {error}") from None
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
         if isinstance(sampling_params, list) and len(sampling_params) == count:
-            return sampling_params
-        raise ValueError(f"sampling_params must be one SamplingParams or a list of {count} (one per prompt)")
+            return [self._params_per_prompt(p, 1)[0] for p in sampling_params]
+        raise ValueError(f"sampling_params must be one SamplingParams (or dict of its fields) or a list of {count} "
+                         "(one per prompt)")

@@ -41,6 +41,7 @@ from tinyserve.frontend.inproc_client import AsyncInprocClient
 from tinyserve.frontend.input_processor import InputProcessor, ProcessedPrompt
 from tinyserve.wire.messages import EngineCoreRequest, SchedulerStats
 from tinyserve.frontend.output_processor import OutputKind, OutputProcessor
+from tinyserve.frontend.request_stream import ABORTED, RequestStream
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import NO_SPANS
 from tinyserve.models.tokenizer import load_tokenizer
@@ -176,7 +177,7 @@ class AsyncLLM:
         output_kind: OutputKind = OutputKind.DELTA,
         priority: int = 0,
         spans=NO_SPANS,
-    ) -> "RequestStream":
+    ) -> RequestStream:
         """Admit, validate and send a request; its outputs arrive on the returned stream.
 
         The caller must `close()` the stream (it aborts the request if unfinished).
@@ -211,7 +212,10 @@ class AsyncLLM:
         return stream
 
     async def abort(self, request_id: str) -> None:
-        """Stop a request; its iterator (if any) ends without a final output."""
+        """Stop a request; its iterator (if any) ends without a final output. Unknown or finished ids are ignored."""
+        queue = self.queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(ABORTED)
         child_ids = self.output_processor.abort_request(request_id)
         if child_ids and self._dead is None:
             await self.client.abort_requests(child_ids)
@@ -291,36 +295,3 @@ class AsyncLLM:
             for request_id, queue in list(self.queues.items()):
                 self.output_processor.abort_request(request_id)
                 queue.put_nowait(self._dead)
-
-
-class RequestStream:
-    """The outputs of one request as they arrive: `async for output in stream`, then `close()`."""
-
-    def __init__(self, engine: AsyncLLM, request_id: str, spans) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self.spans = spans
-        self.queue: asyncio.Queue = asyncio.Queue()  # RequestOutputs, or the error that ends the request
-        self.finished = False
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            self.spans.fail(item)
-            raise item
-        self.finished = item.finished
-        return item
-
-    async def close(self) -> None:
-        """Abort the request if it has not finished (the reader left); safe to call twice."""
-        if self.engine.queues.get(self.request_id) is self.queue:
-            del self.engine.queues[self.request_id]
-        if not self.finished:
-            self.finished = True
-            await self.engine._abort_quietly(self.request_id)

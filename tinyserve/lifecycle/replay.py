@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from tinyserve.lifecycle.run import Run
 from tinyserve.lifecycle.timeline import RequestTimeline
 
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy (SamplingParams' rule, as vLLM's)
+
 
 @dataclass(slots=True)
 class Divergence:
@@ -66,8 +68,9 @@ def why_not_reproducible(request: RequestTimeline) -> str | None:
     params = inputs.sampling_params
     if params is None:
         return "no sampling params logged"
-    if not params.is_greedy and params.seed is None:
-        return f"sampled (temperature={params.temperature}) without a seed"
+    temperature = params.get("temperature", 1.0)  # SamplingParams' default, omitted when logged
+    if temperature >= GREEDY_BELOW and params.get("seed") is None:
+        return f"sampled (temperature={temperature}) without a seed"
     if any(c.finish_reason in (None, "abort") for c in request.completions):
         return "the request was aborted before it finished"
     if request.error is not None:

@@ -5,6 +5,9 @@
                       SequenceTimeline per completion (n of them: ipc.send in the API, then
                       queue → prefill → decode in an engine), the logged inputs and
                       outputs, and the latency metrics (see run.py for their definitions)
+
+It is over 300 lines because it is one object seen whole: the notebooks read a request
+through it, and its parts (completions, inputs, per-completion stages) mean nothing alone.
 """
 
 import json
@@ -16,7 +19,6 @@ import msgspec
 
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.otlp_json import Span
-from tinyserve.sampling_params import SamplingParams
 
 # Stages that happen once per engine request, so once per completion when n > 1, each
 # span carrying that completion's tinyserve.request_id.
@@ -67,7 +69,8 @@ class RequestInputs:
     messages: list | None  # the chat messages; None for a text completion
     prompt: str | None  # the prompt text (rendered, for chat)
     prompt_token_ids: list[int] | None
-    sampling_params: SamplingParams | None
+    # SamplingParams' fields as logged (those left at their defaults omitted); LLM.generate takes this dict.
+    sampling_params: dict | None
     redacted: bool  # the server was told not to log inputs
 
 
@@ -256,7 +259,7 @@ def _inputs(attributes: dict) -> RequestInputs:
     sampling_params = None
     if params is not None:
         try:
-            sampling_params = msgspec.json.decode(params, type=SamplingParams)
+            sampling_params = msgspec.json.decode(params, type=dict)
         except (msgspec.DecodeError, ValueError) as error:
             warnings.warn(f"cannot read the logged sampling params {params!r}: {error}", stacklevel=3)
     ids = attributes.get(schema.PROMPT_TOKEN_IDS)

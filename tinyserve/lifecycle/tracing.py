@@ -10,6 +10,7 @@ When tracing is off, `get_tracer()` returns OpenTelemetry's no-op tracer and the
 code that builds spans checks `tracing_enabled()` first, so off costs nothing.
 """
 
+import importlib.metadata
 import json
 import logging
 import os
@@ -24,9 +25,13 @@ from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-import tinyserve
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.otlp_file import OTLPJsonFileExporter
+
+try:  # the installed distribution's version; lifecycle imports nothing else of tinyserve
+    _VERSION = importlib.metadata.version("tinyserve")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    _VERSION = "unknown"
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +52,7 @@ def setup_tracing(service_name: str, trace_file: str | Path | None = None, otlp_
     if trace_file is None and otlp_endpoint is None:
         return False
     provider = TracerProvider(
-        resource=Resource.create({"service.name": service_name, "service.version": tinyserve.__version__}),
+        resource=Resource.create({"service.name": service_name, "service.version": _VERSION}),
         span_limits=SpanLimits(max_links=_MAX_LINKS, max_attributes=256, max_events=4096, max_span_attributes=256),
     )
     if trace_file is not None:
@@ -78,7 +83,7 @@ def tracing_enabled() -> bool:
 def get_tracer() -> trace.Tracer:
     if _provider is None:
         return trace.NoOpTracer()
-    return _provider.get_tracer("tinyserve", tinyserve.__version__)
+    return _provider.get_tracer("tinyserve", _VERSION)
 
 
 def flush_tracing() -> None:
@@ -125,7 +130,7 @@ def new_run_dir(trace_dir: str | Path) -> Path:
 
 def write_manifest(run_dir: Path, *, model: str | None, served_model_name: str, engine_args: dict, data_parallel_size: int) -> None:
     manifest = {
-        "tinyserve_version": tinyserve.__version__,
+        "tinyserve_version": _VERSION,
         "model": model,
         "served_model_name": served_model_name,
         "engine_args": engine_args,

@@ -55,6 +55,9 @@ class ServingContext:
         """vLLM's rule: default to the rest of the context, capped by the model's max_new_tokens
         when its generation_config.json sets one; refuse what cannot fit."""
         max_model_len = self.engine.model_info.max_model_len
+        if num_prompt_tokens > max_model_len:
+            raise APIError(400, f"prompt has {num_prompt_tokens} tokens, more than max_model_len={max_model_len}",
+                           "prompt")
         if num_prompt_tokens >= max_model_len and requested is None:
             raise APIError(400, f"prompt has {num_prompt_tokens} tokens, but max_model_len is {max_model_len}", "messages")
         cap = self.engine.model_info.generation_defaults.get("max_tokens")
@@ -79,7 +82,6 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def tokenize(ctx: ServingContext, prompt, *, add_special_tokens: bool = True) -> ProcessedPrompt:
     try:
         processed = ctx.engine.input_processor.tokenize_prompt(prompt, add_special_tokens=add_special_tokens)
-        ctx.engine.model_info.validate_prompt(processed.prompt_token_ids)
     except ValueError as error:
         raise APIError(400, str(error), "prompt") from error
     return processed

@@ -111,7 +111,8 @@ def build_app(
 
     @app.exception_handler(ValueError)
     async def on_value_error(request: Request, error: ValueError):
-        return error_response(request.url.path, 400, str(error))
+        # The input processor's InvalidInputError names the field at fault.
+        return error_response(request.url.path, 400, str(error), getattr(error, "param", None))
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, error: Exception):

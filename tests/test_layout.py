@@ -1,0 +1,151 @@
+"""The layout's rules, checked from the source: which module may import which.
+
+The tree shows the two processes (frontend/ runs in the API process, engine/ in an
+engine process, wire/ is what crosses), and dependencies point down the request's
+journey. These tests read every module's imports with `ast`, without importing
+anything, so a rule broken by a new import fails here, named.
+"""
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "tinyserve"
+MAX_LINES = 300  # STYLE: a file past this is asking to be split
+HARD_MAX_LINES = 400  # ... and one that gives its reason may reach this
+LONG_MODULE_REASON = "over 300 lines because"  # the phrase its docstring must contain
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports(name: str, *, top_level_only: bool = False) -> set[str]:
+    """The modules `name` imports (absolute names; `from a import b` counts a.b when that is a module)."""
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names
+                         if f"{node.module}.{alias.name}" in MODULES)
+    return found
+
+
+def tinyserve_imports(name: str, **kwargs) -> set[str]:
+    return {m for m in imports(name, **kwargs) if m == "tinyserve" or m.startswith("tinyserve.")}
+
+
+def closure(name: str) -> set[str]:
+    """Every tinyserve module that importing `name` runs, following module-level imports."""
+    seen, todo = set(), [name]
+    while todo:
+        current = todo.pop()
+        if current in seen or current not in MODULES:
+            continue
+        seen.add(current)
+        todo += tinyserve_imports(current, top_level_only=True)
+    return seen
+
+
+def in_package(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+@pytest.mark.parametrize("package", ["tinyserve.lifecycle", "tinyserve.kernels"])
+def test_lifecycle_and_kernels_import_nothing_else_of_tinyserve(package):
+    offenders = {name: sorted(m for m in tinyserve_imports(name) if not in_package(m, package))
+                 for name in MODULES if in_package(name, package)}
+    assert {name: bad for name, bad in offenders.items() if bad} == {}
+
+
+@pytest.mark.parametrize("name", ["tinyserve.engine.core.scheduler", "tinyserve.engine.core.kv_cache_manager",
+                                  "tinyserve.engine.core.block_pool"])
+def test_scheduler_and_kv_cache_import_no_torch_numpy_or_zmq(name):
+    third_party = {m.split(".")[0] for module in closure(name) for m in imports(module, top_level_only=True)}
+    assert third_party & {"torch", "numpy", "zmq"} == set()
+
+
+def test_the_worker_imports_nothing_of_the_schedulers_request_state():
+    worker = [name for name in MODULES if in_package(name, "tinyserve.engine.worker")]
+    forbidden = ("tinyserve.engine.core.request", "tinyserve.engine.core.scheduler")
+    offenders = {name: sorted(m for m in tinyserve_imports(name) if m in forbidden) for name in worker}
+    assert worker and {name: bad for name, bad in offenders.items() if bad} == {}
+
+
+def test_execute_model_takes_the_scheduler_output_and_nothing_else():
+    tree = ast.parse(MODULES["tinyserve.engine.worker.model_runner"].read_text(encoding="utf-8"))
+    [execute] = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "execute_model"]
+    arguments = execute.args
+    names = [a.arg for a in arguments.posonlyargs + arguments.args + arguments.kwonlyargs]
+    assert names == ["self", "scheduler_output"] and arguments.vararg is None and arguments.kwarg is None
+    assert ast.unparse(arguments.args[1].annotation) == "SchedulerOutput"
+
+
+def test_the_module_defining_llm_imports_neither_engine_core_nor_the_scheduler():
+    direct = tinyserve_imports("tinyserve.entrypoints.llm")
+    assert not {m for m in direct if in_package(m, "tinyserve.engine")}
+
+
+def test_the_front_end_and_the_engine_live_in_separate_folders():
+    def folder_defining(class_name: str) -> pathlib.Path:
+        [path] = [path for path in MODULES.values()
+                  if re.search(rf"^class {class_name}\b", path.read_text(encoding="utf-8"), re.MULTILINE)]
+        return path.parent
+
+    front_end, engine = folder_defining("AsyncLLM"), folder_defining("EngineCore")
+    assert front_end != engine and front_end not in engine.parents and engine not in front_end.parents
+
+
+def test_the_wire_imports_neither_side():
+    wire = [name for name in MODULES if in_package(name, "tinyserve.wire")]
+    sides = ("tinyserve.frontend", "tinyserve.engine", "tinyserve.entrypoints")
+    assert wire and not {m for name in wire for m in tinyserve_imports(name) if m.startswith(sides)}
+
+
+def test_no_module_level_import_cycles():
+    graph = {name: {m for m in tinyserve_imports(name, top_level_only=True) if m in MODULES and m != name}
+             for name in MODULES}
+    # A package's __init__ is run by importing any module below it; only real imports count here.
+    state, cycles = {}, []
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for target in sorted(graph[name]):
+            if state.get(target) == "open":
+                cycles.append(path[path.index(target):] + [target] if target in path else [name, target])
+            elif target not in state:
+                visit(target, path + [target])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert cycles == []
+
+
+def test_no_module_is_long_without_saying_why():
+    too_long = {}
+    for name, path in MODULES.items():
+        num_lines = len(path.read_text(encoding="utf-8").splitlines())
+        docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+        if num_lines > HARD_MAX_LINES or (num_lines > MAX_LINES and LONG_MODULE_REASON not in docstring):
+            too_long[name] = num_lines
+    assert too_long == {}
+
+
+def test_every_package_caption_says_where_it_runs():
+    captions = {name: ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+                for name, path in MODULES.items() if path.name == "__init__.py"}
+    for name in ("tinyserve.frontend", "tinyserve.engine", "tinyserve.engine.core", "tinyserve.engine.worker"):
+        assert "process" in captions[name], name

@@ -1,0 +1,51 @@
+"""RequestStream: one request's outputs as AsyncLLM's output task delivers them.
+
+AsyncLLM puts each RequestOutput (or the error that ends the request) on the stream's
+queue; the caller reads them with `async for` and then closes the stream, which
+aborts the request in the engine if it has not finished (the reader left).
+"""
+
+import asyncio
+
+from tinyserve.outputs import RequestOutput
+
+# Put on a stream's queue by AsyncLLM.abort: the iterator ends there, without a final output.
+ABORTED = object()
+
+
+class RequestStream:
+    """The outputs of one request as they arrive: `async for output in stream`, then `close()`."""
+
+    def __init__(self, engine, request_id: str, spans) -> None:
+        """engine: the AsyncLLM that feeds this stream."""
+        self.engine = engine
+        self.request_id = request_id
+        self.spans = spans
+        # RequestOutputs, then possibly the error or the ABORTED mark that ends the request.
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if item is ABORTED:
+            self.finished = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.finished = True
+            self.spans.fail(item)
+            raise item
+        self.finished = item.finished
+        return item
+
+    async def close(self) -> None:
+        """Abort the request if it has not finished (the reader left); safe to call twice."""
+        if self.engine.queues.get(self.request_id) is self.queue:
+            del self.engine.queues[self.request_id]
+        if not self.finished:
+            self.finished = True
+            await self.engine._abort_quietly(self.request_id)
