@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from tinyserve.utils import cdiv
+
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of KV cache when neither a block count nor a budget is given
 
@@ -135,7 +137,7 @@ class ModelInfo:
 def check_kv_fit(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, block_size: int, num_kv_blocks: int) -> None:
     """Raise ValueError if one request could outgrow the whole KV pool (it would wait forever)."""
     longest = min(num_prompt_tokens + (max_tokens or max_model_len), max_model_len)
-    needed = -(-longest // block_size)
+    needed = cdiv(longest, block_size)
     if needed > num_kv_blocks:
         raise ValueError(
             f"request needs up to {needed} KV blocks ({longest} tokens) but the pool has only {num_kv_blocks}; "

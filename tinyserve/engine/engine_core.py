@@ -21,6 +21,7 @@ from tinyserve.engine.worker.model_runner import ModelRunner
 from tinyserve.kernels.backend import default_attention_backend, get_attention_backend
 from tinyserve.lifecycle.engine_spans import EngineSpanBuilder, StepTimes
 from tinyserve.lifecycle.tracing import tracing_enabled
+from tinyserve.utils import cdiv
 from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
 
@@ -90,7 +91,7 @@ class EngineCore:
             budget = args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
         per_block = ModelRunner.kv_bytes_per_block(model, self.args.block_size, self.model_info.torch_dtype)
         # No point in more blocks than every seat filled to the full context length.
-        blocks_per_seq = -(-self.model_info.max_model_len // self.args.block_size)
+        blocks_per_seq = cdiv(self.model_info.max_model_len, self.args.block_size)
         return max(1, min(budget // per_block, self.args.max_num_seqs * blocks_per_seq))
 
     @property

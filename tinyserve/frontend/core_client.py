@@ -29,7 +29,7 @@ import zmq.asyncio
 
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.frontend.dp_client import DPLoadBalancer
-from tinyserve.frontend.engine_client import EngineDeadError, EngineStartupError
+from tinyserve.frontend.engine_client import ClientLiveness, EngineDeadError, EngineStartupError
 from tinyserve.frontend.engine_procs import EngineProcesses
 from tinyserve.wire.ipc import (
     OUTPUT_TYPES,
@@ -51,7 +51,7 @@ STARTUP_TIMEOUT_S = 300.0  # loading a model onto a GPU can take a while
 TRANSPORTS = ("ipc", "tcp")
 
 
-class MPClient:
+class MPClient(ClientLiveness):
     def __init__(
         self,
         args: EngineArgs,
@@ -201,12 +201,6 @@ class MPClient:
             self._input_sockets[index].send_multipart([kind.value, self._encoder.encode(message)], flags=zmq.NOBLOCK)
         except zmq.Again:
             raise EngineDeadError(f"engine {index} is not connected") from None
-
-    def _check_alive(self) -> None:
-        if self.dead_error is not None:
-            raise self.dead_error
-        if self._closed:
-            raise EngineDeadError("the engine client was shut down")
 
     # ---- what comes back ---------------------------------------------------------
 

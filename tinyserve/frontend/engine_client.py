@@ -23,6 +23,19 @@ class EngineStartupError(RuntimeError):
     """An engine process failed to load its model or to answer in time."""
 
 
+class ClientLiveness:
+    """What the asynchronous clients share: once an engine died or the client shut down, every call raises."""
+
+    dead_error: EngineDeadError | None = None
+    _closed: bool = False
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self._closed:
+            raise EngineDeadError("the engine client was shut down")
+
+
 class EngineClient(Protocol):
     in_flight: dict[str, int]  # engine request id -> index of the engine that has it
 

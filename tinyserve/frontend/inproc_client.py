@@ -17,7 +17,7 @@ import threading
 
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.engine.engine_core import EngineCore
-from tinyserve.frontend.engine_client import EngineDeadError
+from tinyserve.frontend.engine_client import ClientLiveness, EngineDeadError
 from tinyserve.wire.ipc import UTILITY_METHODS, outputs_message
 from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
@@ -78,7 +78,7 @@ class InprocClient:
         self.engine_core.shutdown()
 
 
-class AsyncInprocClient:
+class AsyncInprocClient(ClientLiveness):
     def __init__(self, args: EngineArgs, model_info: ModelInfo) -> None:
         self.args = args
         self.model_info = model_info
@@ -128,12 +128,6 @@ class AsyncInprocClient:
                 return function(*args, **kwargs)
 
         return await asyncio.to_thread(call)
-
-    def _check_alive(self) -> None:
-        if self.dead_error is not None:
-            raise self.dead_error
-        if self._closed:
-            raise EngineDeadError("the engine client was shut down")
 
     @property
     def is_healthy(self) -> bool:

@@ -6,7 +6,7 @@ to decode instead of running code.
 
     api ── EngineCoreRequest ──────► engine     (stage ④: a new request)
     api ── EngineCoreAbort ────────► engine     (client went away, stop string hit)
-    api ── EngineCoreUtility ──────► engine     (stats, reset prefix cache, ...)
+    api ── UtilityCall ────────────► engine     (stats, reset prefix cache, ...: ipc.py)
     api ◄── EngineCoreOutputs ─────── engine    (stage ⑦: new tokens of one step)
 """
 

@@ -15,12 +15,9 @@ from collections import defaultdict
 
 from tinyserve.engine.core.block_pool import BlockHash, BlockPool, KVBlock
 from tinyserve.engine.core.request import Request
+from tinyserve.utils import cdiv
 
 _ROOT_HASH = b""  # parent hash of a request's first block
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:

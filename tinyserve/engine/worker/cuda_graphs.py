@@ -32,6 +32,7 @@ tested on a machine without a GPU (with Triton's interpreter).
 import torch
 
 from tinyserve.kernels.metadata import AttentionMetadata
+from tinyserve.utils import cdiv
 
 
 def batch_size_buckets(max_num_seqs: int) -> list[int]:
@@ -48,7 +49,7 @@ class DecodeGraphs:
         self.buckets = batch_size_buckets(max_num_seqs)
         self.max_model_len = max_model_len
         self.capture_graphs = capture
-        largest, max_blocks = self.buckets[-1], -(-max_model_len // block_size)
+        largest, max_blocks = self.buckets[-1], cdiv(max_model_len, block_size)
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
         self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)

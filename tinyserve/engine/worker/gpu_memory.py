@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.kernels.metadata import AttentionMetadata
+from tinyserve.utils import cdiv
 
 GiB = 1 << 30
 
@@ -92,7 +93,7 @@ def profile_peak_activations(model, *, num_tokens: int, max_num_seqs: int, max_m
 
     seq_len = min(num_tokens, max_model_len)
     query_lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
-    blocks_per_seq = -(-seq_len // block_size)
+    blocks_per_seq = cdiv(seq_len, block_size)
     num_blocks = blocks_per_seq * len(query_lens)
     shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
     kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]

@@ -101,7 +101,7 @@ async def guard_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
 # ---- chat ------------------------------------------------------------------
 
 
-def chat_logprobs(tokenizer, output: CompletionOutput, num_top: int) -> dict | None:
+def chat_logprobs(output: CompletionOutput, num_top: int) -> dict | None:
     if output.logprobs is None:
         return None
     content = []
@@ -173,7 +173,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         {
             "index": c.index,
             "message": {"role": "assistant", "content": c.text},
-            "logprobs": chat_logprobs(engine.tokenizer, c, num_top),
+            "logprobs": chat_logprobs(c, num_top),
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
@@ -204,7 +204,7 @@ async def _chat_stream(ctx, body, stream, prompt, params, request_id, created, m
             if not c.text and not c.finished() and c.logprobs is None:
                 continue  # nothing to show yet (e.g. held back: half a character, maybe a stop string)
             delta = {"content": c.text} if c.text else {}
-            yield chunk([{"index": c.index, "delta": delta, "logprobs": chat_logprobs(ctx.engine.tokenizer, c, num_top),
+            yield chunk([{"index": c.index, "delta": delta, "logprobs": chat_logprobs(c, num_top),
                           "finish_reason": c.finish_reason, **({"stop_reason": c.stop_reason} if c.finished() else {})}])
     if body.include_usage:
         yield chunk([], usage=usage(len(prompt.prompt_token_ids), num_generated))
