@@ -31,7 +31,7 @@ def run(coroutine_factory, **kwargs):
         try:
             return await coroutine_factory(engine)
         finally:
-            await engine.shutdown()
+            engine.shutdown()
     return asyncio.run(main())
 
 
@@ -149,3 +149,25 @@ def test_offline_and_online_paths_give_identical_outputs_for_seeded_requests():
 
     assert completions(served) == completions(offline)
     assert len({tuple(c[2]) for o in completions(offline) for c in o}) > 1  # really sampled: not one answer everywhere
+
+
+def test_async_llm_from_the_package_with_vllms_names_streams_and_aborts():
+    from tinyserve import AsyncLLM as PublicAsyncLLM
+    from tinyserve import EngineArgs as PublicEngineArgs
+
+    async def main():
+        engine = PublicAsyncLLM.from_engine_args(PublicEngineArgs(model=engine_args().model, num_kv_blocks=64))
+        try:
+            texts = []
+            params = SamplingParams(temperature=0.8, seed=1, max_tokens=300, ignore_eos=True)
+            async for output in engine.generate("Readability counts", params, request_id="r1"):
+                texts.append(output.outputs[0].text)
+                if len(texts) == 5:
+                    await engine.abort("r1")
+            return texts
+        finally:
+            engine.shutdown()
+            engine.shutdown()  # twice: harmless
+
+    texts = asyncio.run(main())
+    assert len(texts) == 5 and all(isinstance(t, str) for t in texts)

@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "tinyserve.entrypoints.llm",
+    "AsyncLLM": "tinyserve.frontend.async_llm",
+    "EngineArgs": "tinyserve.config",
     "SamplingParams": "tinyserve.sampling_params",
     "RequestOutput": "tinyserve.outputs",
     "CompletionOutput": "tinyserve.outputs",

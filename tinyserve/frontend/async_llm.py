@@ -97,16 +97,29 @@ class AsyncLLM:
         # e.g. the server's Prometheus metrics.
         self.stat_loggers: list = []
         self._output_task: asyncio.Task | None = None
+        self._start: asyncio.Future | None = None
         self._dead: BaseException | None = None
         self._draining = False
 
     @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs) -> "AsyncLLM":
+        """As in vLLM. The engines start with the first request (or an explicit `await start()`)."""
+        return cls(engine_args, **kwargs)
+
+    @classmethod
     async def create(cls, engine_args: EngineArgs, **kwargs) -> "AsyncLLM":
+        """An AsyncLLM whose engines are up and ready."""
         llm = cls(engine_args, **kwargs)
         await llm.start()
         return llm
 
     async def start(self) -> None:
+        """Start the engines and the output task; concurrent and repeated calls start them once."""
+        if self._start is None:
+            self._start = asyncio.ensure_future(self._start_engines())
+        await asyncio.shield(self._start)
+
+    async def _start_engines(self) -> None:
         await self.client.start()
         self._output_task = asyncio.create_task(self._pull_outputs(), name="tinyserve-output-handler")
 
@@ -182,6 +195,8 @@ class AsyncLLM:
 
         The caller must `close()` the stream (it aborts the request if unfinished).
         """
+        if self._output_task is None:
+            await self.start()
         try:
             self.check_admission(sampling_params.n)
             prompt = self.process_prompt(prompt)
@@ -254,13 +269,10 @@ class AsyncLLM:
             await self.client.abort_requests(child_ids)
         return len(child_ids)
 
-    async def shutdown(self) -> None:
+    def shutdown(self) -> None:
+        """Stop the output task and the engines (as vLLM's, a plain call); safe to call twice."""
         if self._output_task is not None:
             self._output_task.cancel()
-            try:
-                await self._output_task
-            except (asyncio.CancelledError, Exception):
-                pass
         self.client.shutdown()
 
     async def _abort_quietly(self, request_id: str) -> None:

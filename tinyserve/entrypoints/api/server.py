@@ -79,7 +79,7 @@ def build_app(
         await ctx.engine.start()
         ctx.engine.stat_loggers.append(metrics)
         yield
-        await ctx.engine.shutdown()
+        ctx.engine.shutdown()
         shutdown_tracing()  # after the engines: every span of this process is flushed
 
     app = FastAPI(title="tinyserve", version=tinyserve.__version__, lifespan=lifespan)
