@@ -46,6 +46,7 @@ class EngineArgs:
     device: str | None = None  # None: cuda if available, else cpu
     enforce_eager: bool = False  # on CUDA: no CUDA graphs for decode steps
     scheduling_policy: str = "fcfs"
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs one request may ask for (vLLM's default)
     # Tracing of the engine process(es): the run folder for engine-<i>.jsonl, and/or an OTLP/HTTP endpoint.
     trace_run_dir: str | None = None
     otlp_endpoint: str | None = None
@@ -65,6 +66,8 @@ class EngineArgs:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}")
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -33,6 +33,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="attention kernels (default: triton on CUDA, torch elsewhere)")
     group.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests (default 0)")
     group.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    group.add_argument("--max-logprobs", type=int, default=20,
+                       help="the most logprobs (or prompt logprobs) one request may ask for (default 20)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="on CUDA: run decode steps eagerly instead of replaying CUDA graphs")
 
@@ -67,6 +69,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         seed=args.seed,
         device=args.device,
         enforce_eager=args.enforce_eager,
+        max_logprobs=args.max_logprobs,
     )
     engine_args.validate()
     return engine_args

@@ -84,7 +84,8 @@ class AsyncLLM:
         self.log_requests = log_requests
         self.model_info = ModelInfo.from_args(engine_args)
         self.tokenizer = load_tokenizer(self.model_info.path)
-        self.input_processor = InputProcessor(self.model_info, self.tokenizer, engine_args.block_size)
+        self.input_processor = InputProcessor(self.model_info, self.tokenizer, engine_args.block_size,
+                                              engine_args.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.client: EngineClient
         if in_process:

@@ -10,7 +10,7 @@ engine requests.
 import time
 from dataclasses import dataclass
 
-from tinyserve.config import ModelInfo, check_kv_fit
+from tinyserve.config import InvalidInputError, ModelInfo, check_kv_fit
 from tinyserve.wire.messages import EngineCoreRequest
 from tinyserve.sampling_params import SamplingParams
 
@@ -24,10 +24,12 @@ class ProcessedPrompt:
 
 
 class InputProcessor:
-    def __init__(self, model_info: ModelInfo, tokenizer, block_size: int) -> None:
+    def __init__(self, model_info: ModelInfo, tokenizer, block_size: int, max_logprobs: int = 20) -> None:
+        """max_logprobs: the most logprobs or prompt_logprobs a request may ask for (vLLM's flag, default 20)."""
         self.model_info = model_info
         self.tokenizer = tokenizer
         self.block_size = block_size
+        self.max_logprobs = max_logprobs
 
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template: str | None = None,
@@ -101,6 +103,13 @@ class InputProcessor:
                 if not 0 <= token_id < self.model_info.vocab_size:
                     raise ValueError(
                         f"{name} contains {token_id}, outside the vocabulary [0, {self.model_info.vocab_size})")
+        vocab_size = self.model_info.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(sampling_params, name)
+            limit = min(self.max_logprobs, vocab_size)
+            if value is not None and value > limit:
+                raise InvalidInputError(f"{name}={value} is more than the most this engine returns, {limit} "
+                                        f"(max_logprobs={self.max_logprobs}, vocabulary {vocab_size})", name)
         check_kv_fit(len(prompt.prompt_token_ids), sampling_params.max_tokens, self.model_info.max_model_len,
                      self.block_size, num_kv_blocks)
         arrival_time = arrival_time if arrival_time is not None else time.time()
@@ -110,7 +119,7 @@ class InputProcessor:
                 request_id=child_request_id(request_id, index, n),
                 prompt_token_ids=prompt.prompt_token_ids,
                 sampling_params=sampling_params if n == 1 else sampling_params.clone(
-                    n=1, seed=None if sampling_params.seed is None else sampling_params.seed + index),
+                    n=1, seed=child_seed(sampling_params.seed, index)),
                 eos_token_ids=self.model_info.eos_token_ids,
                 arrival_time=arrival_time,
                 priority=priority,
@@ -118,6 +127,13 @@ class InputProcessor:
             )
             for index in range(n)
         ]
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """Sample `index`'s seed: seed + index, wrapped around within the 64-bit range every seed may take."""
+    if seed is None:
+        return None
+    return (seed + index + 2**63) % 2**64 - 2**63
 
 
 def child_request_id(parent_id: str, index: int, n: int) -> str:

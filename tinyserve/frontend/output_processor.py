@@ -87,14 +87,20 @@ class OutputProcessor:
         output_kind: OutputKind = OutputKind.CUMULATIVE,
         spans=NO_SPANS,
     ) -> list[str]:
-        """Register a request; returns the engine request ids of its children."""
-        if request_id in self.parents:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        """Register a request; returns the engine request ids of its children.
+
+        Request ids and the engine ids of n > 1 samples ("0_x", "1_x" for "x") share one
+        namespace while they run: an id that clashes with a running one either way is
+        refused, so no engine output can ever reach the wrong request.
+        """
+        child_ids = [child_request_id(request_id, index, params.n) for index in range(params.n)]
+        clashes = sorted(i for i in {request_id, *child_ids} if i in self.parents or i in self.children)
+        if clashes:
+            raise ValueError(f"request_id {request_id!r} is already in use" if request_id in clashes else
+                             f"request_id {request_id!r} (n={params.n}) clashes with running request ids {clashes}")
         parent = ParentRequest(request_id, prompt, prompt_token_ids, params.n, output_kind, spans=spans)
         self.parents[request_id] = parent
-        child_ids = []
-        for index in range(params.n):
-            child_id = child_request_id(request_id, index, params.n)
+        for index, child_id in enumerate(child_ids):
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
                 prompt_token_ids,
@@ -104,7 +110,6 @@ class OutputProcessor:
                 min_tokens=params.min_tokens,
             )
             self.children[child_id] = ChildState(parent, index, detokenizer, params.logprobs is not None)
-            child_ids.append(child_id)
         return child_ids
 
     @property

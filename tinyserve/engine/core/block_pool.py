@@ -108,6 +108,10 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
 
+    def uncache(self, block: KVBlock) -> None:
+        """Forget what `block` was registered as holding (its K/V was never written)."""
+        self._evict(block)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; only possible when no request holds a block."""
         if self.num_used_blocks:

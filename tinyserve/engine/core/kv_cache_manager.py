@@ -92,8 +92,17 @@ class KVCacheManager:
         return True
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks: on finish, abort or preemption."""
+        """Release the request's blocks: on finish, abort or preemption.
+
+        A block is registered in the prefix cache when a step is about to fill it. If the
+        step's tokens are taken back (the request is preempted later in the same schedule,
+        before the model ran), its K/V was never written: such blocks leave the cache here,
+        so no later request can take them for a prefix hit.
+        """
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        num_written = request.num_computed_tokens // self.block_size
+        for block in blocks[num_written : self.req_num_cached_blocks.get(request.request_id, 0)]:
+            self.pool.uncache(block)
         # Free the tail first so it is evicted first: the head of a prompt (a shared
         # system prompt, say) is the part most likely to be asked for again.
         self.pool.free_blocks(list(reversed(blocks)))
