@@ -76,7 +76,10 @@ class ModelRunner:
         return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * element
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
-        """Bring the per-request state up to date with what the scheduler decided for this step."""
+        """Bring the per-request state up to date with what the scheduler decided for this step.
+
+        Finished ids first: a request id may be used again by a new request in the same step.
+        """
         for request_id in scheduler_output.finished_request_ids:
             self.requests.pop(request_id, None)  # an aborted request may never have been scheduled
         for request_id in scheduler_output.preempted_request_ids:
