@@ -1,8 +1,9 @@
 """How much of a decode step is spent outside the model, at 64 running requests.
 
-Outside the model: Scheduler.schedule, ModelRunner.prepare_inputs (flattening the
-batch, slot mapping, block tables) and Scheduler.update_from_output. The engine's own
-step timestamps give schedule and update; prepare_inputs is timed around the call. The
+Outside the model: Scheduler.schedule, ModelRunner.update_states (the worker's own
+request state brought up to date from the SchedulerOutput) and prepare_inputs (flattening
+the batch, slot mapping, block tables), and Scheduler.update_from_output. The engine's
+own step timestamps give schedule and update; the runner's two are timed around the calls. The
 model is compare.py's 27M-parameter Llama (random weights), in fp32 or bf16 (whose
 shorter steps make the same overhead a larger share).
 
@@ -36,15 +37,16 @@ def main() -> None:
         llm = LLM(folder, num_kv_blocks=4096, dtype=args.dtype)
     core, runner = llm.engine_core, llm.engine_core.model_runner
     prepare_times = []
-    prepare = runner.prepare_inputs
 
-    def timed_prepare(scheduler_output):
-        start = time.perf_counter()
-        inputs = prepare(scheduler_output)
-        prepare_times.append(time.perf_counter() - start)
-        return inputs
+    def timed(method):
+        def call(scheduler_output):
+            start = time.perf_counter()
+            result = method(scheduler_output)
+            prepare_times.append(time.perf_counter() - start)
+            return result
+        return call
 
-    runner.prepare_inputs = timed_prepare
+    runner.update_states, runner.prepare_inputs = timed(runner.update_states), timed(runner.prepare_inputs)
     generator = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     for i in range(args.requests):
@@ -59,7 +61,7 @@ def main() -> None:
         if out.num_prefill_requests == 0 and len(out.scheduled) == args.requests:
             schedule = times.scheduled - times.start
             update = times.end - times.executed
-            outside.append(schedule + prepare_times[0] + update)
+            outside.append(schedule + sum(prepare_times) + update)
             steps.append(times.end - times.start)
     share = statistics.median(o / s for o, s in zip(outside, steps))
     print(f"{args.dtype}: decode steps at {args.requests} running: {len(steps)}; median step {statistics.median(steps) * 1e3:.1f} ms; "

@@ -23,7 +23,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tinyserve.engine.core.request import Request
+from tinyserve.engine.worker.request_state import CachedRequestState
 from tinyserve.engine.worker.sampler import Sampler, apply_penalties, apply_top_k_top_p
 from tinyserve.sampling_params import SamplingParams
 
@@ -32,11 +32,10 @@ EOS = 7
 
 
 def make_request(prompt=(20, 21), output=(), request_id="r", eos=(EOS,), **params):
+    """The worker's state of a request with these tokens so far, as the sampler sees it."""
     params.setdefault("max_tokens", 32)
-    request = Request(request_id, list(prompt), SamplingParams(**params), eos_token_ids=list(eos), arrival_time=0.0)
-    for token in output:
-        request.append_output_token(token, 0.0)
-    return request
+    return CachedRequestState(request_id, list(prompt), SamplingParams(**params), eos_token_ids=list(eos),
+                              output_token_ids=list(output))
 
 
 def logits_of(*values):

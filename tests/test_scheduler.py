@@ -203,3 +203,37 @@ def test_prefix_cache_hit_is_recorded_on_the_request():
     out = scheduler.schedule()
     assert out.scheduled[0].num_cached_tokens == 8
     assert out.scheduled[0].num_new_tokens == 2
+
+
+def test_scheduler_outputs_alone_rebuild_every_block_table_and_token_list():
+    """What the worker learns from SchedulerOutput (new requests in full, running ones as
+    deltas, preempted and finished ids) matches the scheduler's own state after every step."""
+    scheduler = make_scheduler(num_blocks=7, max_num_batched_tokens=6)
+    for i in range(3):
+        scheduler.add_request(make_request(str(i), first_token=10 * i + 1, max_tokens=8))
+    block_tables, tokens, resumed_in_full = {}, {}, 0
+    for token in range(100, 300):
+        if not scheduler.has_unfinished_requests:
+            break
+        out = scheduler.schedule()
+        for request_id in out.finished_request_ids:
+            del block_tables[request_id], tokens[request_id]
+        for request_id in out.preempted_request_ids:
+            block_tables[request_id] = []
+        for new in out.scheduled_new_requests:
+            resumed_in_full += bool(new.output_token_ids)
+            block_tables[new.request_id] = list(new.block_ids)
+            tokens[new.request_id] = new.prompt_token_ids + new.output_token_ids
+        for cached in out.scheduled_cached_requests:
+            block_tables[cached.request_id] += cached.new_block_ids
+        for request in scheduler.running:
+            assert block_tables[request.request_id] == scheduler.kv.get_block_ids(request.request_id)
+        sampled = {s.request_id: token for s in out.scheduled if s.samples_token}
+        for request_id, token_id in sampled.items():
+            tokens[request_id].append(token_id)
+        scheduler.update_from_output(out, sampled)
+        for request_id, request in scheduler.requests.items():
+            assert tokens.get(request_id, request.all_token_ids) == request.all_token_ids
+    assert not scheduler.has_unfinished_requests and resumed_in_full > 0
+    out = scheduler.schedule()  # nothing to run: it only lists the requests the last step finished
+    assert out.is_empty and sorted(out.finished_request_ids) == sorted(block_tables)

@@ -139,7 +139,7 @@ class EngineCore:
         start = time.time()
         scheduler_output = self.scheduler.schedule()
         scheduled = time.time()
-        runner_output = self.model_runner.execute_model(scheduler_output, self.scheduler.requests)
+        runner_output = self.model_runner.execute_model(scheduler_output)
         executed = time.time()
         outputs = self.scheduler.update_from_output(
             scheduler_output, runner_output.sampled_token_ids, runner_output.logprobs, runner_output.prompt_logprobs

@@ -13,8 +13,10 @@ One step has a token budget (`max_num_batched_tokens`) and a seat limit
    the prefix cache, and then only the rest is computed. No new request is
    admitted in a step that had to preempt: the pool is already too tight.
 
-The result is a SchedulerOutput. After the model ran, `update_from_output` appends
-the sampled tokens and decides which requests are finished.
+The result is a SchedulerOutput: a request from the first loop goes to the worker as
+a delta (the worker holds it already), one from the second in full. After the model
+ran, `update_from_output` appends the sampled tokens and decides which requests are
+finished.
 """
 
 import bisect
@@ -23,7 +25,7 @@ import time
 
 from tinyserve.engine.core.kv_cache_manager import KVCacheManager
 from tinyserve.engine.core.request import Request, RequestStatus
-from tinyserve.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from tinyserve.engine.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tinyserve.wire.messages import EngineCoreOutput, SchedulerStats, TokenLogprobs
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -88,7 +90,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.step_id += 1
         token_budget = self.max_num_batched_tokens
-        scheduled: dict[str, ScheduledRequest] = {}
+        cached: dict[str, CachedRequestData] = {}
+        new: list[NewRequestData] = []
         preempted: list[str] = []
 
         # 1. Running requests: the next token (decode) or the next prompt chunk.
@@ -96,12 +99,13 @@ class Scheduler:
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_blocks_held = len(self.kv.get_block_ids(request.request_id))  # the worker's block table
             while not self.kv.allocate_slots(request, num_new_tokens):
                 victim = max(self.running, key=self._queue_key)
                 victim_index = self.running.index(victim)
                 self.running.pop(victim_index)
-                if victim.request_id in scheduled:  # it already got tokens this step: take them back
-                    undone = scheduled.pop(victim.request_id)
+                if victim.request_id in cached:  # it already got tokens this step: take them back
+                    undone = cached.pop(victim.request_id)
                     token_budget += undone.num_new_tokens
                     victim.num_computed_tokens = undone.num_computed_tokens
                 if victim_index < index:
@@ -114,7 +118,7 @@ class Scheduler:
                     # important, under the priority policy) still get this step's tokens.
                     break
             else:
-                scheduled[request.request_id] = self._schedule_tokens(request, num_new_tokens, 0)
+                cached[request.request_id] = self._schedule_cached(request, num_new_tokens, num_blocks_held)
                 token_budget -= num_new_tokens
                 index += 1
 
@@ -133,12 +137,13 @@ class Scheduler:
             if request.times.first_scheduled_time is None:
                 request.times.first_scheduled_time = time.time()
             self.running.append(request)
-            scheduled[request.request_id] = self._schedule_tokens(request, num_new_tokens, num_cached)
+            new.append(self._schedule_new(request, num_new_tokens))
             token_budget -= num_new_tokens
 
         output = SchedulerOutput(
             step_id=self.step_id,
-            scheduled=list(scheduled.values()),
+            scheduled_cached_requests=list(cached.values()),
+            scheduled_new_requests=new,
             preempted_request_ids=preempted,
             finished_request_ids=self._finished_since_last_step,
             num_waiting=len(self.waiting),
@@ -206,20 +211,35 @@ class Scheduler:
     def _enqueue(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=self._queue_key)
 
-    def _schedule_tokens(self, request: Request, num_new_tokens: int, num_cached: int) -> ScheduledRequest:
+    def _schedule_cached(self, request: Request, num_new_tokens: int, num_blocks_held: int) -> CachedRequestData:
+        """A delta: the worker holds the request and its first num_blocks_held blocks already."""
+        start, samples_token, is_prefill = self._advance(request, num_new_tokens)
+        return CachedRequestData(
+            request.request_id, start, num_new_tokens, samples_token, is_prefill,
+            new_block_ids=self.kv.get_block_ids(request.request_id)[num_blocks_held:],
+        )
+
+    def _schedule_new(self, request: Request, num_new_tokens: int) -> NewRequestData:
+        """In full: new to the worker, or resumed after a preemption (the block table it had is gone)."""
+        start, samples_token, is_prefill = self._advance(request, num_new_tokens)
+        return NewRequestData(
+            request.request_id, start, num_new_tokens, samples_token, is_prefill,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            eos_token_ids=request.eos_token_ids,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            output_token_ids=list(request.output_token_ids),
+        )
+
+    @staticmethod
+    def _advance(request: Request, num_new_tokens: int) -> tuple[int, bool, bool]:
+        """Count this step's tokens as computed: (where they start, samples_token, is_prefill)."""
         start = request.num_computed_tokens
         request.num_computed_tokens += num_new_tokens
-        return ScheduledRequest(
-            request_id=request.request_id,
-            num_computed_tokens=start,
-            num_new_tokens=num_new_tokens,
-            token_ids=request.all_token_ids[start : start + num_new_tokens],
-            block_ids=self.kv.get_block_ids(request.request_id),
-            samples_token=request.num_computed_tokens == request.num_tokens,
-            # Decode = computing only the newest sampled token; anything else is (re)filling.
-            is_prefill=not (num_new_tokens == 1 and request.num_output_tokens > 0 and start == request.num_tokens - 1),
-            num_cached_tokens=num_cached,
-        )
+        samples_token = request.num_computed_tokens == request.num_tokens
+        # Decode = computing only the newest sampled token; anything else is (re)filling.
+        is_decode = num_new_tokens == 1 and request.num_output_tokens > 0 and start == request.num_tokens - 1
+        return start, samples_token, not is_decode
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -1,10 +1,32 @@
-"""SchedulerOutput: the record of everything one engine step decided.
+"""SchedulerOutput: the record of everything one engine step decided, and all the worker learns of it.
 
 The model runner executes it; the step span shows it. Nothing about a step is
-decided anywhere else.
+decided anywhere else, and the worker reads nothing else: it may run in another
+process (one per GPU under tensor parallelism), where the scheduler's Request
+objects do not exist. So the worker keeps its own copy of each request, and this
+is what crosses the seam to keep that copy current:
+
+    SchedulerOutput(step_id=7)
+    ├── scheduled_cached_requests   already held by the worker: only what changed
+    │     CachedRequestData(a, computed=12, new=1, new_block_ids=[])       decode
+    │     CachedRequestData(b, computed=16, new=8, new_block_ids=[31])     next prefill chunk
+    ├── scheduled_new_requests      not held (or held without blocks): in full
+    │     NewRequestData(c, prompt_token_ids, sampling_params, eos_token_ids,
+    │                    block_ids=[4, 9], computed=16 (prefix-cache hit), new=5,
+    │                    output_token_ids=[] — or, resumed after a preemption,
+    │                    every token it had generated: they are recomputed too)
+    ├── preempted_request_ids       their blocks were freed: the worker drops its block tables
+    └── finished_request_ids        finished or aborted since the previous step: the worker forgets them
+
+The batch runs the cached requests first, then the new ones: the order the
+scheduler's two loops chose them in (running requests, then waiting ones). The
+tokens a cached request feeds are not sent: the worker has its prompt and the
+tokens it sampled itself.
 """
 
 from dataclasses import dataclass, field
+
+from tinyserve.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -14,17 +36,49 @@ class ScheduledRequest:
     request_id: str
     num_computed_tokens: int
     num_new_tokens: int
-    token_ids: list[int]  # the num_new_tokens token ids to feed the model
-    block_ids: list[int]  # the request's whole block table
     samples_token: bool  # True when this step reaches the end of the known tokens
     is_prefill: bool  # still inside its prompt (or recomputing after preemption)
-    num_cached_tokens: int = 0  # prefix-cache hit when scheduled for the first time this step
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prefix-cache hit, counted in the step the request is scheduled from the waiting queue."""
+        return 0
+
+
+@dataclass(slots=True)
+class NewRequestData(ScheduledRequest):
+    """Scheduled for the first time, or again after a preemption: everything the worker needs, in full."""
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]  # the sampler's min_tokens masks them, with sampling_params.stop_token_ids
+    block_ids: list[int]  # the whole block table
+    output_token_ids: list[int]  # empty, unless resumed after a preemption
+
+    @property
+    def num_cached_tokens(self) -> int:
+        # Scheduled from the waiting queue: it starts where its prefix-cache hit ends.
+        return self.num_computed_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The num_new_tokens token ids this step feeds the model."""
+        start = self.num_computed_tokens
+        return (self.prompt_token_ids + self.output_token_ids)[start : start + self.num_new_tokens]
+
+
+@dataclass(slots=True)
+class CachedRequestData(ScheduledRequest):
+    """Already held by the worker (scheduled in an earlier step, not preempted since): only what changed."""
+
+    new_block_ids: list[int]  # appended to its block table since the worker last saw it
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
     step_id: int
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    scheduled_cached_requests: list[CachedRequestData] = field(default_factory=list)
+    scheduled_new_requests: list[NewRequestData] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # since the previous step
     num_waiting: int = 0
@@ -32,6 +86,11 @@ class SchedulerOutput:
     num_kv_blocks_used: int = 0
     num_kv_blocks_total: int = 0
     token_budget: int = 0
+
+    @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        """The batch, in order: the cached requests, then the new ones."""
+        return [*self.scheduled_cached_requests, *self.scheduled_new_requests]
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -55,4 +114,4 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not (self.scheduled_cached_requests or self.scheduled_new_requests)

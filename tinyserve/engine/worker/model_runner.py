@@ -11,6 +11,13 @@ The scheduled requests are flattened into one batch with no padding:
 
 Logits are computed only at the last position of each request that reaches the
 end of its known tokens this step (A's chunk might not; B and C do).
+
+The SchedulerOutput is all the runner reads: a worker may run in another process
+than the scheduler (tensor parallelism: one per GPU), where the scheduler's
+Request objects do not exist. So it keeps its own state per request
+(request_state.py): learned in full when a request is new, updated from each
+step's deltas, and extended with the tokens it samples itself; a cached request's
+input ids (B's b9 above) come from there.
 """
 
 import time
@@ -18,12 +25,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tinyserve.engine.core.request import Request
-from tinyserve.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from tinyserve.wire.messages import TokenLogprobs
+from tinyserve.engine.core.scheduler_output import NewRequestData, SchedulerOutput
 from tinyserve.engine.worker.cuda_graphs import DecodeGraphs
+from tinyserve.engine.worker.request_state import CachedRequestState
 from tinyserve.engine.worker.sampler import Sampler, top_logprobs
 from tinyserve.kernels.metadata import AttentionMetadata
+from tinyserve.sampling_params import SamplingParams
+from tinyserve.wire.messages import TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -44,8 +52,8 @@ class ModelInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, seed: int = 0,
-                 decode_graphs: bool = False, max_num_seqs: int = 256, max_model_len: int = 2048):
+    def __init__(self, model, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 seed: int = 0, decode_graphs: bool = False, max_num_seqs: int = 256, max_model_len: int = 2048):
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -53,6 +61,7 @@ class ModelRunner:
         shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
         self.sampler = Sampler(device, seed)
+        self.requests: dict[str, CachedRequestState] = {}  # every request between first scheduled and finished
         # Decode-only steps through static buffers, recorded as CUDA graphs on a GPU
         # (cuda_graphs.py); on a CPU the same buffers run eagerly.
         self.decode_graphs = DecodeGraphs(
@@ -66,15 +75,37 @@ class ModelRunner:
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * element
 
+    def update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Bring the per-request state up to date with what the scheduler decided for this step.
+
+        Finished ids first: a request id may be used again by a new request in the same step.
+        """
+        for request_id in scheduler_output.finished_request_ids:
+            self.requests.pop(request_id, None)  # an aborted request may never have been scheduled
+        for request_id in scheduler_output.preempted_request_ids:
+            self.requests[request_id].block_ids = []
+        for new in scheduler_output.scheduled_new_requests:
+            state = self.requests.get(new.request_id)
+            if state is None:
+                state = CachedRequestState(new.request_id, new.prompt_token_ids, new.sampling_params, new.eos_token_ids)
+                self.requests[new.request_id] = state
+            state.output_token_ids = list(new.output_token_ids)  # empty, unless resumed after a preemption
+            state.block_ids = list(new.block_ids)
+        for cached in scheduler_output.scheduled_cached_requests:
+            self.requests[cached.request_id].block_ids += cached.new_block_ids
+
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
+        """Flatten the step's batch (after update_states: block tables and token ids come from the state)."""
         bs = self.block_size
+        scheduled_requests = scheduler_output.scheduled
+        states = [self.requests[scheduled.request_id] for scheduled in scheduled_requests]
         input_ids, positions, slot_mapping = [], [], []
         query_lens, seq_lens, logits_indices, sampling_ids = [], [], [], []
-        for scheduled in scheduler_output.scheduled:
+        for scheduled, state in zip(scheduled_requests, states):
             start = scheduled.num_computed_tokens
             end = start + scheduled.num_new_tokens
-            blocks = scheduled.block_ids
-            input_ids += scheduled.token_ids
+            blocks = state.block_ids
+            input_ids += state.token_ids(start, end)
             positions += range(start, end)
             slot_mapping += [blocks[pos // bs] * bs + pos % bs for pos in range(start, end)]
             query_lens.append(scheduled.num_new_tokens)
@@ -83,10 +114,10 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
                 sampling_ids.append(scheduled.request_id)
 
-        max_blocks = max(len(s.block_ids) for s in scheduler_output.scheduled)
+        max_blocks = max(len(state.block_ids) for state in states)
         block_tables = torch.zeros((len(seq_lens), max_blocks), dtype=torch.int32)
-        for i, scheduled in enumerate(scheduler_output.scheduled):
-            block_tables[i, : len(scheduled.block_ids)] = torch.tensor(scheduled.block_ids, dtype=torch.int32)
+        for i, state in enumerate(states):
+            block_tables[i, : len(state.block_ids)] = torch.tensor(state.block_ids, dtype=torch.int32)
 
         def on_device(values, dtype):
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -109,19 +140,24 @@ class ModelRunner:
         one-time costs (memory allocation, kernel selection, Triton compilation on a GPU).
 
         It writes K/V only into block 0, which is free: whichever request gets block 0
-        later writes its own tokens there before anything reads them.
+        later writes its own tokens there before anything reads them. The dummy request
+        comes and goes as a real one would: new in one SchedulerOutput, finished in the next.
         """
-        dummy = ScheduledRequest("warm-up", 0, self.block_size, [0] * self.block_size, [0],
-                                 samples_token=True, is_prefill=True)
-        inputs = self.prepare_inputs(SchedulerOutput(step_id=0, scheduled=[dummy]))
+        dummy = NewRequestData("warm-up", 0, self.block_size, samples_token=True, is_prefill=True,
+                               prompt_token_ids=[0] * self.block_size, sampling_params=SamplingParams(),
+                               eos_token_ids=[], block_ids=[0], output_token_ids=[])
+        scheduler_output = SchedulerOutput(step_id=0, scheduled_new_requests=[dummy])
+        self.update_states(scheduler_output)
+        inputs = self.prepare_inputs(scheduler_output)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
         self.model.compute_logits(hidden[inputs.logits_indices])
+        self.update_states(SchedulerOutput(step_id=0, finished_request_ids=[dummy.request_id]))
         if self.decode_graphs is not None:
             self.decode_graphs.capture_all()
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> ModelRunnerOutput:
-        self.sampler.forget(scheduler_output.finished_request_ids)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput({}, {}, 0.0)
         start = time.perf_counter()
@@ -130,15 +166,17 @@ class ModelRunner:
         sampled, logprobs = {}, {}
         if inputs.sampling_request_ids:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            sampling_requests = [requests[request_id] for request_id in inputs.sampling_request_ids]
-            token_ids, token_logprobs = self.sampler.sample(logits, sampling_requests)
+            sampling_states = [self.requests[request_id] for request_id in inputs.sampling_request_ids]
+            token_ids, token_logprobs = self.sampler.sample(logits, sampling_states)
+            for state, token_id in zip(sampling_states, token_ids):
+                state.output_token_ids.append(token_id)  # the scheduler appends the same token to its Request
             sampled = dict(zip(inputs.sampling_request_ids, token_ids))
             logprobs = {rid: lp for rid, lp in zip(inputs.sampling_request_ids, token_logprobs) if lp is not None}
-        prompt_logprobs = self._prompt_logprobs(hidden, scheduler_output, requests)
+        prompt_logprobs = self._prompt_logprobs(hidden, scheduler_output)
         return ModelRunnerOutput(sampled, logprobs, time.perf_counter() - start, prompt_logprobs)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, scheduler_output: SchedulerOutput,
-                         requests: dict[str, Request]) -> dict[str, list[TokenLogprobs]]:
+    def _prompt_logprobs(self, hidden: torch.Tensor,
+                         scheduler_output: SchedulerOutput) -> dict[str, list[TokenLogprobs]]:
         """For requests that asked (prompt_logprobs), the logprobs of the prompt tokens this step predicts.
 
         The hidden state at prompt position p predicts prompt token p + 1; the last prompt
@@ -149,19 +187,20 @@ class ModelRunner:
         first_row = 0
         for scheduled in scheduler_output.scheduled:
             rows_start, first_row = first_row, first_row + scheduled.num_new_tokens
-            request = requests.get(scheduled.request_id)
-            if request is None or request.sampling_params.prompt_logprobs is None:
+            state = self.requests[scheduled.request_id]
+            if state.sampling_params.prompt_logprobs is None:
                 continue
-            prompt, computed = request.prompt_token_ids, scheduled.num_computed_tokens
-            start = max(computed, len(request.prompt_logprobs))
+            prompt, computed = state.prompt_token_ids, scheduled.num_computed_tokens
+            start = max(computed, state.num_prompt_logprobs)
             end = min(computed + scheduled.num_new_tokens, len(prompt) - 1)
             if start >= end:
                 continue
             rows = hidden[rows_start + start - computed : rows_start + end - computed]
             logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
-            num_top = request.sampling_params.prompt_logprobs
-            result[request.request_id] = [top_logprobs(logprobs[i], prompt[position + 1], num_top)
-                                          for i, position in enumerate(range(start, end))]
+            num_top = state.sampling_params.prompt_logprobs
+            result[state.request_id] = [top_logprobs(logprobs[i], prompt[position + 1], num_top)
+                                        for i, position in enumerate(range(start, end))]
+            state.num_prompt_logprobs = end
         return result
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:

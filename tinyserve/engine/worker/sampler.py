@@ -13,26 +13,24 @@ The order of operations follows vLLM's (v1) sampler:
 Sampling uses the "exponential race": argmax(p / q) with q ~ Exp(1) picks token i
 with probability p_i. A request with a seed draws its q from its own generator,
 so its tokens do not depend on which other requests share the batch.
+
+Each row's request is the worker's own CachedRequestState (request_state.py): its
+sampling params, prompt and the output tokens sampled before this step.
 """
 
 import torch
 
-from tinyserve.engine.core.request import Request
+from tinyserve.engine.worker.request_state import CachedRequestState
 from tinyserve.wire.messages import TokenLogprobs
 
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
-        self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.request_generators: dict[str, torch.Generator] = {}
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # shared by unseeded requests
 
-    def forget(self, request_ids: list[str]) -> None:
-        """Drop per-request state of finished requests."""
-        for request_id in request_ids:
-            self.request_generators.pop(request_id, None)
-
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def sample(self, logits: torch.Tensor,
+               requests: list[CachedRequestState]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [len(requests), vocab] float32, one row per request that samples this step."""
         params = [r.sampling_params for r in requests]
         raw_logprobs = None
@@ -42,8 +40,7 @@ class Sampler:
         logits = logits.clone()
         for row, (request, p) in enumerate(zip(requests, params)):
             if request.num_output_tokens < p.min_tokens:
-                # Every stop token, EOS even under ignore_eos (vLLM masks its "all stop token ids").
-                logits[row, list(request.stop_token_ids.union(request.eos_token_ids))] = float("-inf")
+                logits[row, list(request.min_tokens_stop_ids)] = float("-inf")
             if p.logit_bias:
                 bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
                 logits[row, list(p.logit_bias)] += bias
@@ -82,23 +79,22 @@ class Sampler:
             logits = apply_top_k_top_p(logits, params)
         return torch.softmax(logits, dim=-1)
 
-    def _request_generator(self, request: Request) -> torch.Generator | None:
+    def _request_generator(self, request: CachedRequestState) -> torch.Generator | None:
         seed = request.sampling_params.seed
         if seed is None:
             return None
-        generator = self.request_generators.get(request.request_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device).manual_seed(seed)
-            self.request_generators[request.request_id] = generator
-        return generator
+        if request.generator is None:
+            request.generator = torch.Generator(device=self.device).manual_seed(seed)
+        return request.generator
 
 
-def apply_penalties(logits: torch.Tensor, request: Request) -> None:
+def apply_penalties(logits: torch.Tensor, request: CachedRequestState) -> None:
     """In place, on one row. Repetition sees prompt and output; presence/frequency only output."""
     params = request.sampling_params
     vocab_size = logits.shape[0]
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(request.all_token_ids)), device=logits.device, dtype=torch.long)
+        seen = set(request.prompt_token_ids).union(request.output_token_ids)
+        seen = torch.tensor(sorted(seen), device=logits.device, dtype=torch.long)
         seen = seen[seen < vocab_size]
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
