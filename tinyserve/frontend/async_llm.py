@@ -28,7 +28,6 @@ the ones left with finish_reason "abort", through the engines as any abort.
 """
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -38,8 +37,7 @@ from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.frontend.core_client import MPClient
 from tinyserve.frontend.engine_client import EngineClient, EngineDeadError
 from tinyserve.frontend.inproc_client import AsyncInprocClient
-from tinyserve.frontend.input_processor import InputProcessor, ProcessedPrompt
-from tinyserve.wire.messages import EngineCoreRequest, SchedulerStats
+from tinyserve.frontend.input_processor import InputProcessor, ProcessedPrompt, log_inputs
 from tinyserve.frontend.output_processor import OutputKind, OutputProcessor
 from tinyserve.frontend.request_stream import ABORTED, RequestStream
 from tinyserve.lifecycle import schema
@@ -47,23 +45,10 @@ from tinyserve.lifecycle.request_spans import NO_SPANS
 from tinyserve.models.tokenizer import load_tokenizer
 from tinyserve.outputs import RequestOutput
 from tinyserve.sampling_params import SamplingParams
-
-logger = logging.getLogger("tinyserve.requests")
-_LOG_PROMPT_CHARS = 200
-_LOG_PROMPT_TOKENS = 40
-
+from tinyserve.wire.messages import EngineCoreRequest, SchedulerStats
 
 class RequestRejectedError(RuntimeError):
     """A new request was refused before anything was sent: the waiting queue is full, or the server is draining."""
-
-
-def log_inputs(request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
-    """One line per request with what it asked for (prompt and ids truncated), as vLLM logs."""
-    text = None if prompt.prompt is None else prompt.prompt[:_LOG_PROMPT_CHARS]
-    logger.info(
-        "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s (%d tokens)",
-        request_id, text, params, prompt.prompt_token_ids[:_LOG_PROMPT_TOKENS], len(prompt.prompt_token_ids),
-    )
 
 
 class AsyncLLM:

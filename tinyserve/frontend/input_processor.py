@@ -7,6 +7,7 @@ for the offline LLM and the server alike; an n > 1 request fans out here into n
 engine requests.
 """
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -14,6 +15,9 @@ from tinyserve.config import InvalidInputError, ModelInfo, check_kv_fit
 from tinyserve.wire.messages import EngineCoreRequest
 from tinyserve.sampling_params import SamplingParams
 
+logger = logging.getLogger("tinyserve.requests")
+_LOG_PROMPT_CHARS = 200
+_LOG_PROMPT_TOKENS = 40
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
@@ -163,3 +167,12 @@ def _normalize_message(index: int, message) -> dict:
     if not isinstance(name, str):
         raise ValueError(f"messages[{index}].name must be a string")
     return {"role": role, "content": content, "name": name}
+
+
+def log_inputs(request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+    """One line per request with what it asked for (prompt and ids truncated), as vLLM logs."""
+    text = None if prompt.prompt is None else prompt.prompt[:_LOG_PROMPT_CHARS]
+    logger.info(
+        "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s (%d tokens)",
+        request_id, text, params, prompt.prompt_token_ids[:_LOG_PROMPT_TOKENS], len(prompt.prompt_token_ids),
+    )
