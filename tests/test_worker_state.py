@@ -43,6 +43,7 @@ def test_the_worker_forgets_every_request_once_finished_or_aborted(folder):
     core, runner = llm.engine_core, llm.engine_core.model_runner
     llm.generate(prompts((40, 40, 17, 33)), SamplingParams(temperature=1.0, seed=1, max_tokens=30), use_tqdm=False)
     assert core.scheduler.num_preemptions > 0
+    assert runner.requests == {} and not core.has_requests  # generate() delivered the last finished ids
     # Running, mid-prefill and waiting (never scheduled) requests, all aborted.
     for i, prompt in enumerate(prompts((20, 60, 10, 10), seed=6)):
         core.add_request(EngineCoreRequest(f"abort-{i}", prompt["prompt_token_ids"], SamplingParams(max_tokens=50),
@@ -52,6 +53,8 @@ def test_the_worker_forgets_every_request_once_finished_or_aborted(folder):
     assert sorted(runner.requests) == ["abort-0", "abort-1"]  # decoding, and in the middle of its prefill
     core.abort_requests([f"abort-{i}" for i in range(4)])
     assert not core.has_unfinished_requests
-    # Finished and aborted ids reach the worker with the next step's SchedulerOutput.
+    # Finished and aborted ids reach the worker with the next step's SchedulerOutput: one
+    # more, empty, step, which the engine loops take while has_requests says so.
+    assert core.has_requests
     core.step()
-    assert runner.requests == {}
+    assert runner.requests == {} and not core.has_requests

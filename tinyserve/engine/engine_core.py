@@ -132,6 +132,16 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests
 
+    @property
+    def has_requests(self) -> bool:
+        """Whether to step: requests to run, or finished ones the worker must hear of (vLLM's has_requests).
+
+        The ids of requests that finished (or were aborted) reach the worker with the next
+        step's SchedulerOutput; with nothing left to run, one more, empty, step delivers
+        them, so the worker lets go of their state at once.
+        """
+        return self.scheduler.has_unfinished_requests or self.scheduler.has_finished_requests
+
     # ---- one step --------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:

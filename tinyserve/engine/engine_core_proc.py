@@ -181,12 +181,14 @@ class EngineCoreProc:
     def run_busy_loop(self) -> None:
         while True:
             self._process_input_queue()
-            if self.engine_core.has_unfinished_requests:
-                self._send(EngineOutputKind.OUTPUTS, self.engine_core.step())
+            if self.engine_core.has_requests:
+                outputs = self.engine_core.step()
+                if not self.engine_core.last_scheduler_output.is_empty:  # an empty step only told the worker
+                    self._send(EngineOutputKind.OUTPUTS, outputs)
 
     def _process_input_queue(self) -> None:
         """Handle every message that has arrived; wait for one only if there is nothing to step."""
-        block = not self.engine_core.has_unfinished_requests
+        block = not self.engine_core.has_requests
         while True:
             try:
                 kind, message = self.input_queue.get(block=block)

@@ -41,7 +41,7 @@ class InprocClient:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self._pending) or self.engine_core.has_unfinished_requests
+        return bool(self._pending) or self.engine_core.has_requests
 
     def get_outputs(self) -> EngineCoreOutputs:
         """What aborts produced, if anything, else one engine step."""

@@ -85,6 +85,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def has_finished_requests(self) -> bool:
+        """Requests finished since the last step, whose ids the worker has not been told yet."""
+        return bool(self._finished_since_last_step)
+
     # ---- one step ------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
