@@ -99,6 +99,13 @@ def plot(args: argparse.Namespace) -> int:
         # The figures are bare matplotlib Figures: saving a PNG renders it with Agg, no GUI backend involved.
         figure.savefig(folder / f"{name}.png", dpi=110)
         print(f"wrote {folder / f'{name}.png'}")
+    if run.has_block_tables:  # runs recorded before the steps logged their block tables have no map
+        from tinyserve.lifecycle.plots_blocks import plot_block_map
+
+        for engine_index in run.engine_indices:
+            name = f"block_map_engine_{engine_index}.png"
+            plot_block_map(run, engine_index).savefig(folder / name, dpi=110)
+            print(f"wrote {folder / name}")
     return 0
 
 

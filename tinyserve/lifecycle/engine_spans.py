@@ -58,6 +58,7 @@ class _StepSpanInput:
     stats: object  # wire.messages.SchedulerStats
     prefix_cache_hit_tokens: int
     finished_request_ids: list[str]
+    released_request_ids: list[str]  # finished or aborted since the previous recorded step
 
 
 @dataclass(slots=True)
@@ -92,6 +93,7 @@ class EngineSpanBuilder:
         self._links: dict[str, Link | None] = {}
         self._traced: dict[str, _TracedRequest] = {}  # the engine thread's own: requests not finished yet
         self._prefix_cache_hits = 0  # the engine's cumulative count at the last step
+        self._released: list[str] = []  # finished since the last step span, not yet in one
         self._thread = None
         if not inline:
             self._thread = threading.Thread(target=self._run, name=f"tinyserve-spans-{engine_index}", daemon=True)
@@ -108,12 +110,15 @@ class EngineSpanBuilder:
         """After a step: its SchedulerOutput, clock, SchedulerStats and EngineCoreOutputs' outputs."""
         hits, self._prefix_cache_hits = stats.prefix_cache_hits - self._prefix_cache_hits, stats.prefix_cache_hits
         finished = self._finished(outputs)
+        # Released blocks are told with the next step that has a span: an empty step has none.
+        self._released += scheduler_output.finished_request_ids
         if scheduler_output.is_empty:
             if finished:
                 self._submit(None, {}, finished)
             return
         record = _StepSpanInput(scheduler_output, times, stats, hits,
-                                [output.request_id for output in outputs if output.finished])
+                                [output.request_id for output in outputs if output.finished], self._released)
+        self._released = []
         served = {s.request_id: self._traced[s.request_id].trace_context
                   for s in scheduler_output.scheduled if s.request_id in self._traced}
         self._submit(record, served, finished)
@@ -262,6 +267,8 @@ class EngineSpanBuilder:
             schema.STEP_TOKEN_BUDGET: out.token_budget,
             schema.STEP_PREEMPTED_REQUEST_IDS: out.preempted_request_ids,
             schema.STEP_FINISHED_REQUEST_IDS: record.finished_request_ids,
+            schema.STEP_RELEASED_REQUEST_IDS: record.released_request_ids,
+            **_block_changes(out.scheduled),
             schema.KV_BLOCKS_USED: stats.num_kv_blocks_used,
             schema.KV_BLOCKS_FREE: stats.num_kv_blocks_total - stats.num_kv_blocks_used,
             schema.KV_BLOCKS_TOTAL: stats.num_kv_blocks_total,
@@ -281,3 +288,15 @@ class EngineSpanBuilder:
         ):
             self.tracer.start_span(name, context=step_context, start_time=_ns(start)).end(end_time=_ns(end))
         step.end(end_time=_ns(times.end))
+
+
+def _block_changes(scheduled: list) -> dict:
+    """The step's block-table changes as three flat attributes (see schema.STEP_NEW_BLOCK_IDS)."""
+    counts, ids, full = [], [], []
+    for request in scheduled:
+        new_ids = getattr(request, "block_ids", None)  # NewRequestData: the whole table
+        full.append(new_ids is not None)
+        new_ids = new_ids if new_ids is not None else request.new_block_ids
+        counts.append(len(new_ids))
+        ids += new_ids
+    return {schema.STEP_NUM_NEW_BLOCK_IDS: counts, schema.STEP_NEW_BLOCK_IDS: ids, schema.STEP_BLOCK_TABLE_IS_FULL: full}

@@ -29,7 +29,7 @@ queue, prefill, decode, TPOT and ITL use engine times only.
 
 import json
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tinyserve.lifecycle import schema
@@ -55,6 +55,7 @@ class Run:
     spans: list[Span]  # every span of every process, by start time
     requests: Records  # RequestTimeline, by arrival
     steps: Records  # StepRecord, by start time (all engines)
+    _block_tables: dict = field(default_factory=dict, repr=False)  # engine index -> block_tables(), built once
 
     @property
     def name(self) -> str:
@@ -74,6 +75,43 @@ class Run:
 
     def engine_steps(self, engine_index: int) -> list[StepRecord]:
         return [s for s in self.steps if s.engine_index == engine_index]
+
+    @property
+    def has_block_tables(self) -> bool:
+        """Whether the steps recorded their block-table changes (runs recorded before they did: not)."""
+        return any(s.block_table_is_full for s in self.steps)
+
+    def block_tables(self, engine_index: int = 0) -> dict[int, dict[str, list[int]]]:
+        """Every step's block tables on one engine: step id → {request id: physical block ids}.
+
+        Rebuilt from the step spans alone, as the worker rebuilds them from SchedulerOutputs:
+        at each step, drop the tables of requests released since the previous one and of
+        those preempted now, then apply the step's new blocks. A table is what the
+        request held while that step ran; a request that finished in a step still has it there.
+        """
+        if not self.has_block_tables:
+            raise ValueError(f"run {self.name} has no block tables: it was recorded before steps logged them")
+        if engine_index in self._block_tables:
+            return self._block_tables[engine_index]
+        tables: dict[str, list[int]] = {}
+        by_step = {}
+        for step in sorted(self.engine_steps(engine_index), key=lambda s: s.step_id):
+            for request_id in step.released_request_ids + step.preempted_request_ids:
+                tables.pop(request_id, None)
+            for request_id, new_ids, full in zip(step.request_ids, step.new_block_ids, step.block_table_is_full):
+                tables[request_id] = list(new_ids) if full else tables.get(request_id, []) + new_ids
+            by_step[step.step_id] = {request_id: list(ids) for request_id, ids in tables.items()}
+        self._block_tables[engine_index] = by_step
+        return by_step
+
+    def block_table(self, request_id: str, step_id: int, engine_index: int | None = None) -> list[int] | None:
+        """The physical KV blocks `request_id` (an engine request id) held at `step_id`; None if it held none."""
+        engines = [engine_index] if engine_index is not None else self.engine_indices
+        for index in engines:
+            step_tables = self.block_tables(index).get(step_id)
+            if step_tables is not None and request_id in step_tables:
+                return step_tables[request_id]
+        return None
 
     def request(self, request_id: str) -> RequestTimeline:
         """The request with this id: the client's (gen_ai.response.id) or an engine request id."""

@@ -121,6 +121,14 @@ STEP_NUM_SCHEDULED_TOKENS = "tinyserve.step.num_scheduled_tokens"
 STEP_TOKEN_BUDGET = "tinyserve.step.token_budget"
 STEP_PREEMPTED_REQUEST_IDS = "tinyserve.step.preempted_request_ids"
 STEP_FINISHED_REQUEST_IDS = "tinyserve.step.finished_request_ids"
+# The KV blocks each scheduled request gained this step, aligned with request_ids: a count
+# per request, the ids flat in one list. A full table (new or resumed request) replaces the
+# request's table; otherwise the ids are appended. Released: finished or aborted since the
+# previous step, their blocks freed before this one was scheduled. See Run.block_table.
+STEP_NUM_NEW_BLOCK_IDS = "tinyserve.step.num_new_block_ids"
+STEP_NEW_BLOCK_IDS = "tinyserve.step.new_block_ids"
+STEP_BLOCK_TABLE_IS_FULL = "tinyserve.step.block_table_is_full"
+STEP_RELEASED_REQUEST_IDS = "tinyserve.step.released_request_ids"
 KV_BLOCKS_USED = "tinyserve.kv.blocks_used"
 KV_BLOCKS_FREE = "tinyserve.kv.blocks_free"
 KV_BLOCKS_TOTAL = "tinyserve.kv.blocks_total"

@@ -29,6 +29,11 @@ class StepRecord:
     num_running: int | None
     preempted_request_ids: list[str]
     finished_request_ids: list[str]
+    # The KV blocks each request gained (aligned with request_ids), and whether they are its
+    # whole table; requests whose blocks were released before this step. Run.block_table reads them.
+    new_block_ids: list[list[int]]
+    block_table_is_full: list[bool]
+    released_request_ids: list[str]
     schedule_s: float | None
     execute_s: float | None
     update_s: float | None
@@ -74,8 +79,20 @@ def step_record_from_span(span: Span, children: list[Span]) -> StepRecord:
         num_running=a.get(schema.NUM_RUNNING),
         preempted_request_ids=[str(r) for r in a.get(schema.STEP_PREEMPTED_REQUEST_IDS, [])],
         finished_request_ids=[str(r) for r in a.get(schema.STEP_FINISHED_REQUEST_IDS, [])],
+        new_block_ids=_split(a.get(schema.STEP_NEW_BLOCK_IDS, []), a.get(schema.STEP_NUM_NEW_BLOCK_IDS, [])),
+        block_table_is_full=[bool(f) for f in a.get(schema.STEP_BLOCK_TABLE_IS_FULL, [])],
+        released_request_ids=[str(r) for r in a.get(schema.STEP_RELEASED_REQUEST_IDS, [])],
         schedule_s=phases.get(schema.SCHEDULE),
         execute_s=phases.get(schema.EXECUTE),
         update_s=phases.get(schema.UPDATE),
         span=span,
     )
+
+
+def _split(flat: list, counts: list) -> list[list[int]]:
+    """[4, 9, 31], [2, 0, 1] → [[4, 9], [], [31]]."""
+    result, start = [], 0
+    for count in counts:
+        result.append([int(i) for i in flat[start : start + int(count)]])
+        start += int(count)
+    return result
