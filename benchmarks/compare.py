@@ -75,8 +75,7 @@ import transformers
 from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from tinyserve.bench.datasets import vocabulary_pool
-from tinyserve.models.corpus import stdlib_docstrings, zen_of_python
-from tinyserve.models.default_model import TOKENIZER_MODULES
+from tinyserve.models.corpus import stdlib_docstrings, stdlib_modules, zen_of_python
 from tinyserve.models.tokenizer import (
     DEFAULT_CHAT_TEMPLATE,
     EOS_TOKEN,
@@ -212,7 +211,7 @@ def copy_bytes_per_second(num_bytes: int) -> float:
 
 def build_model(folder: str, shape: Shape, quick: bool) -> int:
     """Write a random-weight Llama and a tokenizer of the same vocabulary; return the parameter count."""
-    texts = zen_of_python() if quick else zen_of_python() + stdlib_docstrings(TOKENIZER_MODULES)
+    texts = zen_of_python() if quick else zen_of_python() + stdlib_docstrings(stdlib_modules())
     tokenizer = train_bpe_tokenizer(texts, shape.vocab_size)
     if tokenizer.get_vocab_size() != shape.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} ids, the model {shape.vocab_size}")

@@ -11,8 +11,8 @@ API process, and the client decodes it. This measures that cost two ways:
    difference is what the boundary adds; it can be near zero, because the engine's
    output thread encodes and sends while the main thread runs the next step.
 
-The model has the default model's architecture with random weights (built in a
-temporary folder in a second), unless --model names a checkpoint.
+The model is the built-in one unless --model names a checkpoint; every request runs to
+--max-tokens (EOS ignored), so what the weights say does not change the work.
 
     python benchmarks/ipc_cost.py [--batch 64] [--max-tokens 32] [--model PATH] [--torch-threads 1]
 """
@@ -29,7 +29,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import msgspec
 import torch
 import zmq
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.engine.engine_core import EngineCore
@@ -42,30 +41,10 @@ from tinyserve.wire.messages import (
     SchedulerStats,
     TokenLogprobs,
 )
-from tinyserve.models import default_model
 from tinyserve.sampling_params import SamplingParams
 
 PROMPT_LEN = 16
 MESSAGES_PER_CASE = 2000
-
-
-def build_random_default_model(folder: str) -> str:
-    """The default model's shape with random weights: its speed without its minute of training."""
-    config = LlamaConfig(
-        vocab_size=default_model.VOCAB_SIZE,
-        hidden_size=default_model.HIDDEN_SIZE,
-        intermediate_size=default_model.INTERMEDIATE_SIZE,
-        num_hidden_layers=default_model.NUM_HIDDEN_LAYERS,
-        num_attention_heads=default_model.NUM_ATTENTION_HEADS,
-        num_key_value_heads=default_model.NUM_KEY_VALUE_HEADS,
-        head_dim=default_model.HEAD_DIM,
-        max_position_embeddings=default_model.MAX_POSITION_EMBEDDINGS,
-        tie_word_embeddings=True,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
 
 
 # ---- 1. the message alone ------------------------------------------------------------
@@ -185,16 +164,13 @@ def main() -> None:
                 f"{r['decode']:6.1f}us {r['total']:7.1f}us"
             )
 
-    with tempfile.TemporaryDirectory() as folder:
-        model = options.model or build_random_default_model(folder)
-        args = EngineArgs(model=model, max_num_seqs=max(options.batch, 1))
-        info = ModelInfo.from_args(args)
-        inproc = statistics.median(inprocess_step_times(args, info, options.batch, options.max_tokens))
-        multiproc_times = asyncio.run(engine_process_step_times(args, info, options.batch, options.max_tokens))
-        multiproc = statistics.median(multiproc_times)
+    args = EngineArgs(model=options.model, max_num_seqs=max(options.batch, 1))
+    info = ModelInfo.from_args(args)
+    inproc = statistics.median(inprocess_step_times(args, info, options.batch, options.max_tokens))
+    multiproc = statistics.median(asyncio.run(engine_process_step_times(args, info, options.batch, options.max_tokens)))
 
     ipc_per_step = direct[("1 new token each", "ipc")]["total"] / 1e6
-    print(f"\nDecode step, {options.batch} requests, model {options.model or 'default shape (random weights)'}, "
+    print(f"\nDecode step, {options.batch} requests, model {options.model or 'built-in'}, "
           f"torch threads: {options.torch_threads}")
     print(f"  in-process EngineCore.step        {inproc * 1e3:8.2f} ms")
     print(f"  engine process via MPClient       {multiproc * 1e3:8.2f} ms   (time between outputs at the client)")

@@ -21,7 +21,6 @@ The notebooks call `record(name, out_dir)` themselves when RECORD_FRESH is set.
 import argparse
 import asyncio
 import concurrent.futures
-import hashlib
 import json
 import os
 import random
@@ -252,13 +251,9 @@ def chat_once(url: str, chat: dict) -> None:
 
 def model_fingerprint() -> str:
     """sha256 over the built-in model's weights and tokenizer: replay matches only on the same model."""
-    from tinyserve.models.default_model import default_model_path
+    from tinyserve.models import default_model
 
-    digest = hashlib.sha256()
-    folder = default_model_path()
-    for path in sorted(folder.glob("*.safetensors")) + [folder / "tokenizer.json"]:
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
+    return default_model.model_fingerprint(default_model.default_model_path())
 
 
 def warm_up(url: str) -> str:

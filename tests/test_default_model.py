@@ -1,119 +1,72 @@
-"""The built-in default model: built once into the cache, a valid Hugging Face
-checkpoint, and trained enough that its greedy output is not one token repeated.
-
-The real build (about a minute) happens once per test session, in a temporary cache.
+"""The built-in default model: its files ship in the package with a known fingerprint,
+it is a valid Hugging Face checkpoint, and it is trained enough that its greedy output
+is not one token repeated. Its recipe, scripts/build_default_model.py, builds the same
+model under every supported Python that has the build's libraries (about a minute a build).
 """
 
 import json
-import threading
+import subprocess
+import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import tinyserve
+from tests.pythons import ROOT, THIS_PYTHON, find_pythons, has_modules
 from tinyserve.models import default_model
-from tinyserve.models.default_model import default_cache_dir, default_model_path
+from tinyserve.models.default_model import DEFAULT_MODEL_FINGERPRINT, default_model_path, model_fingerprint
 from tinyserve.models.tokenizer import EOS_TOKEN, IM_END_TOKEN
 
-FOLDER_NAME = f"default-model-v{default_model.DEFAULT_MODEL_VERSION}"
-
-
-@pytest.fixture(scope="session")
-def default_model_folder(tmp_path_factory):
-    cache_dir = tmp_path_factory.mktemp("tinyserve-cache")
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setenv("TINYSERVE_CACHE_DIR", str(cache_dir))
-        return default_model_path()
+BUILD_SCRIPT = ROOT / "scripts" / "build_default_model.py"
+BUILD_MODULES = ["torch", "transformers", "tokenizers", "safetensors"]
+OTHER_BUILDERS = {v: p for v, p in find_pythons().items() if v != THIS_PYTHON and has_modules(p, BUILD_MODULES)}
 
 
 @pytest.fixture(scope="module")
-def hf_model_and_tokenizer(default_model_folder):
-    model = AutoModelForCausalLM.from_pretrained(default_model_folder, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(default_model_folder, local_files_only=True)
+def hf_model_and_tokenizer():
+    model = AutoModelForCausalLM.from_pretrained(default_model_path(), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True)
     return model.eval(), tokenizer
 
 
-def fake_build(calls: list[str]):
-    def build(folder):
-        calls.append(str(folder))
-        (folder / "config.json").write_text("{}")
-
-    return build
-
-
-def test_default_model_is_built_into_the_cache_folder(default_model_folder):
-    assert default_model_folder.name == FOLDER_NAME
-    files = {path.name for path in default_model_folder.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= files
-    assert [path.name for path in default_model_folder.parent.iterdir() if path.is_dir()] == [FOLDER_NAME]
+def build_with(python: str, folder) -> str:
+    """Run the recipe under `python` into `folder`; the fingerprint of what it built."""
+    result = subprocess.run([python, str(BUILD_SCRIPT), "--out", str(folder)], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    return model_fingerprint(folder)
 
 
-def test_a_cached_default_model_is_not_built_again(default_model_folder, monkeypatch):
-    monkeypatch.setenv("TINYSERVE_CACHE_DIR", str(default_model_folder.parent))
-    calls = []
-    monkeypatch.setattr(default_model, "build_default_model", fake_build(calls))
-    assert default_model_path() == default_model_folder
-    assert calls == []
+def test_default_model_ships_inside_the_package():
+    folder = default_model_path()
+    assert folder.is_relative_to(next(iter(tinyserve.__path__)))
+    files = {path.name for path in folder.iterdir()}
+    assert files == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                     "tokenizer_config.json"}
 
 
-def test_cache_folder_comes_from_tinyserve_cache_dir_then_xdg_then_home(monkeypatch, tmp_path):
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
-    monkeypatch.delenv("TINYSERVE_CACHE_DIR", raising=False)
-    assert default_cache_dir() == tmp_path / "home" / ".cache" / "tinyserve"
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert default_cache_dir() == tmp_path / "xdg" / "tinyserve"
-    monkeypatch.setenv("TINYSERVE_CACHE_DIR", str(tmp_path / "mine"))
-    assert default_cache_dir() == tmp_path / "mine"
+def test_shipped_model_has_the_recorded_fingerprint():
+    assert model_fingerprint(default_model_path()) == DEFAULT_MODEL_FINGERPRINT
 
 
-def test_concurrent_callers_build_the_model_once(monkeypatch, tmp_path):
-    monkeypatch.setenv("TINYSERVE_CACHE_DIR", str(tmp_path))
-    calls = []
-    monkeypatch.setattr(default_model, "build_default_model", fake_build(calls))
-    paths = []
-    threads = [threading.Thread(target=lambda: paths.append(default_model_path())) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert len(calls) == 1
-    assert paths == [tmp_path / FOLDER_NAME] * 4
-
-
-def test_a_failed_build_leaves_no_folder_behind(monkeypatch, tmp_path):
-    monkeypatch.setenv("TINYSERVE_CACHE_DIR", str(tmp_path))
-
-    def failing_build(folder):
-        (folder / "config.json").write_text("{}")
-        raise RuntimeError("out of disk")
-
-    monkeypatch.setattr(default_model, "build_default_model", failing_build)
-    with pytest.raises(RuntimeError, match="out of disk"):
+def test_missing_model_files_are_named_with_a_way_out(monkeypatch, tmp_path):
+    monkeypatch.setattr(default_model, "DEFAULT_MODEL_PATH", tmp_path)
+    with pytest.raises(FileNotFoundError, match="build_default_model.py"):
         default_model_path()
-    assert [path for path in tmp_path.iterdir() if path.is_dir()] == []
 
 
-def test_temporary_folders_of_a_builder_that_died_are_removed(monkeypatch, tmp_path):
-    monkeypatch.setenv("TINYSERVE_CACHE_DIR", str(tmp_path))
-    stale = tmp_path / f".{FOLDER_NAME}.tmp-died"
-    stale.mkdir()
-    monkeypatch.setattr(default_model, "build_default_model", fake_build([]))
-    assert default_model_path() == tmp_path / FOLDER_NAME
-    assert not stale.exists()
-
-
-def test_default_model_is_a_small_llama_with_grouped_query_attention(default_model_folder, hf_model_and_tokenizer):
+def test_default_model_is_a_small_llama_with_grouped_query_attention(hf_model_and_tokenizer):
     model, tokenizer = hf_model_and_tokenizer
-    config = json.loads((default_model_folder / "config.json").read_text())
+    config = json.loads((default_model_path() / "config.json").read_text())
     assert config["model_type"] == "llama"
     assert config["num_attention_heads"] == 2 * config["num_key_value_heads"]
     assert config["tie_word_embeddings"] is True
-    assert config["vocab_size"] == len(tokenizer) == default_model.VOCAB_SIZE
+    assert config["vocab_size"] == len(tokenizer) == 4096
     assert config["eos_token_id"] == tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    generation_config = json.loads((default_model_folder / "generation_config.json").read_text())
+    generation_config = json.loads((default_model_path() / "generation_config.json").read_text())
     assert set(generation_config["eos_token_id"]) == set(tokenizer.convert_tokens_to_ids([EOS_TOKEN, IM_END_TOKEN]))
     assert 3_000_000 < sum(p.numel() for p in model.parameters()) < 6_000_000
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
 @pytest.mark.parametrize("prompt", ["The", "Return a list of", "If the queue is"])
@@ -137,3 +90,15 @@ def test_in_a_chat_the_model_answers_and_ends_its_turn(hf_model_and_tokenizer):
     new_ids = output[0, input_ids.shape[1] :].tolist()
     assert new_ids[-1] == tokenizer.convert_tokens_to_ids(IM_END_TOKEN)
     assert len(tokenizer.decode(new_ids, skip_special_tokens=True).split()) >= 3
+
+
+@pytest.fixture(scope="module")
+def fingerprint_built_here(tmp_path_factory):
+    return build_with(sys.executable, tmp_path_factory.mktemp("built-here"))
+
+
+@pytest.mark.parametrize("version", sorted(OTHER_BUILDERS) or [
+    pytest.param(None, marks=pytest.mark.skip(reason="no other supported Python here has " + ", ".join(BUILD_MODULES)))
+])
+def test_the_model_built_under_another_python_is_the_same(version, fingerprint_built_here, tmp_path):
+    assert build_with(OTHER_BUILDERS[version], tmp_path) == fingerprint_built_here

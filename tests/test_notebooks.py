@@ -44,14 +44,6 @@ NOTEBOOKS = build_notebooks.notebooks()
 RECORDED = sorted(ROOT.glob("traces/recorded-*"))
 
 
-@pytest.fixture(scope="module")
-def built_model():
-    """The built-in model, built once here (about a minute on an empty cache) and not inside a notebook's time."""
-    from tinyserve.models.default_model import default_model_path
-
-    return default_model_path()
-
-
 # ---- the notebooks ------------------------------------------------------------------------------
 
 
@@ -67,7 +59,7 @@ def test_notebook_kernel_is_this_environments_python(tmp_path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_top_to_bottom_and_shows_figures(path, built_model):
+def test_notebook_runs_top_to_bottom_and_shows_figures(path):
     committed = path.read_bytes()
     executed, seconds = build_notebooks.execute(path)  # raises on the first cell that fails
     assert seconds < build_notebooks.TIMEOUT_S
@@ -117,7 +109,7 @@ def test_recorded_run_is_small_and_every_request_replayable(folder):
         assert request.ttft_s > 0 and request.inputs.prompt != "Warm up."
 
 
-def test_record_traces_records_a_run_from_a_real_server(tmp_path, built_model):
+def test_record_traces_records_a_run_from_a_real_server(tmp_path):
     folder = record_traces.record("lifecycle", tmp_path)
     assert folder == tmp_path / "recorded-lifecycle"
     files = sorted(p.name for p in folder.iterdir())

@@ -6,7 +6,8 @@
 writes tokenizer.json + tokenizer_config.json (with the ChatML chat template) so that
 `AutoTokenizer.from_pretrained(checkpoint_folder)` works. The checkpoint's
 `vocab_size` must be at least the tokenizer's. The tokenizer is trained on the Zen of
-Python and a few stdlib docstrings read from this Python install, once per process and
+Python and a few stdlib docstrings from the text that ships with tinyserve
+(tinyserve/models/corpus.py), so it is the same under every Python; once per process and
 vocab size.
 """
 

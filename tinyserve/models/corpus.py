@@ -1,55 +1,50 @@
-"""Training text that ships with Python itself.
+"""Training text that ships with tinyserve: the Zen of Python and stdlib docstrings.
 
 The built-in default model and the tests' tiny tokenizers are trained offline, so their
-text has to come from files already on the machine. Python's standard library is such a
-source: its docstrings are English prose about programming, and `this.py` holds the Zen
-of Python. Everything here reads the source files of the running interpreter — nothing is
-imported for its side effects and nothing is downloaded.
-
-The text depends on the Python version (docstrings change between releases), so a
-tokenizer or model trained on it is reproducible for a given Python install, not across
-all of them.
+text has to be on the machine already. Python's standard library is such a source (its
+docstrings are English prose about programming, and `this.py` holds the Zen of Python),
+but it changes between releases: a tokenizer or model trained on the running
+interpreter's files was another one on every Python version. So the text was copied
+once, from one Python, into corpus.json beside this file, and everything reads it from
+there; `scripts/build_default_model.py --extract-text` writes it again.
 """
 
-import ast
-import codecs
-import importlib.util
+import functools
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
+CORPUS_FILE = Path(__file__).with_name("corpus.json")
 
-def _module_source(module_name: str) -> str:
-    # find_spec locates a top-level module's file without executing it (importing `this`
-    # would print the Zen to stdout).
-    spec = importlib.util.find_spec(module_name)
-    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
-        raise ValueError(f"module_name {module_name!r} is not a pure-Python stdlib module")
-    return Path(spec.origin).read_text(encoding="utf-8")
+
+@functools.cache
+def _corpus() -> dict:
+    return json.loads(CORPUS_FILE.read_text(encoding="utf-8"))
+
+
+def corpus_python() -> str:
+    """The version of the Python whose files the text was copied from, e.g. "3.11.7"."""
+    return _corpus()["python"]
 
 
 def zen_of_python() -> list[str]:
-    """The Zen of Python, one aphorism per item (title line first).
+    """The Zen of Python, one aphorism per item (title line first)."""
+    return list(_corpus()["zen"])
 
-    `this.py` stores it ROT13-encoded in the string `s`; it is read from the file's syntax
-    tree rather than by importing the module.
-    """
-    tree = ast.parse(_module_source("this"))
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["s"]:
-            text = codecs.decode(ast.literal_eval(node.value), "rot13")
-            return [line for line in text.splitlines() if line.strip()]
-    raise ValueError("this.py has no string `s` holding the Zen of Python")
+
+def stdlib_modules() -> list[str]:
+    """The standard-library modules whose docstrings the corpus holds."""
+    return list(_corpus()["docstrings"])
 
 
 def stdlib_docstrings(module_names: Iterable[str]) -> list[str]:
     """Every docstring (module, classes, functions) of the named stdlib modules, module
     by module, each module's in the fixed breadth-first order of `ast.walk`."""
-    docstrings = []
+    docstrings = _corpus()["docstrings"]
+    texts = []
     for module_name in module_names:
-        tree = ast.parse(_module_source(module_name))
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                docstring = ast.get_docstring(node)
-                if docstring:
-                    docstrings.append(docstring)
-    return docstrings
+        if module_name not in docstrings:
+            known = ", ".join(docstrings)
+            raise ValueError(f"module_names: {module_name!r} is not in {CORPUS_FILE.name}, which holds {known}")
+        texts.extend(docstrings[module_name])
+    return texts

@@ -7,7 +7,7 @@ a server may not use; but a known field that would change what is generated and
 that tinyserve does not implement (tools, response_format, best_of, suffix) is
 refused with a 400 naming it, rather than quietly giving other output
 than was asked for. Types are strict (no "2" for 2), numbers finite, and every
-string valid Unicode: JSON can carry a lone surrogate ("\ud800") that no
+string valid Unicode: JSON can carry a lone surrogate ("\\ud800") that no
 tokenizer or UTF-8 encoder accepts.
 """
 
