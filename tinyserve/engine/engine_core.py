@@ -19,7 +19,8 @@ from tinyserve.engine.core.scheduler_output import SchedulerOutput
 from tinyserve.engine.worker.gpu_memory import MemorySnapshot, kv_cache_budget
 from tinyserve.engine.worker.model_runner import ModelRunner
 from tinyserve.kernels.backend import default_attention_backend, get_attention_backend
-from tinyserve.lifecycle.engine_spans import EngineSpanBuilder, StepTimes
+from tinyserve.lifecycle.engine_records import StepTimes
+from tinyserve.lifecycle.engine_spans import EngineSpanBuilder
 from tinyserve.lifecycle.tracing import tracing_enabled
 from tinyserve.utils import cdiv
 from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats

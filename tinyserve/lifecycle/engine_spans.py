@@ -23,13 +23,19 @@ operator it interrupts waits for the core it took.
 
 import queue
 import threading
-from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Status, StatusCode
 
 from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.engine_records import (
+    FinishedRequest,
+    StepSpanInput,
+    StepTimes,
+    TracedRequest,
+    block_changes,
+)
 from tinyserve.lifecycle.tracing import extract_context, flush_tracing, get_tracer
 
 INLINE_BATCH = 256  # steps whose spans an inline builder holds before building them
@@ -37,47 +43,6 @@ INLINE_BATCH = 256  # steps whose spans an inline builder holds before building 
 
 def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
-
-
-@dataclass(slots=True)
-class StepTimes:
-    """When one engine step began, finished scheduling, finished executing, and ended (time.time())."""
-
-    start: float
-    scheduled: float
-    executed: float
-    end: float
-
-
-@dataclass(slots=True)
-class _StepSpanInput:
-    """What the step span is built from: the step's SchedulerOutput, its clock and the engine's stats after it."""
-
-    scheduler_output: object  # engine.core.scheduler_output.SchedulerOutput
-    times: StepTimes
-    stats: object  # wire.messages.SchedulerStats
-    prefix_cache_hit_tokens: int
-    finished_request_ids: list[str]
-    released_request_ids: list[str]  # finished or aborted since the previous recorded step
-
-
-@dataclass(slots=True)
-class _TracedRequest:
-    trace_context: dict[str, str]
-    num_prompt_tokens: int
-    queue_depth_at_arrival: int
-
-
-@dataclass(slots=True)
-class FinishedRequest:
-    request_id: str
-    trace_context: dict[str, str]
-    times: object  # engine.messages.RequestTimes
-    finish_reason: str
-    num_cached_tokens: int
-    num_prompt_tokens: int
-    num_output_tokens: int
-    queue_depth_at_arrival: int
 
 
 class EngineSpanBuilder:
@@ -91,7 +56,7 @@ class EngineSpanBuilder:
         # parsing a traceparent for every request at every step would cost more than
         # the rest of the step span. Dropped when the request finishes.
         self._links: dict[str, Link | None] = {}
-        self._traced: dict[str, _TracedRequest] = {}  # the engine thread's own: requests not finished yet
+        self._traced: dict[str, TracedRequest] = {}  # the engine thread's own: requests not finished yet
         self._prefix_cache_hits = 0  # the engine's cumulative count at the last step
         self._released: list[str] = []  # finished since the last step span, not yet in one
         self._thread = None
@@ -104,7 +69,7 @@ class EngineSpanBuilder:
     def on_request(self, request_id: str, trace_context: dict[str, str], num_prompt_tokens: int,
                    queue_depth: int) -> None:
         """A request was queued: remember what its spans will need."""
-        self._traced[request_id] = _TracedRequest(trace_context, num_prompt_tokens, queue_depth)
+        self._traced[request_id] = TracedRequest(trace_context, num_prompt_tokens, queue_depth)
 
     def record_step(self, scheduler_output, times: StepTimes, stats, outputs: list) -> None:
         """After a step: its SchedulerOutput, clock, SchedulerStats and EngineCoreOutputs' outputs."""
@@ -116,7 +81,7 @@ class EngineSpanBuilder:
             if finished:
                 self._submit(None, {}, finished)
             return
-        record = _StepSpanInput(scheduler_output, times, stats, hits,
+        record = StepSpanInput(scheduler_output, times, stats, hits,
                                 [output.request_id for output in outputs if output.finished], self._released)
         self._released = []
         served = {s.request_id: self._traced[s.request_id].trace_context
@@ -244,7 +209,7 @@ class EngineSpanBuilder:
             span.set_status(Status(StatusCode.ERROR, "aborted"))
         span.end(end_time=_ns(end_time))
 
-    def _step_spans(self, record: _StepSpanInput, served_contexts: dict[str, dict[str, str]]) -> None:
+    def _step_spans(self, record: StepSpanInput, served_contexts: dict[str, dict[str, str]]) -> None:
         out = record.scheduler_output
         stats = record.stats
         links = []
@@ -268,7 +233,7 @@ class EngineSpanBuilder:
             schema.STEP_PREEMPTED_REQUEST_IDS: out.preempted_request_ids,
             schema.STEP_FINISHED_REQUEST_IDS: record.finished_request_ids,
             schema.STEP_RELEASED_REQUEST_IDS: record.released_request_ids,
-            **_block_changes(out.scheduled),
+            **block_changes(out.scheduled),
             schema.KV_BLOCKS_USED: stats.num_kv_blocks_used,
             schema.KV_BLOCKS_FREE: stats.num_kv_blocks_total - stats.num_kv_blocks_used,
             schema.KV_BLOCKS_TOTAL: stats.num_kv_blocks_total,
@@ -289,14 +254,3 @@ class EngineSpanBuilder:
             self.tracer.start_span(name, context=step_context, start_time=_ns(start)).end(end_time=_ns(end))
         step.end(end_time=_ns(times.end))
 
-
-def _block_changes(scheduled: list) -> dict:
-    """The step's block-table changes as three flat attributes (see schema.STEP_NEW_BLOCK_IDS)."""
-    counts, ids, full = [], [], []
-    for request in scheduled:
-        new_ids = getattr(request, "block_ids", None)  # NewRequestData: the whole table
-        full.append(new_ids is not None)
-        new_ids = new_ids if new_ids is not None else request.new_block_ids
-        counts.append(len(new_ids))
-        ids += new_ids
-    return {schema.STEP_NUM_NEW_BLOCK_IDS: counts, schema.STEP_NEW_BLOCK_IDS: ids, schema.STEP_BLOCK_TABLE_IS_FULL: full}

@@ -1,0 +1,63 @@
+"""What the engine loop hands the span builder (engine_spans.py): plain records, no OpenTelemetry.
+
+StepTimes is the step's clock, taken by EngineCore.step; StepSpanInput is everything one
+step span is built from; TracedRequest is what a request's engine spans need from its
+arrival, FinishedRequest what they need once it has finished.
+"""
+
+from dataclasses import dataclass
+
+from tinyserve.lifecycle import schema
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """When one engine step began, finished scheduling, finished executing, and ended (time.time())."""
+
+    start: float
+    scheduled: float
+    executed: float
+    end: float
+
+
+@dataclass(slots=True)
+class StepSpanInput:
+    """What the step span is built from: the step's SchedulerOutput, its clock and the engine's stats after it."""
+
+    scheduler_output: object  # engine.core.scheduler_output.SchedulerOutput
+    times: StepTimes
+    stats: object  # wire.messages.SchedulerStats
+    prefix_cache_hit_tokens: int
+    finished_request_ids: list[str]
+    released_request_ids: list[str]  # finished or aborted since the previous recorded step
+
+
+@dataclass(slots=True)
+class TracedRequest:
+    trace_context: dict[str, str]
+    num_prompt_tokens: int
+    queue_depth_at_arrival: int
+
+
+@dataclass(slots=True)
+class FinishedRequest:
+    request_id: str
+    trace_context: dict[str, str]
+    times: object  # wire.messages.RequestTimes
+    finish_reason: str
+    num_cached_tokens: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    queue_depth_at_arrival: int
+
+
+def block_changes(scheduled: list) -> dict:
+    """The step's block-table changes as three flat attributes (see schema.STEP_NEW_BLOCK_IDS)."""
+    counts, ids, full = [], [], []
+    for request in scheduled:
+        new_ids = getattr(request, "block_ids", None)  # NewRequestData: the whole table
+        full.append(new_ids is not None)
+        new_ids = new_ids if new_ids is not None else request.new_block_ids
+        counts.append(len(new_ids))
+        ids += new_ids
+    return {schema.STEP_NUM_NEW_BLOCK_IDS: counts, schema.STEP_NEW_BLOCK_IDS: ids, schema.STEP_BLOCK_TABLE_IS_FULL: full}
