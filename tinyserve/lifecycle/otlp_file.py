@@ -19,6 +19,7 @@ more CPU, and the exporter shares the CPU with the engine it is tracing.
 
 import base64
 import math
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -151,7 +152,8 @@ class OTLPJsonFileExporter(SpanExporter):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", encoding="utf-8")
+        # Owner-only, like the run folder: the spans carry prompts and outputs.
+        self._file = open(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a", encoding="utf-8")
         self._lock = threading.Lock()
         self.num_exported = 0
 

@@ -11,6 +11,7 @@ code that builds spans checks `tracing_enabled()` first, so off costs nothing.
 """
 
 import importlib.metadata
+import itertools
 import json
 import logging
 import os
@@ -121,11 +122,22 @@ def extract_context(carrier: dict[str, str]) -> Context | None:
 
 
 def new_run_dir(trace_dir: str | Path) -> Path:
-    """traces/<YYYYmmdd-HHMMSS>-<pid>: one folder per run."""
+    """traces/<YYYYmmdd-HHMMSS>-<pid>[-2, -3, ...]: one folder per run, readable by its owner only.
+
+    Traces hold prompts and outputs, so the folder is created 0700 (its files 0600,
+    otlp_file.py). Two runs of one process in the same second (two traced LLMs, say)
+    get the next free suffix instead of one another's folder.
+    """
+    Path(trace_dir).mkdir(parents=True, exist_ok=True)
     name = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
-    run_dir = Path(trace_dir) / name
-    run_dir.mkdir(parents=True, exist_ok=False)
-    return run_dir
+    for attempt in itertools.count(1):
+        run_dir = Path(trace_dir) / (name if attempt == 1 else f"{name}-{attempt}")
+        try:
+            run_dir.mkdir(mode=0o700)
+        except FileExistsError:
+            continue
+        run_dir.chmod(0o700)  # mkdir's mode is cut by the umask
+        return run_dir
 
 
 def write_manifest(run_dir: Path, *, model: str | None, served_model_name: str, engine_args: dict, data_parallel_size: int) -> None:
@@ -137,4 +149,6 @@ def write_manifest(run_dir: Path, *, model: str | None, served_model_name: str, 
         "data_parallel_size": data_parallel_size,
         "start_time_unix_nano": time.time_ns(),
     }
-    (run_dir / schema.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, default=str))
+    path = run_dir / schema.MANIFEST_FILE
+    path.touch(mode=0o600)
+    path.write_text(json.dumps(manifest, indent=2, default=str))

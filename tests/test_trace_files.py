@@ -1,0 +1,29 @@
+"""Trace folders hold prompts and outputs: they are their owner's alone, and never shared by two runs."""
+
+import stat
+
+from tests.tiny_checkpoints import tiny_model_with_tokenizer
+from tinyserve import LLM, SamplingParams
+from tinyserve.lifecycle.tracing import new_run_dir, shutdown_tracing
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_two_runs_started_in_the_same_second_get_their_own_folders(tmp_path):
+    folders = [new_run_dir(tmp_path) for _ in range(3)]
+    assert len(set(folders)) == 3 and all(folder.is_dir() for folder in folders)
+
+
+def test_a_traced_runs_folder_and_files_are_owner_only(tmp_path):
+    try:
+        llm = LLM(str(tiny_model_with_tokenizer("llama")), trace_dir=str(tmp_path), num_kv_blocks=32)
+        llm.generate("Secret prompt", SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    finally:
+        shutdown_tracing()
+    [run] = list(tmp_path.iterdir())
+    files = list(run.iterdir())
+    assert mode(run) == 0o700
+    assert {f.name for f in files} >= {"manifest.json", "offline.jsonl"}
+    assert all(mode(f) == 0o600 for f in files)
