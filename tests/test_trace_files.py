@@ -27,3 +27,22 @@ def test_a_traced_runs_folder_and_files_are_owner_only(tmp_path):
     assert mode(run) == 0o700
     assert {f.name for f in files} >= {"manifest.json", "offline.jsonl"}
     assert all(mode(f) == 0o600 for f in files)
+
+
+def test_sampled_requests_without_a_seed_are_replayable_from_their_trace(tmp_path):
+    from tinyserve.lifecycle import load_run, replay_run
+
+    model = str(tiny_model_with_tokenizer("llama"))
+    unseeded = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=12, ignore_eos=True)
+    try:
+        llm = LLM(model, trace_dir=str(tmp_path), num_kv_blocks=32)
+        first = llm.generate(["Beautiful is", "Flat is", "Sparse"], unseeded, use_tqdm=False)
+        chat = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(temperature=0.9, n=2, max_tokens=8))
+    finally:
+        shutdown_tracing()
+    assert all(o.outputs[0].token_ids for o in first + chat)
+    [run_dir] = list(tmp_path.iterdir())
+    run = load_run(run_dir)
+    assert all(r.inputs.sampling_params.get("seed") is not None for r in run.requests)  # drawn and logged
+    results = replay_run(run, LLM(model, num_kv_blocks=32))
+    assert len(results) == 4 and all(r.matched and not r.skipped for r in results), [r.describe() for r in results]

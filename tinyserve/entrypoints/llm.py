@@ -111,6 +111,7 @@ class LLM:
             for raw_prompt, p in zip(prompts, params):
                 request_id = str(next(self._request_counter))
                 spans = start_request_spans(operation, self.model_name, request_id)
+                p = spans.replayable(p)  # tracing on: a sampled request without a seed gets one, logged
                 made.append([request_id, spans, p, None, None])
                 with spans.stage(schema.RENDER) as render_span:
                     prompt = render(raw_prompt)

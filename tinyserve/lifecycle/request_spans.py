@@ -12,6 +12,7 @@ With tracing off, start_request_spans returns NO_SPANS, whose methods do nothing
 """
 
 import json
+import secrets
 from contextlib import contextmanager, nullcontext
 
 import msgspec
@@ -46,6 +47,18 @@ class RequestSpans:
 
     def carrier(self) -> dict[str, str]:
         return inject_context(self.context)
+
+    @staticmethod
+    def replayable(sampling_params):
+        """The params to run with: a sampled request without a seed gets a random one, logged with it.
+
+        With tracing on, every request must be replayable from its trace. A seed drawn at
+        random gives the same distribution as no seed, and the trace then holds the seed
+        that produced the output. (Greedy and seeded requests are left as they are.)
+        """
+        if sampling_params.is_greedy or sampling_params.seed is not None:
+            return sampling_params
+        return sampling_params.clone(seed=secrets.randbits(63))
 
     def log_inputs(self, span, *, prompt: str | None, prompt_token_ids: list[int], sampling_params,
                    messages: list[dict] | None = None) -> None:
@@ -128,6 +141,10 @@ class _NoSpans:
 
     def carrier(self) -> dict[str, str]:
         return {}
+
+    @staticmethod
+    def replayable(sampling_params):
+        return sampling_params
 
     def log_inputs(self, span, **kwargs) -> None:
         pass

@@ -12,7 +12,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tinyserve.frontend.async_llm import RequestStream
+from tinyserve.frontend.request_stream import RequestStream
 from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError
 from tinyserve.entrypoints.api.openai_protocol import CompletionRequest
@@ -86,6 +86,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
                         params = params.clone(prompt_logprobs=body.logprobs)
                 except ValueError as error:
                     raise APIError(400, str(error)) from error
+                params = spans.replayable(params)
                 spans.log_inputs(render_span, prompt=prompt.prompt, prompt_token_ids=prompt.prompt_token_ids,
                                  sampling_params=params)
         except Exception as error:

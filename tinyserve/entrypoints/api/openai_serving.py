@@ -132,7 +132,7 @@ def render_and_tokenize(ctx: ServingContext, spans, messages: list[dict], add_ge
         prompt = tokenize(ctx, text, add_special_tokens=False)
         max_tokens = ctx.max_tokens_for(len(prompt.prompt_token_ids), requested_max_tokens)
         try:
-            params = make_params(max_tokens)
+            params = spans.replayable(make_params(max_tokens))
         except ValueError as error:
             raise APIError(400, str(error)) from error
         spans.log_inputs(render_span, prompt=text, prompt_token_ids=prompt.prompt_token_ids, sampling_params=params,

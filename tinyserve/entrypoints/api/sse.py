@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from tinyserve.frontend.async_llm import RequestStream
+from tinyserve.frontend.request_stream import RequestStream
 from tinyserve.frontend.engine_client import EngineDeadError
 from tinyserve.outputs import RequestOutput
 
