@@ -46,3 +46,22 @@ def test_sampled_requests_without_a_seed_are_replayable_from_their_trace(tmp_pat
     assert all(r.inputs.sampling_params.get("seed") is not None for r in run.requests)  # drawn and logged
     results = replay_run(run, LLM(model, num_kv_blocks=32))
     assert len(results) == 4 and all(r.matched and not r.skipped for r in results), [r.describe() for r in results]
+
+
+def test_replay_on_another_model_says_so_before_comparing_any_token(tmp_path, capsys):
+    from tinyserve.cli.main import main
+
+    recorded_with = str(tiny_model_with_tokenizer("llama"))
+    try:
+        LLM(recorded_with, trace_dir=str(tmp_path), num_kv_blocks=32).generate(
+            ["Flat is better"], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    finally:
+        shutdown_tracing()
+    [run_dir] = list(tmp_path.iterdir())
+    capsys.readouterr()
+    assert main(["trace", "replay", str(run_dir)]) == 0
+    same = capsys.readouterr().out
+    assert "fingerprint" not in same and "1 match" in same
+    main(["trace", "replay", str(run_dir), "--model", str(tiny_model_with_tokenizer("qwen3"))])
+    other = capsys.readouterr().out.splitlines()
+    assert "recorded with model fingerprint" in other[0] and "outputs will differ" in other[0]

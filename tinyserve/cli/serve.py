@@ -132,15 +132,18 @@ def start_tracing(args: argparse.Namespace, engine_args, served_model_name: str)
     """Set up this process's tracer and tell the engines where to write; returns the run folder."""
     from dataclasses import asdict
 
+    from tinyserve.config import ModelInfo
     from tinyserve.lifecycle import schema
     from tinyserve.lifecycle.tracing import new_run_dir, setup_tracing, write_manifest
+    from tinyserve.models.fingerprint import manifest_fingerprint
 
     if not args.trace and args.otlp_endpoint is None:
         return None
     run_dir = new_run_dir(args.trace_dir) if args.trace else None
     if run_dir is not None:
         write_manifest(run_dir, model=args.model, served_model_name=served_model_name,
-                       engine_args=asdict(engine_args), data_parallel_size=args.data_parallel_size)
+                       engine_args=asdict(engine_args), data_parallel_size=args.data_parallel_size,
+                       model_fingerprint=manifest_fingerprint(ModelInfo.from_args(engine_args).path))
         engine_args.trace_run_dir = str(run_dir)
     engine_args.otlp_endpoint = args.otlp_endpoint
     setup_tracing(schema.SERVICE_API, run_dir / schema.API_TRACE_FILE if run_dir else None, args.otlp_endpoint)

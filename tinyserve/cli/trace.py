@@ -124,6 +124,20 @@ def _engine_kwargs(manifest: dict) -> dict:
     return {key: value for key, value in manifest.get("engine_args", {}).items() if key in accepted}
 
 
+def model_mismatch(manifest: dict, model_path) -> str | None:
+    """Why replay on this model cannot match, in words, before any token is compared; None if it can."""
+    from tinyserve.models.fingerprint import manifest_fingerprint
+
+    recorded, here = manifest.get("model_fingerprint"), manifest_fingerprint(model_path)
+    if recorded is None:
+        return ("note: the run's manifest records no model fingerprint (an older run, or a model too large to "
+                "hash): a mismatch below may mean other weights")
+    if recorded != here:
+        return (f"warning: the run was recorded with model fingerprint {recorded[:12]}…, this model ({model_path}) "
+                f"is {(here or 'unknown')[:12]}…: outputs will differ; pass --model with the model that served it")
+    return None
+
+
 def replay(args: argparse.Namespace) -> int:
     from tinyserve.entrypoints.llm import LLM
     from tinyserve.lifecycle.replay import replay_run
@@ -138,6 +152,9 @@ def replay(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    mismatch = model_mismatch(run.manifest, llm.model_info.path)
+    if mismatch is not None:
+        print(mismatch)
     results = replay_run(run, llm, requests)
     for result in results:
         print(result.describe())

@@ -28,6 +28,7 @@ from tinyserve.lifecycle.tracing import (
     tracing_enabled,
     write_manifest,
 )
+from tinyserve.models.fingerprint import manifest_fingerprint
 from tinyserve.models.tokenizer import load_tokenizer
 from tinyserve.outputs import RequestOutput
 from tinyserve.sampling_params import SamplingParams
@@ -43,8 +44,8 @@ class LLM:
                  **engine_args) -> None:
         self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
         self.model_name = model or "tinyserve-default"
-        self.trace_run_dir = self._start_tracing(trace_dir, otlp_endpoint)
         self.model_info = ModelInfo.from_args(self.engine_args)
+        self.trace_run_dir = self._start_tracing(trace_dir, otlp_endpoint)
         self.tokenizer = load_tokenizer(self.model_info.path)
         self.llm_engine = LLMEngine(self.engine_args, self.model_info, self.tokenizer)
         self.input_processor = self.llm_engine.input_processor
@@ -145,7 +146,8 @@ class LLM:
         run_dir = new_run_dir(trace_dir) if trace_dir is not None else None
         if run_dir is not None:
             write_manifest(run_dir, model=self.engine_args.model, served_model_name=self.model_name,
-                           engine_args=asdict(self.engine_args), data_parallel_size=1)
+                           engine_args=asdict(self.engine_args), data_parallel_size=1,
+                           model_fingerprint=manifest_fingerprint(self.model_info.path))
         # Export when the engine flushes its spans (every few hundred steps and at the end
         # of generate), in this thread: not on a timer, from a thread competing with the model.
         setup_tracing(schema.SERVICE_OFFLINE, run_dir / schema.OFFLINE_TRACE_FILE if run_dir else None, otlp_endpoint,

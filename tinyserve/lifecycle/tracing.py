@@ -140,10 +140,13 @@ def new_run_dir(trace_dir: str | Path) -> Path:
         return run_dir
 
 
-def write_manifest(run_dir: Path, *, model: str | None, served_model_name: str, engine_args: dict, data_parallel_size: int) -> None:
+def write_manifest(run_dir: Path, *, model: str | None, served_model_name: str, engine_args: dict,
+                   data_parallel_size: int, model_fingerprint: str | None = None) -> None:
+    """model_fingerprint: tinyserve.models.fingerprint's, which replay checks before anything else."""
     manifest = {
         "tinyserve_version": _VERSION,
         "model": model,
+        "model_fingerprint": model_fingerprint,
         "served_model_name": served_model_name,
         "engine_args": engine_args,
         "data_parallel_size": data_parallel_size,
