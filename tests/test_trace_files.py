@@ -65,3 +65,41 @@ def test_replay_on_another_model_says_so_before_comparing_any_token(tmp_path, ca
     main(["trace", "replay", str(run_dir), "--model", str(tiny_model_with_tokenizer("qwen3"))])
     other = capsys.readouterr().out.splitlines()
     assert "recorded with model fingerprint" in other[0] and "outputs will differ" in other[0]
+
+
+def test_summarize_names_the_model_and_lists_failed_requests(tmp_path):
+    import pytest
+
+    from tinyserve.lifecycle import load_run
+    from tinyserve.lifecycle.summary import summarize
+
+    try:
+        llm = LLM(str(tiny_model_with_tokenizer("llama")), trace_dir=str(tmp_path), num_kv_blocks=32,
+                  max_model_len=64)
+        with pytest.raises(ValueError, match="max_model_len"):
+            llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7] * 100}],
+                         SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        shutdown_tracing()
+    [run_dir] = list(tmp_path.iterdir())
+    lines = summarize(load_run(run_dir)).splitlines()
+    assert f"model {llm.model_name}" in lines[0] and "None" not in lines[0]
+    assert lines[1] == "errors: 2"
+    assert lines[2].startswith("  0: ") and "max_model_len" in lines[3] and lines[3].startswith("  1: ")
+
+
+def test_summarize_into_a_closed_pipe_ends_quietly(tmp_path):
+    import subprocess
+    import sys
+
+    try:
+        LLM(str(tiny_model_with_tokenizer("llama")), trace_dir=str(tmp_path), num_kv_blocks=32).generate(
+            "Flat", SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        shutdown_tracing()
+    [run_dir] = list(tmp_path.iterdir())
+    process = subprocess.Popen([sys.executable, "-m", "tinyserve.cli.main", "trace", "summarize", str(run_dir)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # as `| head -0` would: gone before the summary is written
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=60) == 0 and "Traceback" not in stderr and "BrokenPipe" not in stderr

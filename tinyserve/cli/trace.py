@@ -13,6 +13,7 @@ exits with 1 if any request produced different tokens.
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -66,7 +67,11 @@ def summarize(args: argparse.Namespace) -> int:
     run = _load(args.run)
     if run is None:
         return 1
-    print(summarize_run(run))
+    try:
+        print(summarize_run(run), flush=True)
+    except BrokenPipeError:  # `| head` closed the pipe: fine, and nothing more to say
+        # Python's advice: point stdout at devnull, or the flush at exit raises again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -66,16 +66,27 @@ def _engine_rows(run: Run) -> list[list[str]]:
     return rows
 
 
+_MAX_FAILED_LISTED = 20
+
+
+def model_name(manifest: dict) -> str:
+    """The served name, then the model given; a run of the built-in model has no model path ("None")."""
+    return manifest.get("served_model_name") or manifest.get("model") or "tinyserve-default (built in)"
+
+
 def summarize(run: Run) -> str:
     requests = run.requests
     operations = {}
     for r in requests:
         operations[r.operation] = operations.get(r.operation, 0) + 1
     kinds = ", ".join(f"{count} {operation}" for operation, count in operations.items())
+    failed = [r for r in requests if r.error is not None]
     lines = [
-        f"run {run.name}: model {run.manifest.get('model', '?')}, {len(requests)} requests"
+        f"run {run.name}: model {model_name(run.manifest)}, {len(requests)} requests"
         + (f" ({kinds})" if kinds else "") + f", {len(run.steps)} engine steps, {len(run.engine_indices)} engine(s)",
-        f"errors: {sum(r.error is not None for r in requests)}",
+        f"errors: {len(failed)}",
+        *(f"  {r.request_id}: {r.error}" for r in failed[:_MAX_FAILED_LISTED]),
+        *([f"  ... and {len(failed) - _MAX_FAILED_LISTED} more"] if len(failed) > _MAX_FAILED_LISTED else []),
         "",
     ]
     lines += _latency_table([
