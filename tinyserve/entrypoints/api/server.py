@@ -182,10 +182,11 @@ def build_app(
             raise APIError(400, f"tokens contains ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", "tokens")
         return {"prompt": ctx.engine.tokenizer.decode(body.tokens)}
 
-    # Added innermost first; the HTTP span is outermost, so it covers every refusal too.
+    # Added innermost first. The API key is checked outermost, so a refused client costs no span; the
+    # HTTP span covers the rest, body limits included, for requests to a route that exists.
     post_routes = frozenset(route.path for route in app.routes if "POST" in getattr(route, "methods", ()))
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=max_request_body_bytes, json_paths=post_routes)
+    app.add_middleware(TracingMiddleware, routes=app.router.routes)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    app.add_middleware(TracingMiddleware)
     return app
