@@ -107,21 +107,21 @@ class LLM:
         engine = self.llm_engine
         # Build and check every request before the first one is queued: one bad
         # prompt rejects the call and leaves the engine untouched.
-        made = []
+        opened, made = [], []  # every request's spans; (id, spans, params, prompt, engine requests)
         try:
             for raw_prompt, p in zip(prompts, params):
                 request_id = str(next(self._request_counter))
                 spans = start_request_spans(operation, self.model_name, request_id)
+                opened.append(spans)
                 p = spans.replayable(p)  # tracing on: a sampled request without a seed gets one, logged
-                made.append([request_id, spans, p, None, None])
                 with spans.stage(schema.RENDER) as render_span:
                     prompt = render(raw_prompt)
                     messages = raw_prompt if operation == schema.OPERATION_CHAT else None
                     spans.log_inputs(render_span, prompt=prompt.prompt, prompt_token_ids=prompt.prompt_token_ids,
                                      sampling_params=p, messages=messages)
-                made[-1][3:] = prompt, engine.make_requests(request_id, prompt, p, spans=spans)
+                made.append((request_id, spans, p, prompt, engine.make_requests(request_id, prompt, p, spans=spans)))
         except Exception as error:
-            for _, spans, _, _, _ in made:
+            for spans in opened:
                 spans.fail(error)
             raise
         order = {}
