@@ -21,7 +21,6 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.server_process import ServerProcess, free_port
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.bench import serve as serve_module
 from tinyserve.bench.datasets import random_requests, vocabulary_pool
@@ -30,6 +29,7 @@ from tinyserve.bench.request_funcs import RequestFuncInput, RequestFuncOutput
 from tinyserve.bench.vocabulary import server_vocabulary
 from tinyserve.cli.main import main
 from tinyserve.models.tokenizer import load_tokenizer
+from tinyserve.testing import ServerProcess, free_port
 
 MODEL = "tiny"
 REPO = pathlib.Path(__file__).resolve().parent.parent

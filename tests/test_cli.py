@@ -14,9 +14,9 @@ import httpx
 import openai
 import pytest
 
-from tests.server_process import ServerProcess, free_port
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.cli.main import main
+from tinyserve.testing import ServerProcess, free_port
 
 MODEL = "tiny"
 ENGINE_FLAGS = ("--served-model-name", MODEL, "--num-kv-blocks", "128", "--max-model-len", "256")

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from tests.server_process import ServerProcess
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
+from tinyserve.testing import ServerProcess
 
 EXAMPLES_PER_OPERATION = 25  # per operation and mode: ~10 operations × 2 modes, about half a minute
 

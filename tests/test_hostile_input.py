@@ -18,8 +18,8 @@ import psutil
 import pytest
 import zmq
 
-from tests.server_process import ServerProcess
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
+from tinyserve.testing import ServerProcess
 
 MODEL = "tiny"
 KEY = "sk-hostile-test"

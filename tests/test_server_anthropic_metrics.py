@@ -7,8 +7,8 @@ import anthropic
 import httpx
 import pytest
 
-from tests.server_process import ServerProcess
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
+from tinyserve.testing import ServerProcess
 
 MODEL = "tiny"
 

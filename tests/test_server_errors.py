@@ -8,8 +8,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server_process import ServerProcess
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
+from tinyserve.testing import ServerProcess
 
 MODEL = "tiny"
 KEY = "sk-test-key"

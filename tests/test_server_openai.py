@@ -6,11 +6,11 @@ import httpx
 import openai
 import pytest
 
-from tests.server_process import ServerProcess
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tests.tiny_tokenizer import TINY_VOCAB_SIZE
 from tinyserve.entrypoints.api.openai_protocol import ChatCompletionRequest
 from tinyserve.entrypoints.api.openai_serving import ServingContext
+from tinyserve.testing import ServerProcess
 
 MODEL = "tiny"
 

@@ -12,10 +12,10 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from tests.server_process import ServerProcess
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.otlp_json import read_spans
+from tinyserve.testing import ServerProcess
 
 MODEL = "tiny"
 # The spans of one n=1 request: the HTTP root, the request span and eight stages.
