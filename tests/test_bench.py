@@ -21,6 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.shared_server import MODEL
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.bench import serve as serve_module
 from tinyserve.bench.datasets import random_requests, vocabulary_pool
@@ -29,22 +30,14 @@ from tinyserve.bench.request_funcs import RequestFuncInput, RequestFuncOutput
 from tinyserve.bench.vocabulary import server_vocabulary
 from tinyserve.cli.main import main
 from tinyserve.models.tokenizer import load_tokenizer
-from tinyserve.testing import ServerProcess, free_port
+from tinyserve.testing import free_port
 
-MODEL = "tiny"
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def folder() -> str:
     return str(tiny_model_with_tokenizer("llama"))
-
-
-@pytest.fixture(scope="module")
-def server(folder):
-    proc = ServerProcess(folder, "--served-model-name", MODEL, "--num-kv-blocks", "128", "--max-model-len", "256")
-    yield proc
-    proc.stop()
 
 
 # ---- the random dataset ------------------------------------------------------------

@@ -14,24 +14,14 @@ import httpx
 import openai
 import pytest
 
-from tests.tiny_checkpoints import tiny_model_with_tokenizer
+from tests.shared_server import ENGINE_FLAGS, MODEL, model_folder
 from tinyserve.cli.main import main
-from tinyserve.testing import ServerProcess, free_port
-
-MODEL = "tiny"
-ENGINE_FLAGS = ("--served-model-name", MODEL, "--num-kv-blocks", "128", "--max-model-len", "256")
+from tinyserve.testing import free_port
 
 
 def tinyserve(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tinyserve.cli.main", *args], input=stdin,
                           capture_output=True, text=True, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def server():
-    proc = ServerProcess(str(tiny_model_with_tokenizer("llama")), *ENGINE_FLAGS)
-    yield proc
-    proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +109,7 @@ def test_run_batch_answers_every_line_in_order_as_the_server_would(server, tmp_p
     ]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     result = tinyserve("run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
-                       str(tiny_model_with_tokenizer("llama")), *ENGINE_FLAGS)
+                       model_folder(), *ENGINE_FLAGS)
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
 
