@@ -1,6 +1,6 @@
 """The GPU path, checked and measured on a machine with an NVIDIA GPU, in one run.
 
-1. Kernels, natively: every case of tests/test_triton_kernels.py's KERNEL_CASES
+1. Kernels, natively: every case of tests/paged_batches.py's KERNEL_CASES
    (GQA ratio x head dim x block size x dtype) for the decode, prefill and KV-store
    kernels on the GPU, against the PyTorch reference on the CPU, same tolerances,
    outputs poisoned with NaN first.
@@ -75,7 +75,7 @@ def timed(fn, device: torch.device, repeats: int) -> float:
 
 
 def batch_to(batch, device: torch.device):
-    """A PagedBatch (tests/test_triton_kernels.py) with every tensor moved to device."""
+    """A PagedBatch (tests/paged_batches.py) with every tensor moved to device."""
     meta = batch.metadata
     moved = replace(meta, slot_mapping=meta.slot_mapping.to(device), query_start_loc=meta.query_start_loc.to(device),
                     seq_lens=meta.seq_lens.to(device), block_tables=meta.block_tables.to(device))
@@ -83,7 +83,7 @@ def batch_to(batch, device: torch.device):
 
 
 def check_kernels(device: torch.device, smoke: bool) -> list[Row]:
-    import tests.test_triton_kernels as cases
+    import tests.paged_batches as cases
     from tinyserve.kernels.triton_kv_store import store_kv
 
     params = [case.values for case in cases.KERNEL_CASES]

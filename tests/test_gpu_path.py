@@ -12,7 +12,7 @@ import argparse
 import pytest
 import torch
 
-from tests.test_llm_parity import hf_greedy
+from tests.hf_reference import hf_greedy
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM, SamplingParams
 from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from

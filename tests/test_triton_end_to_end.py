@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.test_llm_parity import hf_greedy
+from tests.hf_reference import hf_greedy
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM, SamplingParams
 
