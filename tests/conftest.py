@@ -1,15 +1,11 @@
-"""Shared test set-up: the environment, the markers' meaning, and the one shared server.
+"""Shared test set-up: the environment, and the one shared server.
 
 TRITON_INTERPRET must be set before any @triton.jit function is created, so it is
 set here, before tinyserve's kernels can be imported. HF_HUB_OFFLINE keeps
 transformers from trying the network for a name it does not find locally.
 
-Markers (registered in pyproject.toml; `make test-fast` runs the tests with none):
-
-    server       starts a real `tinyserve serve` process or a real HTTP server
-    notebook     executes a notebook
-    interpreter  runs Triton kernels under TRITON_INTERPRET=1
-    slow         anything else that takes more than about 10 s
+The markers server, notebook, interpreter and slow are described in pyproject.toml;
+`make test-fast` runs the tests that carry none of them.
 """
 
 import os

@@ -21,6 +21,8 @@ from schemathesis.checks import not_a_server_error
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.testing import ServerProcess
 
+pytestmark = pytest.mark.server
+
 EXAMPLES_PER_OPERATION = 25  # per operation and mode: ~10 operations × 2 modes, about half a minute
 
 

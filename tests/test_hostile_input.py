@@ -21,6 +21,8 @@ import zmq
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.testing import ServerProcess
 
+pytestmark = pytest.mark.server
+
 MODEL = "tiny"
 KEY = "sk-hostile-test"
 BODY_LIMIT = 1 << 20

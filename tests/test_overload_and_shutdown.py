@@ -27,6 +27,8 @@ from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.otlp_json import read_spans
 from tinyserve.testing import ServerProcess
 
+pytestmark = pytest.mark.server
+
 MODEL = "tiny"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Requests that must still be running when something happens to the server: thousands of

@@ -9,6 +9,8 @@ import pytest
 
 from tests.shared_server import MODEL
 
+pytestmark = pytest.mark.server
+
 
 @pytest.fixture(scope="module")
 def claude(server):

@@ -11,6 +11,8 @@ import pytest
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.testing import ServerProcess
 
+pytestmark = pytest.mark.server
+
 MODEL = "tiny"
 KEY = "sk-test-key"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -7,6 +7,8 @@ import pytest
 from tests.shared_server import MAX_MODEL_LEN, MODEL
 from tests.tiny_tokenizer import TINY_VOCAB_SIZE
 
+pytestmark = pytest.mark.server
+
 
 @pytest.fixture(scope="module")
 def client(server):

@@ -26,6 +26,8 @@ from tinyserve.kernels.triton_backend import TritonAttentionBackend
 from tinyserve.kernels.triton_decode_attention import default_num_splits
 from tinyserve.kernels.triton_kv_store import store_kv
 
+pytestmark = pytest.mark.interpreter
+
 
 @pytest.mark.parametrize("head_dim", [48, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
