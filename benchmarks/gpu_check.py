@@ -158,17 +158,18 @@ def decode_bandwidth(device: torch.device, smoke: bool) -> list[Row]:
 
 
 def end_to_end(device: torch.device, smoke: bool) -> list[Row]:
-    import compare
+    import bench_models
     from transformers import GenerationConfig, LlamaForCausalLM
 
     from tinyserve import LLM, SamplingParams
+    from tinyserve.models.tokenizer import SPECIAL_TOKENS
 
-    shape = compare.QUICK if smoke else compare.Shape(**GPU_SHAPE_KWARGS)
+    shape = bench_models.QUICK if smoke else bench_models.Shape(**GPU_SHAPE_KWARGS)
     num_prompts, (low, high), new_tokens = (4, (8, 24), 8) if smoke else (256, (128, 512), 128)
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="tinyserve-gpu-check-") as folder:
-        num_params = compare.build_model(folder, shape, quick=smoke)
-        pool = np.arange(len(compare.SPECIAL_TOKENS), shape.vocab_size)
+        num_params = bench_models.build_model(folder, shape, quick=smoke)
+        pool = np.arange(len(SPECIAL_TOKENS), shape.vocab_size)
         prompts = [rng.choice(pool, size=n).tolist() for n in rng.integers(low, high + 1, size=num_prompts)]
         dtype = torch.float32 if smoke else torch.bfloat16
 
