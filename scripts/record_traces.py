@@ -176,7 +176,6 @@ SERVER_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLE
 def start_server(trace_dir: Path, flags: list[str]) -> ServerProcess:
     """`tinyserve serve --trace` on the built-in model, in a process group of its own; returns once /health answers."""
     env = {**SERVER_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    # The first start may build the built-in model (about a minute).
     return ServerProcess(None, "--trace", "--trace-dir", str(trace_dir), *flags, startup_timeout=300, env=env)
 
 
