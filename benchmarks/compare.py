@@ -1,10 +1,9 @@
 """tinyserve beside Hugging Face transformers, on one machine, in one run.
 
-The model is a ~27M-parameter Llama built here with random weights (8 layers, hidden 512,
-8 query heads over 4 KV heads of dimension 64, SwiGLU 1376, vocab 8192, tied embeddings),
-saved with a byte-level BPE tokenizer of the same 8192 ids in a temporary folder. The
-prompts are random token ids (no special tokens), decoding is greedy and end-of-sequence
-is ignored, so every contender does exactly the same work:
+The model and the two workloads are bench_models.py's: a ~27M-parameter Llama with
+random weights and its own 8192-id tokenizer, built here in a temporary folder;
+random-token prompts, greedy decoding, end-of-sequence ignored, so every contender
+does exactly the same work:
 
     workload A   32 prompts of 16–256 tokens, 64 new tokens each
     workload B   the same prompts, 8–128 new tokens each (varied)
@@ -40,12 +39,10 @@ Tracing overhead is the median, over the rounds, of the traced run's time divide
 the untraced run's time in the same round (a paired ratio: a slow minute of the machine
 affects both sides of it).
 
-The roofline line bounds what any engine could do on this machine: the workload's
-FLOPs (2 per weight per token, plus attention) at the fp32 matmul rate measured here
-(and at the bf16 rate for the bf16 contenders),
-and the bytes an ideal batched engine must move (every weight once per step, at least
-one step per output token, plus the KV cache each decode step reads) at the copy
-bandwidth measured here. The larger of the two times is the bound.
+The roofline line (roofline.py) bounds what any engine could do on this machine: the
+workload's FLOPs at the fp32 matmul rate measured here (and at the bf16 rate for the
+bf16 contenders), and the bytes an ideal batched engine must move at the copy bandwidth
+measured here; the larger of the two times is the bound.
 
     python benchmarks/compare.py [--repeats 3] [--quick] [--output-json FILE]
 
@@ -56,7 +53,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -69,83 +65,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout: tinyserve needs no install
 
-import numpy as np
-import torch
-import transformers
-from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
+import torch  # noqa: E402
+from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaForCausalLM  # noqa: E402
 
-from tinyserve.bench.datasets import vocabulary_pool
-from tinyserve.models.corpus import stdlib_docstrings, stdlib_modules, zen_of_python
-from tinyserve.models.tokenizer import (
-    DEFAULT_CHAT_TEMPLATE,
-    EOS_TOKEN,
-    PAD_TOKEN,
-    SPECIAL_TOKENS,
-    save_tokenizer_files,
-    train_bpe_tokenizer,
+from bench_models import (  # noqa: E402
+    BYTES_PER_PARAM, FULL, MAX_NUM_BATCHED_TOKENS, QUICK, Workload, build_model, make_llm, make_workloads,
+    num_kv_blocks_for, tinyserve_generate,
 )
-
-BYTES_PER_PARAM = 4  # fp32 everywhere
-BLOCK_SIZE = 16
-MAX_NUM_BATCHED_TOKENS = 2048
-
-
-@dataclass(frozen=True)
-class Shape:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-
-    @property
-    def layer_matmul_params(self) -> int:
-        q_o = 2 * self.hidden_size * self.num_heads * self.head_dim
-        k_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
-        return q_o + k_v + 3 * self.hidden_size * self.intermediate_size
-
-    @property
-    def body_matmul_params(self) -> int:
-        return self.num_layers * self.layer_matmul_params
-
-    @property
-    def head_params(self) -> int:  # the tied embedding, used as the output projection
-        return self.vocab_size * self.hidden_size
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * BYTES_PER_PARAM
-
-
-FULL = Shape(vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
-             intermediate_size=1376)
-QUICK = Shape(vocab_size=384, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-              intermediate_size=128)
-
-
-@dataclass
-class Workload:
-    name: str
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-    def describe(self) -> str:
-        lens = [len(p) for p in self.prompts]
-        outs = sorted(set(self.output_lens))
-        out_text = f"{outs[0]} new tokens each" if len(outs) == 1 else \
-            f"{min(outs)}–{max(outs)} new tokens (total {self.output_tokens})"
-        return (f"workload {self.name}: {len(self.prompts)} prompts of {min(lens)}–{max(lens)} tokens "
-                f"(total {self.prompt_tokens}), {out_text}; greedy, EOS ignored")
+from roofline import (  # noqa: E402
+    Roofline, copy_bytes_per_second, describe_machine, matmul_flops_per_second, roofline,
+)
 
 
 @dataclass
@@ -161,85 +90,6 @@ class Measurement:
     @property
     def best(self) -> float:
         return min(self.times)
-
-
-# ---- the machine ---------------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def describe_machine() -> str:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"{cpu_model()}, {cores} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-            f"transformers {transformers.__version__}, python {platform.python_version()}, "
-            f"load average {load} (1/5/15 min)")
-
-
-def best_time(fn: Callable[[], None], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def matmul_flops_per_second(n: int, dtype: torch.dtype = torch.float32) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n**3 / best_time(lambda: torch.mm(a, b), repeats=5)
-
-
-def copy_bytes_per_second(num_bytes: int) -> float:
-    src = torch.ones(num_bytes // 4)
-    dst = torch.empty_like(src)
-    return 2 * num_bytes / best_time(lambda: dst.copy_(src), repeats=5)  # read + write
-
-
-# ---- the model -----------------------------------------------------------------------
-
-
-def build_model(folder: str, shape: Shape, quick: bool) -> int:
-    """Write a random-weight Llama and a tokenizer of the same vocabulary; return the parameter count."""
-    texts = zen_of_python() if quick else zen_of_python() + stdlib_docstrings(stdlib_modules())
-    tokenizer = train_bpe_tokenizer(texts, shape.vocab_size)
-    if tokenizer.get_vocab_size() != shape.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} ids, the model {shape.vocab_size}")
-    eos, pad = tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(PAD_TOKEN)
-    config = LlamaConfig(
-        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim, max_position_embeddings=2048,
-        tie_word_embeddings=True, bos_token_id=tokenizer.token_to_id(SPECIAL_TOKENS[0]), eos_token_id=eos,
-        pad_token_id=pad,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
-    model.save_pretrained(folder)
-    save_tokenizer_files(tokenizer, folder, DEFAULT_CHAT_TEMPLATE)
-    return model.num_parameters()
-
-
-def make_workloads(shape: Shape, quick: bool, seed: int = 0) -> list[Workload]:
-    rng = np.random.default_rng(seed)
-    pool = np.asarray(vocabulary_pool(shape.vocab_size, range(len(SPECIAL_TOKENS))))
-    num_prompts, (low, high), new_tokens, (out_low, out_high) = \
-        (4, (8, 32), 8, (2, 8)) if quick else (32, (16, 256), 64, (8, 128))
-    lens = rng.integers(low, high + 1, size=num_prompts)
-    prompts = [pool[rng.integers(0, len(pool), size=n)].tolist() for n in lens]
-    varied = rng.integers(out_low, out_high + 1, size=num_prompts).tolist()
-    return [Workload("A", prompts, [new_tokens] * num_prompts), Workload("B", prompts, varied)]
 
 
 # ---- the contenders: each returns the generated token ids of every request ------------
@@ -281,21 +131,6 @@ def hf_continuous(model: LlamaForCausalLM, workload: Workload) -> list[list[int]
             elif result is None and not manager.is_running():
                 raise RuntimeError("transformers' continuous batching thread stopped before finishing")
     return [list(results[i].generated_tokens) for i in ids]
-
-
-def make_llm(folder: str, num_kv_blocks: int, trace_dir: str | None = None, dtype: str = "float32"):
-    from tinyserve import LLM
-
-    return LLM(folder, trace_dir=trace_dir, num_kv_blocks=num_kv_blocks, block_size=BLOCK_SIZE,
-               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_prefix_caching=False, dtype=dtype)
-
-
-def tinyserve_generate(llm, workload: Workload) -> list[list[int]]:
-    from tinyserve import SamplingParams
-
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 CONTENDERS = ("transformers static", "transformers continuous", "tinyserve", "tinyserve traced",
@@ -375,48 +210,6 @@ def run_contenders(folder: str, num_kv_blocks: int, trace_dir: str, workloads: l
                 conn.send(None)
         for process, _ in workers.values():
             process.join(timeout=60)
-
-
-# ---- the roofline --------------------------------------------------------------------
-
-
-@dataclass
-class Roofline:
-    flops: float
-    bytes: float
-    flops_per_second: float
-    bytes_per_second: float
-
-    @property
-    def compute_time(self) -> float:
-        return self.flops / self.flops_per_second
-
-    @property
-    def memory_time(self) -> float:
-        return self.bytes / self.bytes_per_second
-
-    @property
-    def bound(self) -> float:
-        return max(self.compute_time, self.memory_time)
-
-
-def roofline(shape: Shape, workload: Workload, flops_per_second: float, bytes_per_second: float,
-             bytes_per_value: int = BYTES_PER_PARAM) -> Roofline:
-    """FLOPs and bytes of the workload for an ideal engine (see the module docstring)."""
-    attention_flops_per_context_token = 4 * shape.num_layers * shape.num_heads * shape.head_dim  # QKᵀ and PV
-    flops = 0.0
-    kv_bytes = 0.0
-    for prompt, n in zip(workload.prompts, workload.output_lens):
-        positions = len(prompt) + n - 1  # the last sampled token is never fed back
-        flops += 2 * shape.body_matmul_params * positions
-        flops += attention_flops_per_context_token * positions * (positions + 1) / 2  # causal: position t sees t+1
-        flops += 2 * shape.head_params * n  # logits only where a token is sampled
-        # Each decode position reads the KV of everything before it.
-        kv_bytes += shape.kv_bytes_per_token * sum(range(len(prompt), positions))
-    weight_bytes = (shape.body_matmul_params + shape.head_params) * BYTES_PER_PARAM
-    steps = max(workload.output_lens)  # at least one step per output token, each reading every weight
-    moved = (steps * weight_bytes + kv_bytes) * bytes_per_value / BYTES_PER_PARAM
-    return Roofline(flops, moved, flops_per_second, bytes_per_second)
 
 
 # ---- the run -------------------------------------------------------------------------
@@ -513,10 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"timing: each contender in its own process, 1 warm-up + {repeats} runs each, interleaved, median; "
               f"tinyserve budget {MAX_NUM_BATCHED_TOKENS} tokens/step, prefix caching off")
         workloads = make_workloads(shape, args.quick)
-        longest = max(len(p) for p in workloads[0].prompts) + max(max(w.output_lens) for w in workloads)
-        num_kv_blocks = len(workloads[0].prompts) * -(-longest // BLOCK_SIZE) + 8
-
-        results = run_contenders(folder, num_kv_blocks, os.path.join(tmp, "traces"), workloads, repeats)
+        results = run_contenders(folder, num_kv_blocks_for(workloads), os.path.join(tmp, "traces"), workloads,
+                                 repeats)
 
     figures = {"machine": machine, "num_parameters": num_params, "repeats": repeats,
                "matmul_flops_per_second": flops_per_second, "bf16_matmul_flops_per_second": bf16_flops_per_second,

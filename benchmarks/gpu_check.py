@@ -1,6 +1,6 @@
 """The GPU path, checked and measured on a machine with an NVIDIA GPU, in one run.
 
-1. Kernels, natively: every case of tests/test_triton_kernels.py's KERNEL_CASES
+1. Kernels, natively: every case of tests/paged_batches.py's KERNEL_CASES
    (GQA ratio x head dim x block size x dtype) for the decode, prefill and KV-store
    kernels on the GPU, against the PyTorch reference on the CPU, same tolerances,
    outputs poisoned with NaN first.
@@ -75,7 +75,7 @@ def timed(fn, device: torch.device, repeats: int) -> float:
 
 
 def batch_to(batch, device: torch.device):
-    """A PagedBatch (tests/test_triton_kernels.py) with every tensor moved to device."""
+    """A PagedBatch (tests/paged_batches.py) with every tensor moved to device."""
     meta = batch.metadata
     moved = replace(meta, slot_mapping=meta.slot_mapping.to(device), query_start_loc=meta.query_start_loc.to(device),
                     seq_lens=meta.seq_lens.to(device), block_tables=meta.block_tables.to(device))
@@ -83,7 +83,7 @@ def batch_to(batch, device: torch.device):
 
 
 def check_kernels(device: torch.device, smoke: bool) -> list[Row]:
-    import tests.test_triton_kernels as cases
+    import tests.paged_batches as cases
     from tinyserve.kernels.triton_kv_store import store_kv
 
     params = [case.values for case in cases.KERNEL_CASES]
@@ -158,17 +158,18 @@ def decode_bandwidth(device: torch.device, smoke: bool) -> list[Row]:
 
 
 def end_to_end(device: torch.device, smoke: bool) -> list[Row]:
-    import compare
+    import bench_models
     from transformers import GenerationConfig, LlamaForCausalLM
 
     from tinyserve import LLM, SamplingParams
+    from tinyserve.models.tokenizer import SPECIAL_TOKENS
 
-    shape = compare.QUICK if smoke else compare.Shape(**GPU_SHAPE_KWARGS)
+    shape = bench_models.QUICK if smoke else bench_models.Shape(**GPU_SHAPE_KWARGS)
     num_prompts, (low, high), new_tokens = (4, (8, 24), 8) if smoke else (256, (128, 512), 128)
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="tinyserve-gpu-check-") as folder:
-        num_params = compare.build_model(folder, shape, quick=smoke)
-        pool = np.arange(len(compare.SPECIAL_TOKENS), shape.vocab_size)
+        num_params = bench_models.build_model(folder, shape, quick=smoke)
+        pool = np.arange(len(SPECIAL_TOKENS), shape.vocab_size)
         prompts = [rng.choice(pool, size=n).tolist() for n in rng.integers(low, high + 1, size=num_prompts)]
         dtype = torch.float32 if smoke else torch.bfloat16
 

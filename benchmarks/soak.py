@@ -27,9 +27,6 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +39,7 @@ import psutil
 
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.otlp_json import read_spans
+from tinyserve.testing import ServerProcess
 
 MODEL_NAME = "soak"
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
@@ -56,34 +54,6 @@ BAD_REQUESTS = [  # (path, JSON body or raw bytes): each must be refused with a 
     ("/v1/messages", b"{not json"),
     ("/v1/chat/completions", b"[" * 50_000 + b"]" * 50_000),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model: str | None, trace_dir: Path, log_path: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    command = [sys.executable, "-m", "tinyserve.cli.main", "serve", *([model] if model else []), "--port", str(port),
-               "--served-model-name", MODEL_NAME, "--trace", "--trace-dir", str(trace_dir), *extra]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}; see {log_path}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    os.killpg(process.pid, signal.SIGKILL)
-    raise RuntimeError("the server did not become healthy within 300 s")
 
 
 def rss_by_process(pid: int) -> dict[str, int]:
@@ -222,30 +192,22 @@ def check_trace(run_dir: Path) -> dict:
 def soak(args) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="tinyserve-soak-"))
     trace_dir = Path(args.trace_dir) if args.trace_dir else workdir / "traces"
-    process, url = start_server(args.model, trace_dir, workdir / "server.log", args.serve_arg)
+    server = ServerProcess(args.model, "--served-model-name", MODEL_NAME, "--trace", "--trace-dir", str(trace_dir),
+                           *args.serve_arg, startup_timeout=300, log_path=workdir / "server.log")
     report: dict = {"duration_s": args.duration, "rate_per_s": args.rate, "server_log": str(workdir / "server.log")}
     try:
-        report["rss_start"] = rss_by_process(process.pid)
+        report["rss_start"] = rss_by_process(server.process.pid)
         started = time.monotonic()
-        outcomes, report["requests_sent"] = asyncio.run(run_load(url, args))
+        outcomes, report["requests_sent"] = asyncio.run(run_load(server.url, args))
         report["load_seconds"] = round(time.monotonic() - started, 1)
         report["outcomes"] = dict(outcomes)
-        report["idle_after"] = wait_idle(url)
-        report["rss_end"] = rss_by_process(process.pid)
+        report["idle_after"] = wait_idle(server.url)
+        report["rss_end"] = rss_by_process(server.process.pid)
     finally:
         stop_started = time.monotonic()
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        server.stop(timeout=120)
     report["shutdown_seconds"] = round(time.monotonic() - stop_started, 1)
-    try:
-        os.killpg(process.pid, 0)
-        report["processes_left"] = True
-    except ProcessLookupError:
-        report["processes_left"] = False
+    report["processes_left"] = not server.group_is_gone()
     [run_dir] = list(trace_dir.iterdir())
     report["trace"] = {"run_dir": str(run_dir), **check_trace(run_dir)}
     statuses = report["trace"]["http_statuses"]

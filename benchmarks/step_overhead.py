@@ -4,7 +4,7 @@ Outside the model: Scheduler.schedule, ModelRunner.update_states (the worker's o
 request state brought up to date from the SchedulerOutput) and prepare_inputs (flattening
 the batch, slot mapping, block tables), and Scheduler.update_from_output. The engine's
 own step timestamps give schedule and update; the runner's two are timed around the calls. The
-model is compare.py's 27M-parameter Llama (random weights), in fp32 or bf16 (whose
+model is bench_models.py's 27M-parameter Llama (random weights), in fp32 or bf16 (whose
 shorter steps make the same overhead a larger share).
 
     python benchmarks/step_overhead.py [--requests 64] [--max-tokens 40] [--dtype bfloat16]
@@ -17,10 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # compare.py, beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_models.py, beside this file
 
 import torch
-from compare import FULL, build_model
+from bench_models import FULL, build_model
 
 from tinyserve import LLM, SamplingParams
 from tinyserve.frontend.input_processor import ProcessedPrompt

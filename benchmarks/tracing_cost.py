@@ -13,7 +13,7 @@ and on in turn (who goes first alternating), and each run is cut in two:
 
 Reported per workload and dtype: the medians of each run's total and engine-loop time,
 the median time outside the loop, the median of the per-round ratios traced / untraced,
-and the throughput lost, 1 - untraced / traced. Model and workloads are compare.py's.
+and the throughput lost, 1 - untraced / traced. Model and workloads are bench_models.py's.
 
     python benchmarks/tracing_cost.py [--repeats 8] [--quick]
 """
@@ -26,11 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # compare.py, beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_models.py and roofline.py, beside this file
 
-from compare import (  # noqa: E402
-    BLOCK_SIZE, FULL, QUICK, build_model, describe_machine, make_llm, make_workloads, tinyserve_generate,
+from bench_models import (  # noqa: E402
+    FULL, QUICK, build_model, make_llm, make_workloads, num_kv_blocks_for, tinyserve_generate,
 )
+from roofline import describe_machine  # noqa: E402
 
 from tinyserve.lifecycle import tracing  # noqa: E402
 
@@ -96,7 +97,7 @@ def measure(folder: str, dtype: str, workloads, repeats: int, num_kv_blocks: int
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=None, help="rounds, each run off and on (default 8; 1 with --quick)")
-    parser.add_argument("--quick", action="store_true", help="compare.py's tiny model and workloads: a smoke test")
+    parser.add_argument("--quick", action="store_true", help="bench_models.py's tiny model and workloads: a smoke test")
     args = parser.parse_args(argv)
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 8)
     if repeats < 1:
@@ -107,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = os.path.join(tmp, "model")
         build_model(folder, shape, args.quick)
         workloads = make_workloads(shape, args.quick)
-        longest = max(len(p) for p in workloads[0].prompts) + max(max(w.output_lens) for w in workloads)
-        num_kv_blocks = len(workloads[0].prompts) * -(-longest // BLOCK_SIZE) + 8
+        num_kv_blocks = num_kv_blocks_for(workloads)
         rows = []
         for dtype in ("float32", "bfloat16"):
             rows += measure(folder, dtype, workloads, repeats, num_kv_blocks, os.path.join(tmp, f"traces-{dtype}"))

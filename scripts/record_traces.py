@@ -25,9 +25,6 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +36,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout that is not pip-installed
     sys.path.insert(0, str(ROOT))
+
+from tinyserve.testing import ServerProcess  # noqa: E402
+
 MODEL = "tinyserve-default"
 RECORDING_FILE = "recording.json"
 
@@ -167,57 +167,23 @@ RECORDINGS = {r.name: r for r in (lifecycle(), mixed(), kv_tight(), kv_roomy(), 
 # ---- the server and the client ------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # One torch thread per process: a 4M-parameter model gains nothing from more, and on a
 # machine with few cores, threads of several processes spinning against each other
 # make steps ten times slower or worse, and the timings erratic.
 SERVER_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def tail(log, num_chars: int = 3000) -> str:
-    log.flush()
-    log.seek(0)
-    return log.read()[-num_chars:]
+def start_server(trace_dir: Path, flags: list[str]) -> ServerProcess:
+    """`tinyserve serve --trace` on the built-in model, in a process group of its own; returns once /health answers."""
+    env = {**SERVER_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return ServerProcess(None, "--trace", "--trace-dir", str(trace_dir), *flags, startup_timeout=300, env=env)
 
 
-def start_server(port: int, trace_dir: Path, flags: list[str], log, timeout_s: float = 300.0) -> subprocess.Popen:
-    """`tinyserve serve --trace` as a subprocess of its own session; returns once /health answers."""
-    command = [sys.executable, "-m", "tinyserve.cli.main", "serve", "--port", str(port), "--trace",
-               "--trace-dir", str(trace_dir), *flags]
-    env = dict(os.environ, **SERVER_ENV, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s  # the first start may build the built-in model (~1 min)
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}:\n{tail(log)}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    stop_server(process)
-    raise RuntimeError(f"the server did not become healthy in {timeout_s:.0f} s:\n{tail(log)}")
-
-
-def stop_server(process: subprocess.Popen, timeout_s: float = 60.0) -> None:
+def stop_server(server: ServerProcess) -> None:
     """SIGTERM: the server drains, the engines flush their spans, then the API process flushes its own."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            raise RuntimeError("the server did not stop on SIGTERM; its spans may be incomplete") from None
+    server.stop(timeout=60)
+    if server.killed:
+        raise RuntimeError("the server did not stop on SIGTERM; its spans may be incomplete")
 
 
 async def send(client: httpx.AsyncClient, start: float, request: Request) -> None:
@@ -299,18 +265,16 @@ def record(name: str, out_dir: str | Path) -> Path:
     recording = RECORDINGS[name]
     target = Path(out_dir) / f"recorded-{name}"
     with tempfile.TemporaryDirectory(prefix="tinyserve-record-") as scratch:
-        trace_dir, port = Path(scratch) / "traces", free_port()
-        with open(Path(scratch) / "server.log", "w+") as log:
-            process = start_server(port, trace_dir, recording.flags, log)
-            try:
-                url = f"http://127.0.0.1:{port}"
-                warm_up_id = warm_up(url)
-                if recording.single_chat is not None:
-                    chat_once(url, recording.single_chat)
-                else:
-                    run_workload(url, recording.workload)
-            finally:
-                stop_server(process)
+        trace_dir = Path(scratch) / "traces"
+        server = start_server(trace_dir, recording.flags)
+        try:
+            warm_up_id = warm_up(server.url)
+            if recording.single_chat is not None:
+                chat_once(server.url, recording.single_chat)
+            else:
+                run_workload(server.url, recording.workload)
+        finally:
+            stop_server(server)
         [run_dir] = list(trace_dir.iterdir())
         drop_requests(run_dir, {warm_up_id, f"{warm_up_id}-0"})  # a completion's span is named per prompt
         if target.exists():

@@ -1,8 +1,11 @@
-"""Shared test set-up.
+"""Shared test set-up: the environment, and the one shared server.
 
 TRITON_INTERPRET must be set before any @triton.jit function is created, so it is
 set here, before tinyserve's kernels can be imported. HF_HUB_OFFLINE keeps
 transformers from trying the network for a name it does not find locally.
+
+The markers server, notebook, interpreter and slow are described in pyproject.toml;
+`make test-fast` runs the tests that carry none of them.
 """
 
 import os
@@ -10,3 +13,21 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from tests import shared_server  # noqa: E402
+from tinyserve.testing import ServerProcess  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One `tinyserve serve` of the tiny Llama (tests/shared_server.py), shared by every test that asks for it.
+
+    Tests on it leave it as they found it: idle, every KV block free. They may not
+    assume a fresh server: counters are read as differences, the log is searched for
+    their own request.
+    """
+    proc = ServerProcess(shared_server.model_folder(), *shared_server.FLAGS)
+    yield proc
+    proc.stop()

@@ -41,7 +41,8 @@ def offline_outputs():
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("kwargs", [{"in_process": True}, {}, {"data_parallel_size": 2}],
+@pytest.mark.parametrize("kwargs", [{"in_process": True}, {},
+                                    pytest.param({"data_parallel_size": 2}, marks=pytest.mark.slow)],
                          ids=["in-process", "one-engine-process", "two-engine-processes"])
 def test_same_greedy_outputs_through_every_client(offline_outputs, kwargs):
     results = run(generate_all, **kwargs)

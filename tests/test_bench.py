@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.server_process import ServerProcess, free_port
+from tests.shared_server import MODEL
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.bench import serve as serve_module
 from tinyserve.bench.datasets import random_requests, vocabulary_pool
@@ -30,21 +30,14 @@ from tinyserve.bench.request_funcs import RequestFuncInput, RequestFuncOutput
 from tinyserve.bench.vocabulary import server_vocabulary
 from tinyserve.cli.main import main
 from tinyserve.models.tokenizer import load_tokenizer
+from tinyserve.testing import free_port
 
-MODEL = "tiny"
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def folder() -> str:
     return str(tiny_model_with_tokenizer("llama"))
-
-
-@pytest.fixture(scope="module")
-def server(folder):
-    proc = ServerProcess(folder, "--served-model-name", MODEL, "--num-kv-blocks", "128", "--max-model-len", "256")
-    yield proc
-    proc.stop()
 
 
 # ---- the random dataset ------------------------------------------------------------
@@ -166,6 +159,7 @@ def _assert_summary_matches_the_requests(result: dict) -> None:
     assert result["total_token_throughput"] == pytest.approx(total_tokens / result["duration"])
 
 
+@pytest.mark.server
 def test_bench_serve_completions_at_infinite_rate(server, tmp_path, capsys):
     printed, result = _bench_serve(server, tmp_path, capsys, "--endpoint", "/v1/completions",
                                    "--goodput", "ttft:2000", "tpot:300", "--percentile-metrics", "ttft,tpot,itl,e2el")
@@ -196,6 +190,7 @@ def test_bench_serve_completions_at_infinite_rate(server, tmp_path, capsys):
     assert result["request_goodput"] == pytest.approx(good / result["duration"])
 
 
+@pytest.mark.server
 def test_bench_serve_chat_at_a_bursty_finite_rate_with_a_concurrency_cap(server, tmp_path, capsys):
     printed, result = _bench_serve(server, tmp_path, capsys, "--endpoint", "/v1/chat/completions",
                                    "--request-rate", "20", "--burstiness", "0.5", "--max-concurrency", "3",
@@ -212,6 +207,7 @@ def test_bench_serve_chat_at_a_bursty_finite_rate_with_a_concurrency_cap(server,
     _assert_summary_matches_the_requests(result)
 
 
+@pytest.mark.server
 def test_server_vocabulary_decodes_as_the_models_tokenizer(server, folder):
     tokenizer = load_tokenizer(folder)
     with httpx.Client() as client:
@@ -252,6 +248,7 @@ def run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.slow
 def test_compare_quick_runs_every_contender_and_prints_the_roofline():
     done = run_benchmark("compare.py", "--quick")
     out = done.stdout
@@ -277,6 +274,8 @@ def test_compare_quick_runs_every_contender_and_prints_the_roofline():
 # ---- benchmarks/gpu_check.py --------------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.interpreter
 def test_gpu_check_smoke_runs_every_part_on_the_cpu_and_prints_the_table():
     # The script is meant for a GPU; --smoke runs the same code on tiny sizes here, so a
     # GPU run is not the first time it ever executes.
@@ -302,6 +301,7 @@ def test_gpu_check_without_a_gpu_says_so_and_measures_nothing():
 # ---- benchmarks/tracing_cost.py ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tracing_cost_quick_prints_the_cost_per_workload_and_dtype():
     done = run_benchmark("tracing_cost.py", "--quick")
     number = r"(-?[\d.]+)"

@@ -14,24 +14,14 @@ import httpx
 import openai
 import pytest
 
-from tests.server_process import ServerProcess, free_port
-from tests.tiny_checkpoints import tiny_model_with_tokenizer
+from tests.shared_server import ENGINE_FLAGS, MODEL, model_folder
 from tinyserve.cli.main import main
-
-MODEL = "tiny"
-ENGINE_FLAGS = ("--served-model-name", MODEL, "--num-kv-blocks", "128", "--max-model-len", "256")
+from tinyserve.testing import free_port
 
 
 def tinyserve(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tinyserve.cli.main", *args], input=stdin,
                           capture_output=True, text=True, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def server():
-    proc = ServerProcess(str(tiny_model_with_tokenizer("llama")), *ENGINE_FLAGS)
-    yield proc
-    proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +37,7 @@ def greedy_chat(client, messages: list[dict]) -> str:
 # ---- chat and complete -------------------------------------------------------------
 
 
+@pytest.mark.server
 def test_chat_quick_prints_the_servers_reply_and_exits_0(server, client):
     expected = greedy_chat(client, [{"role": "user", "content": "hi"}])
     result = tinyserve("chat", "--url", f"{server.url}/v1", "--quick", "hi", "--max-tokens", "8", "--temperature", "0")
@@ -55,6 +46,7 @@ def test_chat_quick_prints_the_servers_reply_and_exits_0(server, client):
     assert result.stdout == expected + "\n"
 
 
+@pytest.mark.server
 def test_complete_quick_prints_the_servers_completion_and_exits_0(server, client):
     prompt = "Flat is better than"
     expected = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
@@ -65,6 +57,7 @@ def test_complete_quick_prints_the_servers_completion_and_exits_0(server, client
     assert result.stdout == expected + "\n"
 
 
+@pytest.mark.server
 def test_interactive_chat_keeps_the_history_and_ends_on_eof(server, client):
     system = {"role": "system", "content": "Answer briefly."}
     first = greedy_chat(client, [system, {"role": "user", "content": "hi"}])
@@ -86,6 +79,7 @@ def test_unreachable_server_is_one_clear_line_and_exit_1():
     assert line.startswith("error: cannot reach the server at") and url in line
 
 
+@pytest.mark.server
 def test_an_error_answer_is_one_line_with_the_servers_message_and_exit_1(server, capsys):
     # In this process (main() is what the `tinyserve` script calls): no second interpreter to start.
     body = {"model": "nope", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
@@ -109,6 +103,7 @@ COMPLETION_BODY = {"model": MODEL, "prompt": "Flat is better than", "max_tokens"
 BAD_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": -1}
 
 
+@pytest.mark.server
 def test_run_batch_answers_every_line_in_order_as_the_server_would(server, tmp_path):
     lines = [
         batch_line("chat", "/v1/chat/completions", CHAT_BODY),
@@ -119,7 +114,7 @@ def test_run_batch_answers_every_line_in_order_as_the_server_would(server, tmp_p
     ]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     result = tinyserve("run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
-                       str(tiny_model_with_tokenizer("llama")), *ENGINE_FLAGS)
+                       model_folder(), *ENGINE_FLAGS)
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
 

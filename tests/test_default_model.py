@@ -97,6 +97,7 @@ def fingerprint_built_here(tmp_path_factory):
     return build_with(sys.executable, tmp_path_factory.mktemp("built-here"))
 
 
+@pytest.mark.slow  # about a minute a build, and one here to compare with
 @pytest.mark.parametrize("version", sorted(OTHER_BUILDERS) or [
     pytest.param(None, marks=pytest.mark.skip(reason="no other supported Python here has " + ", ".join(BUILD_MODULES)))
 ])

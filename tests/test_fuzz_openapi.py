@@ -18,14 +18,17 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from tests.server_process import ServerProcess
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
+from tinyserve.testing import ServerProcess
+
+pytestmark = pytest.mark.server
 
 EXAMPLES_PER_OPERATION = 25  # per operation and mode: ~10 operations × 2 modes, about half a minute
 
 
 @pytest.fixture(scope="module")
 def server():
+    """This module's own server (not conftest's shared one): a short context and a small waiting queue."""
     proc = ServerProcess(str(tiny_model_with_tokenizer("llama")), "--served-model-name", "tiny",
                          "--num-kv-blocks", "64", "--max-model-len", "48", "--max-waiting-requests", "8", "--log-requests")
     yield proc
@@ -43,27 +46,44 @@ def operations(schema) -> list:
     return [result.ok() for result in schema.get_all_operations()]
 
 
-# Driven by hand (not @schema.parametrize) so that the schema can come from a
-# server started by a fixture; one test per operation label and generation mode.
-@pytest.mark.parametrize("mode", list(GenerationMode), ids=lambda mode: mode.value)
-def test_no_generated_request_gets_a_server_error(api_schema, mode):
+@pytest.fixture(scope="module")
+def fuzzing(api_schema) -> dict:
+    """Fuzz every operation in each generation mode; for each mode, the failures found (operation, error)."""
+    failures = {}
+    for mode in GenerationMode:
+        failures[mode] = []
+        for operation in operations(api_schema):
+            if mode is GenerationMode.NEGATIVE and not operation.get_request_payload_content_types() \
+                    and not list(operation.iter_parameters()):
+                continue  # nothing to break: GET /health takes no input
+
+            # Driven by hand (not @schema.parametrize) so that the schema can come from a
+            # server started by a fixture.
+            @given(case=operation.as_strategy(generation_mode=mode))
+            @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, derandomize=True, database=None,
+                      suppress_health_check=list(HealthCheck))
+            def call(case):
+                case.call_and_validate(checks=[not_a_server_error])
+
+            try:
+                call()
+            except Exception as error:  # hypothesis re-raises the failure of the smallest example
+                failures[mode].append((operation.label, f"{type(error).__name__}: {error}"))
+    return failures
+
+
+def test_the_spec_has_every_operation_the_server_serves(api_schema):
     assert {op.label for op in operations(api_schema)} >= {
         "POST /v1/chat/completions", "POST /v1/completions", "POST /v1/messages", "GET /v1/models", "GET /health",
         "POST /tokenize", "POST /detokenize"}
-    for operation in operations(api_schema):
-        if mode is GenerationMode.NEGATIVE and not operation.get_request_payload_content_types() \
-                and not list(operation.iter_parameters()):
-            continue  # nothing to break: GET /health takes no input
-        @given(case=operation.as_strategy(generation_mode=mode))
-        @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
-        def call(case):
-            case.call_and_validate(checks=[not_a_server_error])
-
-        call()
 
 
-def test_the_fuzzing_reached_the_server_and_left_it_healthy(server):
+@pytest.mark.parametrize("mode", list(GenerationMode), ids=lambda mode: mode.value)
+def test_no_generated_request_gets_a_server_error(fuzzing, mode):
+    assert not fuzzing[mode], "\n\n".join(f"{label}: {error}" for label, error in fuzzing[mode])
+
+
+def test_the_fuzzing_reached_the_server_and_left_it_healthy(server, fuzzing):
     statuses = collections.Counter(re.findall(r'HTTP/1.1" (\d{3}) ', server.output()))
     assert sum(statuses.values()) > 100 and statuses["200"] and statuses["400"], statuses
     assert not [status for status in statuses if status.startswith("5")], statuses

@@ -12,7 +12,7 @@ import argparse
 import pytest
 import torch
 
-from tests.test_llm_parity import hf_greedy
+from tests.hf_reference import hf_greedy
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM, SamplingParams
 from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from
@@ -45,6 +45,7 @@ def decode_batch(seq_lens: list[int], block_size: int, first_block: int = 1):
     return metadata, next_block
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("num_seqs", [1, 3, 5])
 def test_a_padded_bucket_gives_the_eager_forward_and_writes_only_real_slots(num_seqs):
     model, _ = load_model(tiny_model_with_tokenizer("llama"), torch.float32, torch.device("cpu"),
@@ -96,6 +97,7 @@ def test_graphs_refuse_a_batch_they_have_no_bucket_for():
 PROMPTS = [[5, 9, 33, 71, 120], list(range(40, 75)), [200, 3, 17]]
 
 
+@pytest.mark.interpreter
 def test_engine_decodes_through_the_graph_buffers_unless_enforce_eager():
     folder = tiny_model_with_tokenizer("llama")
     # Different lengths: the batch shrinks 3 -> 2 -> 1 as requests finish (buckets 4, 2, 1).

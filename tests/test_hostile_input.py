@@ -18,8 +18,10 @@ import psutil
 import pytest
 import zmq
 
-from tests.server_process import ServerProcess
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
+from tinyserve.testing import ServerProcess
+
+pytestmark = pytest.mark.server
 
 MODEL = "tiny"
 KEY = "sk-hostile-test"
@@ -32,6 +34,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    """This module's own server (not conftest's shared one): an API key, a 128-token context, a 1 MiB body limit."""
     tmpdir = tmp_path_factory.mktemp("server-tmp")
     proc = ServerProcess(str(tiny_model_with_tokenizer("llama")), "--served-model-name", MODEL, "--api-key", KEY,
                          "--num-kv-blocks", "64", "--max-model-len", "128",
@@ -296,7 +299,11 @@ def metric(server, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^tinyserve:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE))
 
 
-def test_server_is_healthy_idle_and_never_answered_5xx_after_all_that(server):
+def test_after_hostile_bodies_the_server_is_healthy_idle_and_never_answered_5xx(server):
+    # A volley of its own, so that this holds run alone too; after the whole module the log covers all of it.
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages"):
+        for content in [*RAW_BODIES.values(), b'{"prompt": "' + b"x" * (2 * BODY_LIMIT) + b'"}']:
+            assert 400 <= post(server, path, content=content).status_code < 500, (path, content[:40])
     response = post(server, "/v1/chat/completions", CHAT)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
     assert metric(server, "num_requests_running") == 0 and metric(server, "kv_cache_usage_perc") == 0

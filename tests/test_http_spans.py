@@ -3,10 +3,13 @@
 import signal
 
 import httpx
+import pytest
 
-from tests.server_process import ServerProcess
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.lifecycle.otlp_json import read_spans
+from tinyserve.testing import ServerProcess
+
+pytestmark = pytest.mark.server
 
 KEY = "secret-key"
 

@@ -2,36 +2,19 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
+from tests.hf_reference import MAX_TOKENS, hf_greedy, hf_model
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM, SamplingParams
 
 # (family, tied embeddings): every family, both embedding layouts somewhere.
 MODELS = [("llama", False), ("mistral", True), ("qwen2", True), ("qwen3", False)]
 PROMPT_LENGTHS = (5, 17, 40, 70)
-MAX_TOKENS = 16
 
 
 def prompts_for(vocab_size: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(1234)
     return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
-
-
-def hf_greedy(folder, prompt: list[int]) -> list[int]:
-    model = _hf_model(folder)
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
-_HF_MODELS = {}
-
-
-def _hf_model(folder):
-    if folder not in _HF_MODELS:
-        _HF_MODELS[folder] = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    return _HF_MODELS[folder]
 
 
 def generate_ids(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -44,7 +27,7 @@ def generate_ids(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def model_and_reference(request):
     family, tied = request.param
     folder = tiny_model_with_tokenizer(family, tied)
-    prompts = prompts_for(_hf_model(folder).config.vocab_size)
+    prompts = prompts_for(hf_model(folder).config.vocab_size)
     return folder, prompts, [hf_greedy(folder, p) for p in prompts]
 
 
@@ -75,7 +58,7 @@ def test_greedy_matches_with_preemption_and_chunked_prefill(model_and_reference)
 def hf_prompt_logprobs(folder, prompt: list[int]) -> torch.Tensor:
     """log_softmax of transformers' logits at every prompt position: row p predicts token p + 1."""
     with torch.no_grad():
-        logits = _hf_model(folder)(torch.tensor([prompt])).logits[0]
+        logits = hf_model(folder)(torch.tensor([prompt])).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)
 
 

@@ -51,6 +51,7 @@ def test_there_are_four_notebooks_in_reading_order():
     assert [p.stem[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04"]
 
 
+@pytest.mark.notebook
 def test_notebook_kernel_is_this_environments_python(tmp_path):
     probe = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import sys; print(sys.prefix)")])
     nbformat.write(probe, tmp_path / "probe.ipynb")
@@ -58,6 +59,7 @@ def test_notebook_kernel_is_this_environments_python(tmp_path):
     assert executed.cells[0].outputs[0].text.strip() == sys.prefix
 
 
+@pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom_and_shows_figures(path):
     committed = path.read_bytes()
@@ -109,6 +111,7 @@ def test_recorded_run_is_small_and_every_request_replayable(folder):
         assert request.ttft_s > 0 and request.inputs.prompt != "Warm up."
 
 
+@pytest.mark.server
 def test_record_traces_records_a_run_from_a_real_server(tmp_path):
     folder = record_traces.record("lifecycle", tmp_path)
     assert folder == tmp_path / "recorded-lifecycle"

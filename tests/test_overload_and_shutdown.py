@@ -22,10 +22,12 @@ import httpx
 import psutil
 import pytest
 
-from tests.server_process import ServerProcess
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.otlp_json import read_spans
+from tinyserve.testing import ServerProcess
+
+pytestmark = pytest.mark.server
 
 MODEL = "tiny"
 REPO_ROOT = Path(__file__).resolve().parent.parent

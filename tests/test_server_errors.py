@@ -8,8 +8,10 @@ import httpx
 import openai
 import pytest
 
-from tests.server_process import ServerProcess
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
+from tinyserve.testing import ServerProcess
+
+pytestmark = pytest.mark.server
 
 MODEL = "tiny"
 KEY = "sk-test-key"
@@ -18,6 +20,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 
 @pytest.fixture(scope="module")
 def server():
+    """This module's own server (not conftest's shared one): it wants an API key, and has a 128-token context."""
     folder = str(tiny_model_with_tokenizer("llama"))
     proc = ServerProcess(folder, "--served-model-name", MODEL, "--api-key", KEY, "--num-kv-blocks", "64",
                          "--max-model-len", "128")
@@ -38,29 +41,29 @@ def assert_openai_error(response, status, *words):
         assert word in error["message"]
 
 
-@pytest.mark.parametrize(
-    "change, words",
-    [
-        ({"temperature": -1}, ["temperature"]),
-        ({"temperature": "hot"}, ["temperature"]),
-        ({"top_p": 0}, ["top_p"]),
-        ({"n": 0}, ["n"]),
-        ({"max_tokens": 0}, ["max_tokens"]),
-        ({"top_logprobs": 21, "logprobs": True}, ["top_logprobs"]),
-        ({"presence_penalty": 5}, ["presence_penalty"]),
-        ({"top_k": -5}, ["top_k"]),
-        ({"messages": []}, ["messages"]),
-        ({"messages": [{"role": "wizard", "content": "x"}]}, ["role"]),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, ["content"]),
-        ({"messages": "hello"}, ["messages"]),
-        ({"top_logprobs": 2}, ["top_logprobs", "logprobs"]),
-        ({"stream_options": {"include_usage": True}}, ["stream_options", "stream"]),
-        ({"continue_final_message": True}, ["continue_final_message", "add_generation_prompt"]),
-        ({"logit_bias": {"five": 10}}, ["logit_bias", "token ids"]),
-        ({"logit_bias": {"5": 500}}, ["logit_bias"]),
-        ({"logit_bias": {"99999": 5}}, ["logit_bias", "outside the vocabulary"]),
-    ],
-)
+INVALID_CHAT_FIELDS = [  # (change to CHAT, words the error message must hold)
+    ({"temperature": -1}, ["temperature"]),
+    ({"temperature": "hot"}, ["temperature"]),
+    ({"top_p": 0}, ["top_p"]),
+    ({"n": 0}, ["n"]),
+    ({"max_tokens": 0}, ["max_tokens"]),
+    ({"top_logprobs": 21, "logprobs": True}, ["top_logprobs"]),
+    ({"presence_penalty": 5}, ["presence_penalty"]),
+    ({"top_k": -5}, ["top_k"]),
+    ({"messages": []}, ["messages"]),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, ["role"]),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, ["content"]),
+    ({"messages": "hello"}, ["messages"]),
+    ({"top_logprobs": 2}, ["top_logprobs", "logprobs"]),
+    ({"stream_options": {"include_usage": True}}, ["stream_options", "stream"]),
+    ({"continue_final_message": True}, ["continue_final_message", "add_generation_prompt"]),
+    ({"logit_bias": {"five": 10}}, ["logit_bias", "token ids"]),
+    ({"logit_bias": {"5": 500}}, ["logit_bias"]),
+    ({"logit_bias": {"99999": 5}}, ["logit_bias", "outside the vocabulary"]),
+]
+
+
+@pytest.mark.parametrize("change, words", INVALID_CHAT_FIELDS)
 def test_invalid_chat_fields_are_400_not_422(server, change, words):
     assert_openai_error(post(server, "/v1/chat/completions", {**CHAT, **change}), 400, *words)
 
@@ -152,9 +155,14 @@ def test_anthropic_refuses_a_prefill_ending_in_whitespace_and_tools(server, chan
                                   **change})
 
 
-def test_server_is_healthy_after_all_that(server):
+def test_a_run_of_bad_requests_leaves_the_server_serving(server):
+    for change, _ in INVALID_CHAT_FIELDS:
+        assert post(server, "/v1/chat/completions", {**CHAT, **change}).status_code == 400, change
+    assert post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * 200, "max_tokens": 4}).status_code == 400
+    assert post(server, "/v1/chat/completions", CHAT, key="sk-wrong").status_code == 401
     response = post(server, "/v1/chat/completions", CHAT)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+    assert "Traceback" not in server.output()
 
 
 def test_dead_engine_makes_health_503_and_requests_fail_with_503():

@@ -1,27 +1,13 @@
 """The server through the official openai client, on a real loopback port."""
 
-from types import SimpleNamespace
-
 import httpx
 import openai
 import pytest
 
-from tests.server_process import ServerProcess
-from tests.tiny_checkpoints import tiny_model_with_tokenizer
+from tests.shared_server import MAX_MODEL_LEN, MODEL
 from tests.tiny_tokenizer import TINY_VOCAB_SIZE
-from tinyserve.entrypoints.api.openai_protocol import ChatCompletionRequest
-from tinyserve.entrypoints.api.openai_serving import ServingContext
 
-MODEL = "tiny"
-
-
-@pytest.fixture(scope="module")
-def server():
-    folder = str(tiny_model_with_tokenizer("llama"))
-    proc = ServerProcess(folder, "--served-model-name", MODEL, "--num-kv-blocks", "128", "--max-model-len", "256",
-                         "--log-requests")
-    yield proc
-    proc.stop()
+pytestmark = pytest.mark.server
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +195,7 @@ def test_max_completion_tokens_is_honoured(client):
 
 def test_tokenize_and_detokenize_round_trip(server):
     tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "Namespaces are one honking great idea"}).json()
-    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 256
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN
     text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
     assert "Namespaces are one honking great idea" in text
 
@@ -226,24 +212,3 @@ def test_log_requests_logs_inputs_and_one_access_line_per_request(server, client
     [inputs] = [line for line in log.splitlines() if f"Received request {response.id}" in line]
     assert "log me" in inputs and "prompt_token_ids" in inputs and "max_tokens=2" in inputs
     assert '"POST /v1/chat/completions HTTP/1.1" 200' in log
-
-
-def test_server_defaults_come_from_the_generation_config_where_it_sets_them():
-    model_info = SimpleNamespace(max_model_len=100, generation_defaults={"temperature": 0.0, "top_k": 5, "max_tokens": 3})
-    ctx = ServingContext(engine=SimpleNamespace(model_info=model_info), model_names=["tiny"])
-    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], top_p=0.5)
-    params = body.sampling_params(ctx.max_tokens_for(10, None), None, ctx.sampling_defaults)
-    assert (params.temperature, params.top_k, params.top_p, params.min_p, params.max_tokens) == (0.0, 5, 0.5, 0.0, 3)
-    assert ctx.max_tokens_for(10, 50) == 3  # max_new_tokens caps a request's max_tokens too (vLLM's rule)
-    plain = ServingContext(engine=SimpleNamespace(model_info=SimpleNamespace(max_model_len=100, generation_defaults={})),
-                           model_names=["tiny"])
-    assert plain.sampling_defaults == {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                                       "repetition_penalty": 1.0}
-    assert plain.max_tokens_for(10, None) == 90
-
-
-def test_a_chat_messages_name_reaches_the_template():
-    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi", "name": "Tim"},
-                                           {"role": "user", "content": "hello"}])
-    assert [m.as_template_message() for m in body.messages] == [
-        {"role": "user", "content": "hi", "name": "Tim"}, {"role": "user", "content": "hello"}]

@@ -12,10 +12,10 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from tests.server_process import ServerProcess
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.otlp_json import read_spans
+from tinyserve.testing import ServerProcess
 
 MODEL = "tiny"
 # The spans of one n=1 request: the HTTP root, the request span and eight stages.
@@ -63,6 +63,7 @@ def traced_run(tmp_path_factory):
     return run, all_spans(run), incoming
 
 
+@pytest.mark.server
 def test_run_folder_has_a_manifest_and_one_file_per_process(traced_run):
     run, _, _ = traced_run
     assert sorted(p.name for p in run.iterdir()) == sorted([schema.API_TRACE_FILE, schema.MANIFEST_FILE, schema.engine_trace_file(0)])
@@ -70,6 +71,7 @@ def test_run_folder_has_a_manifest_and_one_file_per_process(traced_run):
     assert manifest["served_model_name"] == MODEL and manifest["engine_args"]["num_kv_blocks"] == 128
 
 
+@pytest.mark.server
 def test_each_request_trace_has_every_stage_once_and_one_root(traced_run):
     _, spans, _ = traced_run
     traces = request_traces(spans)
@@ -84,6 +86,7 @@ def test_each_request_trace_has_every_stage_once_and_one_root(traced_run):
         assert {s.service for s in trace_spans} == {schema.SERVICE_API, schema.engine_service_name(0)}
 
 
+@pytest.mark.server
 def test_engine_spans_are_children_of_the_request_span_across_processes(traced_run):
     _, spans, _ = traced_run
     for trace_spans in request_traces(spans).values():
@@ -98,6 +101,7 @@ def test_engine_spans_are_children_of_the_request_span_across_processes(traced_r
         assert prefill.events and prefill.events[0].name == schema.EVENT_PREFILL_CHUNK
 
 
+@pytest.mark.server
 def test_request_span_logs_inputs_and_outputs_for_replay(traced_run):
     _, spans, _ = traced_run
     for trace_spans in request_traces(spans).values():
@@ -110,6 +114,7 @@ def test_request_span_logs_inputs_and_outputs_for_replay(traced_run):
         assert render.attributes[schema.PROMPT_TOKEN_IDS] and json.loads(render.attributes[schema.SAMPLING_PARAMS])["max_tokens"] == 4
 
 
+@pytest.mark.server
 def test_incoming_traceparent_is_continued(traced_run):
     _, spans, incoming = traced_run
     _, trace_id, parent_id, _ = incoming.split("-")
@@ -119,6 +124,7 @@ def test_incoming_traceparent_is_continued(traced_run):
     assert root.parent_span_id == parent_id
 
 
+@pytest.mark.server
 def test_step_spans_link_to_the_requests_they_served_and_carry_the_batch(traced_run):
     _, spans, _ = traced_run
     request_span_of = {s.attributes[schema.REQUEST_ID]: s.span_id for s in spans
@@ -146,6 +152,7 @@ async def _burst(url: str, count: int) -> list[int]:
         return await asyncio.gather(*[one(i) for i in range(count)])
 
 
+@pytest.mark.server
 def test_no_span_is_lost_under_load(tmp_path):
     server = ServerProcess(str(tiny_model_with_tokenizer("llama")), "--served-model-name", MODEL, "--trace",
                            "--trace-dir", str(tmp_path), "--num-kv-blocks", "512")
@@ -182,6 +189,7 @@ class _OTLPReceiver(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.server
 def test_otlp_http_export_reaches_a_receiver():
     receiver = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OTLPReceiver)
     threading.Thread(target=receiver.serve_forever, daemon=True).start()

@@ -2,9 +2,11 @@
 
 import pytest
 
-from tests.test_llm_parity import hf_greedy
+from tests.hf_reference import hf_greedy
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.interpreter
 
 PROMPTS = [[5, 9, 33, 71, 120], list(range(40, 75)), [200, 3, 17]]
 
