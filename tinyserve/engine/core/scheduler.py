@@ -112,6 +112,8 @@ class Scheduler:
                 if victim.request_id in cached:  # it already got tokens this step: take them back
                     undone = cached.pop(victim.request_id)
                     token_budget += undone.num_new_tokens
+                    # Back to what was computed before this step: freeing the blocks below reads it, and
+                    # takes out of the prefix cache a block this step registered but will not write.
                     victim.num_computed_tokens = undone.num_computed_tokens
                 if victim_index < index:
                     index -= 1
