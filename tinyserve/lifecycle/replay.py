@@ -98,18 +98,37 @@ def replay_request(request: RequestTimeline, llm) -> ReplayResult:
     reason = why_not_reproducible(request)
     if reason is not None:
         return ReplayResult(request.request_id, matched=False, skipped_reason=reason)
-    prompt = {"prompt_token_ids": request.inputs.prompt_token_ids}
     try:
-        [output] = llm.generate([prompt], request.inputs.sampling_params, use_tqdm=False)
+        [output] = llm.generate([_prompt(request)], request.inputs.sampling_params, use_tqdm=False)
     except ValueError as error:  # this engine cannot serve it: another model, a smaller context
         return ReplayResult(request.request_id, matched=False, skipped_reason=f"the engine rejected it: {error}")
+    return _compare(request, output)
+
+
+def replay_run(run: Run, llm, request_ids: list[str] | None = None) -> list[ReplayResult]:
+    """Replay every request of the run (or those named), in arrival order, and compare each.
+
+    They run as one batch, as a server would have run them: a greedy or seeded request's
+    tokens do not depend on what else shares its steps. If the engine refuses one of
+    them, they run one at a time instead, so the result can say which.
+    """
+    requests = run.requests if request_ids is None else [run.request(request_id) for request_id in request_ids]
+    runnable = [request for request in requests if why_not_reproducible(request) is None]
+    try:
+        outputs = llm.generate([_prompt(r) for r in runnable], [r.inputs.sampling_params for r in runnable],
+                               use_tqdm=False) if runnable else []
+    except ValueError:
+        return [replay_request(request, llm) for request in requests]
+    replayed = {request.request_id: _compare(request, output) for request, output in zip(runnable, outputs)}
+    return [replayed.get(request.request_id) or replay_request(request, llm) for request in requests]
+
+
+def _prompt(request: RequestTimeline) -> dict:
+    return {"prompt_token_ids": request.inputs.prompt_token_ids}
+
+
+def _compare(request: RequestTimeline, output) -> ReplayResult:
     logged = sorted(request.completions, key=lambda c: c.index)
     replayed = sorted(output.outputs, key=lambda c: c.index)
     divergence = first_divergence([c.token_ids for c in logged], [list(c.token_ids) for c in replayed])
     return ReplayResult(request.request_id, matched=divergence is None, first_divergence=divergence)
-
-
-def replay_run(run: Run, llm, request_ids: list[str] | None = None) -> list[ReplayResult]:
-    """Replay every request of the run (or those named), one at a time, in arrival order."""
-    requests = run.requests if request_ids is None else [run.request(request_id) for request_id in request_ids]
-    return [replay_request(request, llm) for request in requests]
