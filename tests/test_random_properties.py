@@ -1,4 +1,4 @@
-"""Randomized properties of LLM under stress settings, each case drawn from one seed.
+"""Randomized properties of LLM and AsyncLLM under stress settings, each case drawn from one seed.
 
 A case (tests/random_workloads.py) is a set of engine settings from stress ranges and a
 workload of requests with every sampling option, late arrivals and random aborts.
@@ -10,31 +10,38 @@ For each case:
 2. Nothing leaks: after every run, every KV block is free (`pool.check_integrity()`),
    the scheduler and the KV cache manager hold no request, the output processor no
    parent or child, the client nothing in flight.
+3. AsyncLLM: streamed deltas add up to the final output, an aborted stream ends (no
+   hang) with a prefix of what the request gives alone, and the others equal their
+   solo runs. In-process for every seed, over a real engine process for a few.
 
 By default a fixed list of seeds runs (about a minute on two busy cores). More:
 
     TINYSERVE_PROPERTY_CASES=200 pytest tests/test_random_properties.py   # seeds 0 .. 199
     TINYSERVE_PROPERTY_SEEDS=17,42 pytest tests/test_random_properties.py  # exactly these
 
-A failing case's report ends with its seed, its engine settings and every request; the
-seed replays it exactly.
+A failing case's report ends with its seed, its engine settings and every request. The
+seed replays an LLM case exactly; an AsyncLLM case's workload, not its interleaving,
+which depends on timing.
 """
 
+import asyncio
 import contextlib
 import math
 import os
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 from tests.random_workloads import Case, PlannedRequest, draw_case
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
-from tinyserve import LLM
+from tinyserve import LLM, AsyncLLM, EngineArgs
 from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.outputs import CompletionOutput, RequestOutput
 
 DEFAULT_NUM_CASES = 20
 MAX_STEPS = 20_000  # far more than any case needs: more means the engine stopped making progress
+ASYNC_TIMEOUT_S = 120.0  # a whole async case; a stream that never ends fails it with its name
 LOGPROB_TOLERANCE = 1e-4
 
 
@@ -45,6 +52,7 @@ def case_seeds() -> list[int]:
 
 
 SEEDS = case_seeds()
+ENGINE_PROCESS_SEEDS = SEEDS[: max(1, len(SEEDS) // 20)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -223,3 +231,178 @@ def test_the_workloads_stop_strings_and_stop_tokens_really_fire(probe):
                                  use_tqdm=False)
         finish |= {(c.finish_reason, type(c.stop_reason).__name__) for o in outputs for c in o.outputs}
     assert {("stop", "str"), ("stop", "int"), ("length", "NoneType")} <= finish
+
+
+# ---- AsyncLLM: concurrent streams --------------------------------------------------
+
+
+@dataclass
+class StreamRecord:
+    """What one request's stream delivered."""
+
+    request: PlannedRequest
+    outputs: list[RequestOutput] = field(default_factory=list)
+    abort_issued: bool = False
+    ended: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.outputs) and self.outputs[-1].finished
+
+
+def merge_deltas(outputs: list[RequestOutput]) -> dict[int, CompletionOutput]:
+    """Each sample's deltas joined into one cumulative CompletionOutput."""
+    merged: dict[int, CompletionOutput] = {}
+    for output in outputs:
+        for delta in output.outputs:
+            whole = merged.setdefault(delta.index, CompletionOutput(delta.index, "", [], logprobs=None))
+            whole.text += delta.text
+            whole.token_ids += delta.token_ids
+            whole.finish_reason, whole.stop_reason = delta.finish_reason, delta.stop_reason
+            if delta.logprobs is not None:
+                whole.logprobs = (whole.logprobs or []) + delta.logprobs
+            whole.cumulative_logprob = delta.cumulative_logprob
+    return merged
+
+
+async def consume(engine: AsyncLLM, record: StreamRecord) -> None:
+    """Send the request after its arrival delay and read its stream, aborting it as planned."""
+    request = record.request
+    await asyncio.sleep(request.arrival * 0.002)
+    args = (request.prompt_input, request.params, request.request_id)
+    abort_after, style = request.abort_after, request.abort_style
+
+    async def abort() -> None:
+        record.abort_issued = True
+        await engine.abort(request.request_id)
+
+    if abort_after == 0 and style != "abort-later":
+        # Before reading anything: through add_request, the server's way in, which sends at once.
+        stream = await engine.add_request(*args, priority=request.priority)
+        await (abort() if style == "abort" else stream.close())
+        record.abort_issued = True
+        record.outputs += [output async for output in stream]
+        await stream.close()
+        record.ended = True
+        return
+    aborter = None
+    if abort_after is not None and style == "abort-later":
+        async def abort_later() -> None:
+            await asyncio.sleep(abort_after * 0.003)
+            await abort()
+        aborter = asyncio.create_task(abort_later())
+    async with contextlib.aclosing(engine.generate(*args, priority=request.priority)) as stream:
+        async for output in stream:
+            record.outputs.append(output)
+            if len(record.outputs) == abort_after and style in ("abort", "leave") and not output.finished:
+                if style == "leave":
+                    record.abort_issued = True
+                    break
+                await abort()
+    if aborter is not None:
+        await aborter
+    record.ended = True
+
+
+def check_streams(records: list[StreamRecord], solo: dict[str, RequestOutput]) -> None:
+    for record in records:
+        request_id = record.request.request_id
+        assert not any(output.finished for output in record.outputs[:-1]), f"{request_id}: outputs after the last"
+        if not record.finished:
+            assert record.abort_issued, f"{request_id}: the stream ended unfinished without an abort"
+        merged = merge_deltas(record.outputs)
+        if not record.request.reproducible:
+            if record.finished:
+                assert sorted(merged) == list(range(record.request.params.n)), request_id
+            continue
+        want = solo[request_id]
+        if record.finished:
+            got = RequestOutput(request_id, None, [], [merged[i] for i in sorted(merged)], True,
+                                prompt_logprobs=record.outputs[-1].prompt_logprobs)
+            assert_same_output(got, want, f"{request_id}'s stream vs alone")
+            continue
+        for index, completion in merged.items():  # aborted: what came is the start of the solo output
+            whole = want.outputs[index]
+            what = f"{request_id} sample {index}, aborted, vs alone"
+            assert completion.token_ids == whole.token_ids[:len(completion.token_ids)], what
+            assert whole.text.startswith(completion.text), what
+            if completion.finish_reason is not None:
+                assert_same_completion(completion, whole, what)
+
+
+async def run_streams(engine: AsyncLLM, case: Case) -> list[StreamRecord]:
+    records = [StreamRecord(request) for request in case.requests]
+    tasks = [asyncio.create_task(consume(engine, record)) for record in records]
+    done, unfinished = await asyncio.wait(tasks, timeout=ASYNC_TIMEOUT_S)
+    for task in unfinished:
+        task.cancel()
+    assert not unfinished, f"streams that never ended: {[r.request.request_id for r in records if not r.ended]}"
+    for task in done:
+        task.result()  # raise what a reader raised
+    return records
+
+
+async def wait_until(condition, what: str, timeout_s: float = 10.0) -> None:
+    """Poll `condition` (an async callable) until it holds: aborts reach an engine a moment after they return."""
+    for _ in range(int(timeout_s / 0.01)):
+        if await condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{what} after {timeout_s} s")
+
+
+def assert_front_end_idle(engine: AsyncLLM, where: str) -> None:
+    assert not engine.queues, f"{where}: streams still registered {sorted(engine.queues)}"
+    assert_output_processor_empty(engine.output_processor, where)
+    assert not engine.client.in_flight, f"{where}: in flight {sorted(engine.client.in_flight)}"
+
+
+@pytest.mark.parametrize("seed", SEEDS, ids=lambda seed: f"seed={seed}")
+def test_async_llm_streams_with_random_aborts_match_solo_runs_and_end(model, probe, seed):
+    case = draw_case(seed, probe)
+
+    async def scenario():
+        engine = await AsyncLLM.create(EngineArgs(model=model, **case.engine_args), in_process=True)
+        try:
+            records = await run_streams(engine, case)
+            inproc = engine.client.client
+
+            async def drained() -> bool:
+                return not inproc.has_unfinished_requests
+
+            await wait_until(drained, "the engine still has requests")
+            assert_front_end_idle(engine, "after the streams")
+            assert_engine_core_idle(inproc.engine_core, "after the streams")
+            return records
+        finally:
+            engine.shutdown()
+
+    with replayable(case):
+        solo = solo_outputs(LLM(model, **case.engine_args), case)
+        check_streams(asyncio.run(scenario()), solo)
+
+
+@pytest.mark.parametrize("seed", ENGINE_PROCESS_SEEDS, ids=lambda seed: f"seed={seed}")
+def test_async_llm_over_an_engine_process_with_random_aborts_matches_solo_runs_and_ends(model, probe, seed,
+                                                                                         monkeypatch):
+    case = draw_case(seed, probe)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the engine process's torch threads, as this process's
+
+    async def scenario():
+        engine = await AsyncLLM.create(EngineArgs(model=model, **case.engine_args))
+        try:
+            records = await run_streams(engine, case)
+
+            async def idle() -> bool:
+                [stats] = await engine.get_stats()
+                return stats.num_kv_blocks_used == stats.num_running_reqs == stats.num_waiting_reqs == 0
+
+            await wait_until(idle, "the engine process still holds requests or KV blocks")
+            assert_front_end_idle(engine, "after the streams")
+            return records
+        finally:
+            engine.shutdown()
+
+    with replayable(case):
+        solo = solo_outputs(LLM(model, **case.engine_args), case)
+        check_streams(asyncio.run(scenario()), solo)
