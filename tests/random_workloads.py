@@ -120,8 +120,8 @@ def draw_request(rng: random.Random, request_id: str, prompt: str | list[int], p
     abort_after = rng.choice((0, 1, rng.randint(2, 24))) if rng.random() < 0.25 else None
     return PlannedRequest(
         request_id, prompt, num_prompt_tokens, draw_params(rng, probe.model_info.vocab_size),
-        priority=rng.randint(-1, 3), arrival=rng.choice((0, 0, rng.randint(1, 12), rng.randint(1, 40))), abort_after=abort_after,
-        abort_style=rng.choice(("abort", "leave", "abort-later")),
+        priority=rng.randint(-1, 3), arrival=rng.choice((0, 0, rng.randint(1, 12), rng.randint(1, 40))),
+        abort_after=abort_after, abort_style=rng.choice(("abort", "leave", "abort-later")),
     )
 
 
