@@ -39,7 +39,7 @@ from tinyserve import LLM, AsyncLLM, EngineArgs
 from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.outputs import CompletionOutput, RequestOutput
 
-DEFAULT_NUM_CASES = 20
+DEFAULT_NUM_CASES = 30
 MAX_STEPS = 20_000  # far more than any case needs: more means the engine stopped making progress
 ASYNC_TIMEOUT_S = 120.0  # a whole async case; a stream that never ends fails it with its name
 LOGPROB_TOLERANCE = 1e-4
