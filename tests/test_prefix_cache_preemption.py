@@ -4,6 +4,14 @@ Under the priority policy the scheduler can give a running request its token for
 step, register the block that token fills, and then, further down the running list,
 preempt that same request to make room for a more important one: its tokens are taken
 back before the model runs, so the block's K/V is never written.
+
+With today's running loop the unwritten block is always the victim's last, and so the
+first taken again (blocks are freed tail first) by the request that needed room: the
+second test below passes even without the fix. A victim scheduled earlier in the same
+step must have left budget for the requests after it, so it took either one decode
+token or the last chunk of its prompt; and in the step of that last chunk the requests
+after it are new, and new requests never preempt. The first test guards the mechanism
+itself, which must not rest on that ordering.
 """
 
 from tinyserve.engine.core.kv_cache_manager import KVCacheManager
