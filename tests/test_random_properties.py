@@ -39,6 +39,8 @@ from tinyserve import LLM, AsyncLLM, EngineArgs
 from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.outputs import CompletionOutput, RequestOutput
 
+pytestmark = pytest.mark.slow  # about a minute of random workloads: in `make test`, not test-fast
+
 DEFAULT_NUM_CASES = 30
 MAX_STEPS = 20_000  # far more than any case needs: more means the engine stopped making progress
 ASYNC_TIMEOUT_S = 120.0  # a whole async case; a stream that never ends fails it with its name
@@ -108,9 +110,11 @@ def assert_llm_idle(llm: LLM, where: str) -> None:
     assert not llm.llm_engine.client.in_flight, f"{where}: in flight {sorted(llm.llm_engine.client.in_flight)}"
     assert_output_processor_empty(llm.llm_engine.output_processor, where)
     assert_engine_core_idle(llm.engine_core, where)
-    # Per-request sampler state goes with the next step's list of finished requests; an idle step sends it.
-    llm.engine_core.step()
-    assert not llm.engine_core.model_runner.sampler.request_generators, f"{where}: seeded generators left behind"
+    # The worker's own request state goes with the finished ids of one more, empty, step, which the
+    # engine loops take by themselves (has_requests): nothing is left for the next call.
+    assert not llm.engine_core.has_requests, f"{where}: finished ids the worker was never told of"
+    assert not llm.engine_core.model_runner.requests, \
+        f"{where}: the worker holds {sorted(llm.engine_core.model_runner.requests)}"
 
 
 def assert_logprobs_close(got, want, what: str) -> None:
