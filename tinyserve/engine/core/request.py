@@ -16,6 +16,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from tinyserve.wire.messages import EngineCoreRequest, RequestTimes
 from tinyserve.sampling_params import SamplingParams
 
@@ -52,7 +54,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 = not yet scheduled
     stop_reason: int | str | None = None
-    times: RequestTimes = None  # filled in __post_init__
+    times: RequestTimes = field(init=False)  # the engine's timestamps, from arrival on
     # sampling_params.prompt_logprobs: those computed so far, prompt positions 1, 2, ...
     prompt_logprobs: list = field(default_factory=list)
 
@@ -65,15 +67,8 @@ class Request:
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> "Request":
-        return cls(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            sampling_params=req.sampling_params,
-            eos_token_ids=req.eos_token_ids,
-            arrival_time=req.arrival_time,
-            priority=req.priority,
-            trace_context=req.trace_context,
-        )
+        """The wire's fields are this class's first ones, by the same names."""
+        return cls(**msgspec.structs.asdict(req))
 
     @property
     def num_prompt_tokens(self) -> int:
