@@ -111,8 +111,8 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request
         )
 
     try:
-        prompt, params = render_and_tokenize(ctx, spans, body.conversation(), not body.prefilled, body.max_tokens,
-                                             make_params, continue_final_message=body.prefilled)
+        prompt, params = await render_and_tokenize(ctx, spans, body.conversation(), not body.prefilled,
+                                                   body.max_tokens, make_params, continue_final_message=body.prefilled)
         stream = await ctx.engine.add_request(prompt, params, message_id, spans=spans,
                                               output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
     except Exception as error:

@@ -1,7 +1,7 @@
 """The FastAPI app: routes, authentication, error bodies, health and metrics.
 
-Handlers live in openai_serving.py (chat), completions_serving.py and
-anthropic_serving.py; this file wires
+Handlers live in openai_serving.py (chat), completions_serving.py,
+anthropic_serving.py and tokenization_serving.py; this file wires
 them to URLs and makes sure that every failure, including a malformed body,
 answers in the endpoint's own error format with a 4xx/5xx status, and never
 with a traceback. A request passes, outermost first:
@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import tinyserve
 from tinyserve.frontend.async_llm import RequestRejectedError
 from tinyserve.frontend.engine_client import EngineDeadError
+from tinyserve.entrypoints.api import tokenization_serving
 from tinyserve.entrypoints.api.anthropic_serving import MessagesRequest, create_message
 from tinyserve.entrypoints.api.auth import ApiKeyMiddleware
 from tinyserve.entrypoints.api.completions_serving import create_completion
@@ -156,31 +157,11 @@ def build_app(
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        ctx.check_model(body.model)
-        engine = ctx.engine
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "send exactly one of 'prompt' or 'messages'")
-        if body.messages is not None:
-            try:
-                text = engine.input_processor.render_chat(
-                    [m.as_template_message() for m in body.messages], add_generation_prompt=body.add_generation_prompt,
-                    continue_final_message=body.continue_final_message,
-                )
-            except ValueError as error:
-                raise APIError(400, str(error), "messages") from error
-            token_ids = engine.tokenizer.encode(text, add_special_tokens=False)
-        else:
-            token_ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": token_ids, "count": len(token_ids), "max_model_len": engine.model_info.max_model_len}
+        return await tokenization_serving.tokenize(ctx, body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        ctx.check_model(body.model)
-        vocab_size = ctx.engine.model_info.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
-        if bad:
-            raise APIError(400, f"tokens contains ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", "tokens")
-        return {"prompt": ctx.engine.tokenizer.decode(body.tokens)}
+        return await tokenization_serving.detokenize(ctx, body)
 
     # Added innermost first; the HTTP span is outermost, so it covers every refusal too.
     post_routes = frozenset(route.path for route in app.routes if "POST" in getattr(route, "methods", ()))
