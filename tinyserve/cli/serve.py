@@ -4,7 +4,9 @@ It binds 127.0.0.1 unless told otherwise. Overload is answered, not queued
 without end: past --max-waiting-requests waiting, new requests get 503 with
 Retry-After. SIGTERM (or Ctrl-C) drains: no new requests, the ones in flight
 get --shutdown-timeout seconds, the rest end with finish_reason "abort", every
-trace file is flushed and nothing of the server is left running.
+trace file is flushed and nothing of the server is left running. An engine
+process that dies fails the requests it held and stops the server the same
+way, with exit status 1 (--keep-alive-on-engine-death keeps it up).
 """
 
 import argparse
@@ -35,6 +37,9 @@ def add_parser(commands) -> None:
     group.add_argument("--api-key", default=None, help="require this key (Bearer, or x-api-key on /v1/messages) on /v1 routes")
     group.add_argument("--data-parallel-size", type=int, default=1,
                        help="number of engine processes, each with its own KV cache (default 1)")
+    group.add_argument("--keep-alive-on-engine-death", action="store_true",
+                       help="when an engine process dies, keep the server up answering 503 (vLLM's "
+                            "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH) instead of exiting with status 1")
     group.add_argument("--log-requests", action="store_true",
                        help="log each request's inputs and one access line per request "
                             "(the log holds prompt text and token ids, --trace-redact-inputs or not)")
@@ -95,10 +100,11 @@ def run(args: argparse.Namespace) -> int:
     port = listener.getsockname()[1]
     print(f"tinyserve: serving {names[0]} ({engine.model_info.path}) on http://{args.host}:{port}/v1", flush=True)
     config = uvicorn.Config(app, host=args.host, port=port, log_level="info", access_log=args.log_requests)
-    server = GracefulServer(config, engine, args.shutdown_timeout)
+    server = GracefulServer(config, engine, args.shutdown_timeout,
+                            keep_alive_on_engine_death=args.keep_alive_on_engine_death)
     # Returns after a graceful shutdown; uvicorn then re-raises the signal that asked for it.
     server.run(sockets=[listener])
-    return 0 if server.started else 1
+    return server.exit_code
 
 
 def bind_listener(host: str, port: int) -> socket.socket:

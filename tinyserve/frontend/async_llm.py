@@ -131,6 +131,11 @@ class AsyncLLM:
         return self._dead is None and self.client.is_healthy
 
     @property
+    def errored(self) -> bool:
+        """An engine died and every request it held has been failed (vLLM's name); nothing new is taken."""
+        return self._dead is not None
+
+    @property
     def num_kv_blocks(self) -> int:
         return min(self.client.num_kv_blocks)
 

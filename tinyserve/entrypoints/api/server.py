@@ -159,6 +159,8 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus_metrics():
+        if ctx.engine.errored:  # a dead engine's load is no load (counters stay: they are history)
+            metrics.forget_engine_gauges()
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/tokenize")
