@@ -17,6 +17,13 @@ import sys
 import uvicorn
 
 from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from
+from tinyserve.entrypoints.api.field_limits import (
+    DEFAULT_MAX_LOGIT_BIAS_ENTRIES,
+    DEFAULT_MAX_MESSAGES,
+    DEFAULT_MAX_STOP_STRING_CHARS,
+    DEFAULT_MAX_STOP_STRINGS,
+    FieldLimits,
+)
 from tinyserve.entrypoints.api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 # Room for a few seconds of arrivals at a busy server's rate, a few MiB of prompts at most.
@@ -50,6 +57,17 @@ def add_parser(commands) -> None:
     limits.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="largest request body accepted; larger ones get 413, counted while reading "
                              "(default %(default)s)")
+    limits.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS,
+                        help="most stop strings (stop, stop_sequences) one request may give (default %(default)s; "
+                             "OpenAI allows 4)")
+    limits.add_argument("--max-stop-string-chars", type=int, default=DEFAULT_MAX_STOP_STRING_CHARS,
+                        help="most characters of stop strings one request may give, all together "
+                             "(default %(default)s)")
+    limits.add_argument("--max-messages", type=int, default=DEFAULT_MAX_MESSAGES,
+                        help="most messages one chat may have (default %(default)s); a generation request "
+                             "is also refused with more messages than --max-model-len")
+    limits.add_argument("--max-logit-bias-entries", type=int, default=DEFAULT_MAX_LOGIT_BIAS_ENTRIES,
+                        help="most token ids one request's logit_bias may set (default %(default)s)")
     limits.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help="on SIGTERM, seconds in-flight requests get to finish before they are aborted "
                              "(default %(default)s)")
@@ -95,8 +113,10 @@ def run(args: argparse.Namespace) -> int:
     ctx = ServingContext(engine, names, redact_inputs=args.trace_redact_inputs)
     if run_dir is not None:
         print(f"tinyserve: tracing to {run_dir}", flush=True)
+    field_limits = FieldLimits(max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
+                               max_messages=args.max_messages, max_logit_bias_entries=args.max_logit_bias_entries)
     app = build_app(ctx, ServerMetrics(names[0], args.data_parallel_size), api_key=args.api_key,
-                    max_request_body_bytes=args.max_request_body_bytes)
+                    max_request_body_bytes=args.max_request_body_bytes, field_limits=field_limits)
     port = listener.getsockname()[1]
     print(f"tinyserve: serving {names[0]} ({engine.model_info.path}) on http://{args.host}:{port}/v1", flush=True)
     config = uvicorn.Config(app, host=args.host, port=port, log_level="info", access_log=args.log_requests)
@@ -129,6 +149,9 @@ def _check_server_flags(args: argparse.Namespace) -> str | None:
         return f"--max-waiting-requests must be at least 1, got {args.max_waiting_requests}"
     if args.max_request_body_bytes < 1:
         return f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}"
+    for flag in ("max_stop_strings", "max_stop_string_chars", "max_messages", "max_logit_bias_entries"):
+        if getattr(args, flag) < 1:
+            return f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}"
     if args.shutdown_timeout < 0:
         return f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}"
     return None

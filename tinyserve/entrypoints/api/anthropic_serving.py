@@ -15,7 +15,7 @@ from typing import Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError, anthropic_error_body
@@ -64,6 +64,16 @@ class MessagesRequest(StrictBody):
     top_k: int | None = Field(None, ge=0, lt=2**63)  # the sampler holds it in an int64
     stream: bool = False
     metadata: Metadata | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_within_limits(cls, value):
+        return cls.limits.check_messages(value)
+
+    @field_validator("stop_sequences", mode="before")
+    @classmethod
+    def _stop_within_limits(cls, value):
+        return cls.limits.check_stop(value)
 
     @property
     def prefilled(self) -> bool:

@@ -15,6 +15,7 @@ with a traceback. A request passes, outermost first:
 import gc
 import logging
 import re
+import sys
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -30,6 +31,7 @@ from tinyserve.entrypoints.api.anthropic_serving import MessagesRequest, create_
 from tinyserve.entrypoints.api.auth import ApiKeyMiddleware
 from tinyserve.entrypoints.api.completions_serving import create_completion
 from tinyserve.entrypoints.api.errors import APIError, error_response
+from tinyserve.entrypoints.api.field_limits import FieldLimits
 from tinyserve.entrypoints.api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestLimitsMiddleware
 from tinyserve.entrypoints.api.metrics import ServerMetrics
 from tinyserve.entrypoints.api.openai_protocol import (
@@ -75,6 +77,7 @@ def build_app(
     *,
     api_key: str | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    field_limits: FieldLimits = FieldLimits(),
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -106,6 +109,9 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, error: StarletteHTTPException):
+        if isinstance(error.__cause__, RecursionError):  # FastAPI's "error parsing the body", said plainly
+            return error_response(request.url.path, 400, "the request body nests too deeply: JSON arrays and "
+                                  f"objects may nest at most about {sys.getrecursionlimit()} levels")
         return error_response(request.url.path, error.status_code, str(error.detail))
 
     @app.exception_handler(EngineDeadError)
@@ -128,16 +134,20 @@ def build_app(
 
     # ---- routes ------------------------------------------------------------------
 
+    # The body types, checked against this server's field limits (field_limits.py).
+    Chat, Completion, Messages, Tokenize = map(
+        field_limits.bind, (ChatCompletionRequest, CompletionRequest, MessagesRequest, TokenizeRequest))
+
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(body: Chat, request: Request):
         return await create_chat_completion(ctx, body, request)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(body: Completion, request: Request):
         return await create_completion(ctx, body, request)
 
     @app.post("/v1/messages")
-    async def messages(body: MessagesRequest, request: Request):
+    async def messages(body: Messages, request: Request):
         return await create_message(ctx, body, request)
 
     @app.get("/v1/models")
@@ -164,7 +174,7 @@ def build_app(
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
+    async def tokenize(body: Tokenize):
         return await tokenization_serving.tokenize(ctx, body)
 
     @app.post("/detokenize")
