@@ -25,10 +25,12 @@ from tinyserve.entrypoints.api.field_limits import (
     FieldLimits,
 )
 from tinyserve.entrypoints.api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from tinyserve.entrypoints.api.slow_clients import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 
 # Room for a few seconds of arrivals at a busy server's rate, a few MiB of prompts at most.
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_KEEP_ALIVE_S = 5.0  # uvicorn's default, and vLLM's (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
 
 
 def add_parser(commands) -> None:
@@ -68,6 +70,15 @@ def add_parser(commands) -> None:
                              "is also refused with more messages than --max-model-len")
     limits.add_argument("--max-logit-bias-entries", type=int, default=DEFAULT_MAX_LOGIT_BIAS_ENTRIES,
                         help="most token ids one request's logit_bias may set (default %(default)s)")
+    limits.add_argument("--http-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                        help="seconds a request's line and headers may take to arrive, from the connection "
+                             "opening or the previous response; then 408 and the connection is closed "
+                             "(default %(default)s)")
+    limits.add_argument("--http-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                        help="seconds a request's body may take to arrive after its headers; then 408 and the "
+                             "connection is closed (default %(default)s)")
+    limits.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S,
+                        help="seconds an idle keep-alive connection stays open (uvicorn's, default %(default)s)")
     limits.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help="on SIGTERM, seconds in-flight requests get to finish before they are aborted "
                              "(default %(default)s)")
@@ -89,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from tinyserve.entrypoints.api.openai_serving import ServingContext
     from tinyserve.entrypoints.api.server import build_app
     from tinyserve.entrypoints.api.shutdown import GracefulServer
+    from tinyserve.entrypoints.api.slow_clients import DeadlineProtocol
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     problem = _check_server_flags(args)
@@ -119,7 +131,9 @@ def run(args: argparse.Namespace) -> int:
                     max_request_body_bytes=args.max_request_body_bytes, field_limits=field_limits)
     port = listener.getsockname()[1]
     print(f"tinyserve: serving {names[0]} ({engine.model_info.path}) on http://{args.host}:{port}/v1", flush=True)
-    config = uvicorn.Config(app, host=args.host, port=port, log_level="info", access_log=args.log_requests)
+    config = uvicorn.Config(app, host=args.host, port=port, log_level="info", access_log=args.log_requests,
+                            http=DeadlineProtocol.with_timeouts(args.http_header_timeout, args.http_body_timeout),
+                            timeout_keep_alive=args.timeout_keep_alive)
     server = GracefulServer(config, engine, args.shutdown_timeout,
                             keep_alive_on_engine_death=args.keep_alive_on_engine_death)
     # Returns after a graceful shutdown; uvicorn then re-raises the signal that asked for it.
@@ -152,6 +166,9 @@ def _check_server_flags(args: argparse.Namespace) -> str | None:
     for flag in ("max_stop_strings", "max_stop_string_chars", "max_messages", "max_logit_bias_entries"):
         if getattr(args, flag) < 1:
             return f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}"
+    for flag in ("http_header_timeout", "http_body_timeout", "timeout_keep_alive"):
+        if not getattr(args, flag) > 0:
+            return f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}"
     if args.shutdown_timeout < 0:
         return f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}"
     return None
