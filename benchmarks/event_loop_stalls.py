@@ -141,6 +141,15 @@ class Witnesses:
                     if last is not None:
                         self.stream_gaps.append((last, time.perf_counter()))
 
+    def warm_up(self, timeout: float = 120.0) -> None:
+        """Wait until every witness has gone round a few times: first requests pay for first-time work."""
+        deadline = time.monotonic() + timeout
+        while len(self.stream_gaps) < 50 or len(self.small) < 5 or len(self.health) < 20:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the witnesses did not get going within two minutes")
+            time.sleep(0.1)
+        time.sleep(1.0)
+
     def _call(self, method, path: str, **kwargs) -> int | None:
         """The status of one call, or None when it failed (a timeout: the witness waited that long)."""
         try:
@@ -178,7 +187,7 @@ def run_phases(url: str, repeats: int) -> list[dict]:
     threads = witnesses.start()
     rows = []
     try:
-        time.sleep(3.0)  # the stream's first chunks, before the baseline starts
+        witnesses.warm_up()
         plan = [("quiet (baseline)", None, None)] + large_requests() * repeats
         with httpx.Client(base_url=url, timeout=300) as client:
             for phase, path, body in plan:
