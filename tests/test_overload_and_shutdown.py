@@ -161,7 +161,9 @@ def test_a_storm_of_dropped_streams_and_a_burst_get_200_or_503_and_leave_nothing
 # ---- an engine that dies mid-stream ----------------------------------------------------------
 
 def test_engine_death_mid_stream_ends_every_stream_with_an_error_event_and_health_turns_503():
-    proc = ServerProcess(long_context_model(), "--served-model-name", MODEL, "--num-kv-blocks", "2048")
+    # Kept alive to look at it afterwards; without the flag it exits (tests/test_engine_death.py).
+    proc = ServerProcess(long_context_model(), "--served-model-name", MODEL, "--num-kv-blocks", "2048",
+                         "--keep-alive-on-engine-death")
     long = {"max_tokens": LONG_TOKENS, "ignore_eos": True}
     streams = {
         "chat": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], **long}),

@@ -169,7 +169,7 @@ def test_dead_engine_makes_health_503_and_requests_fail_with_503():
     import psutil
 
     folder = str(tiny_model_with_tokenizer("llama"))
-    proc = ServerProcess(folder, "--served-model-name", MODEL, "--num-kv-blocks", "64")
+    proc = ServerProcess(folder, "--served-model-name", MODEL, "--num-kv-blocks", "64", "--keep-alive-on-engine-death")
     try:
         engines = [p for p in psutil.Process(proc.process.pid).children(recursive=True) if "tinyserve-engine" in " ".join(p.cmdline()) or "tinyserve-engine" in p.name()]
         assert engines, "the engine process should be a child of the server"

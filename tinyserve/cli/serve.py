@@ -4,7 +4,9 @@ It binds 127.0.0.1 unless told otherwise. Overload is answered, not queued
 without end: past --max-waiting-requests waiting, new requests get 503 with
 Retry-After. SIGTERM (or Ctrl-C) drains: no new requests, the ones in flight
 get --shutdown-timeout seconds, the rest end with finish_reason "abort", every
-trace file is flushed and nothing of the server is left running.
+trace file is flushed and nothing of the server is left running. An engine
+process that dies fails the requests it held and stops the server the same
+way, with exit status 1 (--keep-alive-on-engine-death keeps it up).
 """
 
 import argparse
@@ -15,11 +17,20 @@ import sys
 import uvicorn
 
 from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from
+from tinyserve.entrypoints.api.field_limits import (
+    DEFAULT_MAX_LOGIT_BIAS_ENTRIES,
+    DEFAULT_MAX_MESSAGES,
+    DEFAULT_MAX_STOP_STRING_CHARS,
+    DEFAULT_MAX_STOP_STRINGS,
+    FieldLimits,
+)
 from tinyserve.entrypoints.api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from tinyserve.entrypoints.api.slow_clients import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 
 # Room for a few seconds of arrivals at a busy server's rate, a few MiB of prompts at most.
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_KEEP_ALIVE_S = 5.0  # uvicorn's default, and vLLM's (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
 
 
 def add_parser(commands) -> None:
@@ -35,6 +46,9 @@ def add_parser(commands) -> None:
     group.add_argument("--api-key", default=None, help="require this key (Bearer, or x-api-key on /v1/messages) on /v1 routes")
     group.add_argument("--data-parallel-size", type=int, default=1,
                        help="number of engine processes, each with its own KV cache (default 1)")
+    group.add_argument("--keep-alive-on-engine-death", action="store_true",
+                       help="when an engine process dies, keep the server up answering 503 (vLLM's "
+                            "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH) instead of exiting with status 1")
     group.add_argument("--log-requests", action="store_true",
                        help="log each request's inputs and one access line per request "
                             "(the log holds prompt text and token ids, --trace-redact-inputs or not)")
@@ -45,6 +59,26 @@ def add_parser(commands) -> None:
     limits.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="largest request body accepted; larger ones get 413, counted while reading "
                              "(default %(default)s)")
+    limits.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS,
+                        help="most stop strings (stop, stop_sequences) one request may give (default %(default)s; "
+                             "OpenAI allows 4)")
+    limits.add_argument("--max-stop-string-chars", type=int, default=DEFAULT_MAX_STOP_STRING_CHARS,
+                        help="most characters of stop strings one request may give, all together "
+                             "(default %(default)s)")
+    limits.add_argument("--max-messages", type=int, default=DEFAULT_MAX_MESSAGES,
+                        help="most messages one chat may have (default %(default)s); a generation request "
+                             "is also refused with more messages than --max-model-len")
+    limits.add_argument("--max-logit-bias-entries", type=int, default=DEFAULT_MAX_LOGIT_BIAS_ENTRIES,
+                        help="most token ids one request's logit_bias may set (default %(default)s)")
+    limits.add_argument("--http-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                        help="seconds a request's line and headers may take to arrive, from the connection "
+                             "opening or the previous response; then 408 and the connection is closed "
+                             "(default %(default)s)")
+    limits.add_argument("--http-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                        help="seconds a request's body may take to arrive after its headers; then 408 and the "
+                             "connection is closed (default %(default)s)")
+    limits.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S,
+                        help="seconds an idle keep-alive connection stays open (uvicorn's, default %(default)s)")
     limits.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help="on SIGTERM, seconds in-flight requests get to finish before they are aborted "
                              "(default %(default)s)")
@@ -66,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from tinyserve.entrypoints.api.openai_serving import ServingContext
     from tinyserve.entrypoints.api.server import build_app
     from tinyserve.entrypoints.api.shutdown import GracefulServer
+    from tinyserve.entrypoints.api.slow_clients import DeadlineProtocol
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     problem = _check_server_flags(args)
@@ -90,15 +125,20 @@ def run(args: argparse.Namespace) -> int:
     ctx = ServingContext(engine, names, redact_inputs=args.trace_redact_inputs)
     if run_dir is not None:
         print(f"tinyserve: tracing to {run_dir}", flush=True)
+    field_limits = FieldLimits(max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
+                               max_messages=args.max_messages, max_logit_bias_entries=args.max_logit_bias_entries)
     app = build_app(ctx, ServerMetrics(names[0], args.data_parallel_size), api_key=args.api_key,
-                    max_request_body_bytes=args.max_request_body_bytes)
+                    max_request_body_bytes=args.max_request_body_bytes, field_limits=field_limits)
     port = listener.getsockname()[1]
     print(f"tinyserve: serving {names[0]} ({engine.model_info.path}) on http://{args.host}:{port}/v1", flush=True)
-    config = uvicorn.Config(app, host=args.host, port=port, log_level="info", access_log=args.log_requests)
-    server = GracefulServer(config, engine, args.shutdown_timeout)
+    config = uvicorn.Config(app, host=args.host, port=port, log_level="info", access_log=args.log_requests,
+                            http=DeadlineProtocol.with_timeouts(args.http_header_timeout, args.http_body_timeout),
+                            timeout_keep_alive=args.timeout_keep_alive)
+    server = GracefulServer(config, engine, args.shutdown_timeout,
+                            keep_alive_on_engine_death=args.keep_alive_on_engine_death)
     # Returns after a graceful shutdown; uvicorn then re-raises the signal that asked for it.
     server.run(sockets=[listener])
-    return 0 if server.started else 1
+    return server.exit_code
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
@@ -123,6 +163,12 @@ def _check_server_flags(args: argparse.Namespace) -> str | None:
         return f"--max-waiting-requests must be at least 1, got {args.max_waiting_requests}"
     if args.max_request_body_bytes < 1:
         return f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}"
+    for flag in ("max_stop_strings", "max_stop_string_chars", "max_messages", "max_logit_bias_entries"):
+        if getattr(args, flag) < 1:
+            return f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}"
+    for flag in ("http_header_timeout", "http_body_timeout", "timeout_keep_alive"):
+        if not getattr(args, flag) > 0:
+            return f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}"
     if args.shutdown_timeout < 0:
         return f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}"
     return None

@@ -93,6 +93,7 @@ class LLM:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
 
         def render(conversation) -> ProcessedPrompt:
+            self.input_processor.check_chat_fits(conversation)
             text = self.input_processor.render_chat(
                 conversation, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=chat_template,

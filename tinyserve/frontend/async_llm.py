@@ -2,7 +2,7 @@
 
     generate(prompt, params, request_id)            one async iterator per request
         │ admission: refuse when the waiting queue is full or the server drains
-        │ render + tokenize + validate (InputProcessor)
+        │ render + tokenize (in a thread: RenderThreads) + validate (InputProcessor)
         │ register with the OutputProcessor; n > 1 fans out into n engine requests
         ▼
     engine client ── EngineCoreRequest ──► engine process(es)
@@ -39,6 +39,7 @@ from tinyserve.frontend.engine_client import EngineClient, EngineDeadError
 from tinyserve.frontend.inproc_client import AsyncInprocClient
 from tinyserve.frontend.input_processor import InputProcessor, ProcessedPrompt, log_inputs
 from tinyserve.frontend.output_processor import OutputKind, OutputProcessor
+from tinyserve.frontend.render_threads import RenderThreads
 from tinyserve.frontend.request_stream import ABORTED, RequestStream
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import NO_SPANS
@@ -71,6 +72,7 @@ class AsyncLLM:
         self.tokenizer = load_tokenizer(self.model_info.path)
         self.input_processor = InputProcessor(self.model_info, self.tokenizer, engine_args.block_size,
                                               engine_args.max_logprobs)
+        self.render_threads = RenderThreads(self.input_processor)  # templates and tokenizing, off the event loop
         self.output_processor = OutputProcessor(self.tokenizer)
         self.client: EngineClient
         if in_process:
@@ -114,6 +116,11 @@ class AsyncLLM:
         return self._dead is None and self.client.is_healthy
 
     @property
+    def errored(self) -> bool:
+        """An engine died and every request it held has been failed (vLLM's name); nothing new is taken."""
+        return self._dead is not None
+
+    @property
     def num_kv_blocks(self) -> int:
         return min(self.client.num_kv_blocks)
 
@@ -145,8 +152,8 @@ class AsyncLLM:
             raise RequestRejectedError(f"the server is overloaded: {waiting} requests are waiting "
                                        f"(max_waiting_requests={limit}); retry later")
 
-    def process_prompt(self, prompt) -> ProcessedPrompt:
-        return prompt if isinstance(prompt, ProcessedPrompt) else self.input_processor.tokenize_prompt(prompt)
+    async def process_prompt(self, prompt) -> ProcessedPrompt:
+        return prompt if isinstance(prompt, ProcessedPrompt) else await self.render_threads.tokenize_prompt(prompt)
 
     async def generate(
         self,
@@ -185,7 +192,7 @@ class AsyncLLM:
             await self.start()
         try:
             self.check_admission(sampling_params.n)
-            prompt = self.process_prompt(prompt)
+            prompt = await self.process_prompt(prompt)
             child_requests = self.input_processor.make_requests(
                 request_id, prompt, sampling_params, num_kv_blocks=self.num_kv_blocks, priority=priority,
                 trace_context=spans.carrier(),
@@ -259,6 +266,7 @@ class AsyncLLM:
         """Stop the output task and the engines (as vLLM's, a plain call); safe to call twice."""
         if self._output_task is not None:
             self._output_task.cancel()
+        self.render_threads.shutdown()
         self.client.shutdown()
 
     async def _abort_quietly(self, request_id: str) -> None:

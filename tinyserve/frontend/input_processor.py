@@ -5,9 +5,14 @@ string, a prompt string is tokenized, and token ids are taken as they are. Every
 input is checked here, once, before anything reaches the engine (`make_requests`),
 for the offline LLM and the server alike; an n > 1 request fans out here into n
 engine requests.
+
+Before a text is tokenized or a chat rendered, a cheap bound refuses what could
+never fit in max_model_len, so that a 4 MB prompt costs a length check, not
+seconds of tokenizing (`check_text_fits`, `check_chat_fits`).
 """
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -34,6 +39,66 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.max_logprobs = max_logprobs
+        # The most characters one token can stand for: the longest entry of the vocabulary,
+        # special tokens included. Byte-level vocabularies spell each byte as one character,
+        # so there the length counts bytes, never fewer than the characters they encode.
+        self.max_chars_per_token = max(map(len, tokenizer.get_vocab()), default=1)
+
+    def check_text_fits(self, text: str) -> None:
+        """Refuse, without tokenizing it, a text that has more than max_model_len tokens whatever they are.
+
+        Each token covers at most `max_chars_per_token` characters, so a text of n characters
+        has at least n / max_chars_per_token tokens. A tokenizer's normalizer may first fold
+        characters together, NFC and NFKC up to four into one (a letter and three accents), and
+        never ASCII: outside ASCII the bound allows for that. (A normalizer that deletes text,
+        BERT's accent stripping say, is not one of the model families tinyserve loads.)
+        """
+        fold = 1 if text.isascii() else 4
+        least = math.ceil(len(text) / (self.max_chars_per_token * fold))
+        max_model_len = self.model_info.max_model_len
+        if least > max_model_len:
+            raise InvalidInputError(
+                f"prompt has {len(text)} characters: at least {least} tokens (one token of this tokenizer stands for "
+                f"at most {self.max_chars_per_token * fold} characters), more than max_model_len={max_model_len}",
+                "prompt")
+
+    def check_chat_fits(self, messages: list) -> None:
+        """Refuse, without rendering it, a chat with more messages than max_model_len: a chat template
+        gives every message at least one token (its role marker, a turn's end)."""
+        max_model_len = self.model_info.max_model_len
+        if isinstance(messages, list) and len(messages) > max_model_len:
+            raise InvalidInputError(f"messages has {len(messages)} messages, more than max_model_len={max_model_len}; "
+                                    "each takes at least one token", "messages")
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The ids `tokenizer.encode(text)` gives, with no length check (/tokenize counts any text).
+
+        A fast tokenizer in the state transformers sets for a plain encode (no truncation, no
+        padding, special tokens not split) is called directly, through `encode_batch_fast`:
+        the pipeline transformers runs (it calls `encode_batch`) without tracking character
+        offsets, and a Rust call that lets go of the GIL while it works (a single `encode`
+        keeps it), so that the server's event loop runs while a thread tokenizes. What is left
+        out would otherwise hold the GIL for a 4 MB prompt: offsets, an attention mask and a
+        BatchEncoding, each a list of millions of entries built or freed in one C call.
+        """
+        backend = self._fast_backend()
+        if backend is not None and backend.truncation is None and backend.padding is None \
+                and backend.encode_special_tokens == self.tokenizer.split_special_tokens:
+            [encoding] = backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)
+            return encoding.ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """`tokenizer.decode(token_ids)`; a fast tokenizer's `decode_batch`, like `encode`, lets go of the GIL."""
+        backend = self._fast_backend()
+        if backend is not None and not self.tokenizer.clean_up_tokenization_spaces:
+            [text] = backend.decode_batch([token_ids], skip_special_tokens=False)
+            return text
+        return self.tokenizer.decode(token_ids)
+
+    def _fast_backend(self):
+        """The Rust tokenizer under a transformers fast tokenizer, or None."""
+        return getattr(self.tokenizer, "backend_tokenizer", None)
 
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template: str | None = None,
@@ -76,7 +141,8 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+            self.check_text_fits(prompt)
+            return ProcessedPrompt(prompt, self.encode(prompt, add_special_tokens=add_special_tokens))
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return ProcessedPrompt(None, prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")

@@ -15,7 +15,7 @@ from typing import Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError, anthropic_error_body
@@ -65,6 +65,16 @@ class MessagesRequest(StrictBody):
     stream: bool = False
     metadata: Metadata | None = None
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_within_limits(cls, value):
+        return cls.limits.check_messages(value)
+
+    @field_validator("stop_sequences", mode="before")
+    @classmethod
+    def _stop_within_limits(cls, value):
+        return cls.limits.check_stop(value)
+
     @property
     def prefilled(self) -> bool:
         """A final assistant message is the start of the reply: the model continues it."""
@@ -111,8 +121,8 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request
         )
 
     try:
-        prompt, params = render_and_tokenize(ctx, spans, body.conversation(), not body.prefilled, body.max_tokens,
-                                             make_params, continue_final_message=body.prefilled)
+        prompt, params = await render_and_tokenize(ctx, spans, body.conversation(), not body.prefilled,
+                                                   body.max_tokens, make_params, continue_final_message=body.prefilled)
         stream = await ctx.engine.add_request(prompt, params, message_id, spans=spans,
                                               output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
     except Exception as error:

@@ -78,7 +78,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
         spans_list.append(spans)
         try:
             with spans.stage(schema.RENDER) as render_span:
-                prompt = tokenize(ctx, text_or_ids)
+                prompt = await tokenize(ctx, text_or_ids)
                 max_tokens = ctx.max_tokens_for(len(prompt.prompt_token_ids), body.max_tokens)
                 try:
                     params = body.sampling_params(max_tokens, body.logprobs, ctx.sampling_defaults)

@@ -76,6 +76,11 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def forget_engine_gauges(self) -> None:
+        """The engines are gone: their gauges go too, rather than stand at the last values they reported."""
+        for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc):
+            metric.clear()
+
     def on_request(self, request: EngineCoreRequest) -> None:
         self._clocks[request.request_id] = _RequestClock(request.arrival_time, len(request.prompt_token_ids))
 

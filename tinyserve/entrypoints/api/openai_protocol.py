@@ -11,10 +11,11 @@ string valid Unicode: JSON can carry a lone surrogate ("\\ud800") that no
 tokenizer or UTF-8 encoder accepts.
 """
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from tinyserve.entrypoints.api.field_limits import FieldLimits
 from tinyserve.sampling_params import SamplingParams
 
 INT64 = 2**63  # seeds, priorities and top_k cross to the engine as 64-bit integers
@@ -42,9 +43,13 @@ Unsupported = Annotated[Any, AfterValidator(_refuse)]
 
 
 class StrictBody(BaseModel):
-    """A request body or part of one: strict types, finite numbers, unknown fields ignored."""
+    """A request body or part of one: strict types, finite numbers, unknown fields ignored.
+
+    `limits` bound how much a field may hold (field_limits.py); a server binds its own.
+    """
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    limits: ClassVar[FieldLimits] = FieldLimits()
 
 
 class StreamOptions(StrictBody):
@@ -105,6 +110,16 @@ class SamplingFields(StrictBody):
     # Known, but not implemented: refused when they ask for anything (see the module docstring).
     response_format: Any = None
     best_of: Any = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_within_limits(cls, value):
+        return cls.limits.check_stop(value)
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias_within_limits(cls, value):
+        return cls.limits.check_logit_bias(value)
 
     @field_validator("logit_bias")
     @classmethod
@@ -181,6 +196,11 @@ class ChatCompletionRequest(SamplingFields):
     tools: Any = None
     functions: Any = None
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_within_limits(cls, value):
+        return cls.limits.check_messages(value)
+
     @field_validator("tools", "functions")
     @classmethod
     def _no_tool_calls(cls, value, info: ValidationInfo):
@@ -230,6 +250,11 @@ class TokenizeRequest(StrictBody):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True  # with messages, rendered as a chat request would be
     continue_final_message: bool = False
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_within_limits(cls, value):
+        return cls.limits.check_messages(value)
 
 
 class DetokenizeRequest(StrictBody):

@@ -79,9 +79,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-def tokenize(ctx: ServingContext, prompt, *, add_special_tokens: bool = True) -> ProcessedPrompt:
+async def tokenize(ctx: ServingContext, prompt, *, add_special_tokens: bool = True) -> ProcessedPrompt:
+    """Tokenize in a thread (frontend/render_threads.py): a long prompt must not stall the event loop."""
     try:
-        processed = ctx.engine.input_processor.tokenize_prompt(prompt, add_special_tokens=add_special_tokens)
+        processed = await ctx.engine.render_threads.tokenize_prompt(prompt, add_special_tokens=add_special_tokens)
     except ValueError as error:
         raise APIError(400, str(error), "prompt") from error
     return processed
@@ -120,16 +121,17 @@ def chat_logprobs(output: CompletionOutput, num_top: int) -> dict | None:
     return {"content": content}
 
 
-def render_and_tokenize(ctx: ServingContext, spans, messages: list[dict], add_generation_prompt: bool,
-                        requested_max_tokens: int | None, make_params, continue_final_message: bool = False):
-    """Stage ②: template, tokenize, check lengths, build SamplingParams — logged on the render span."""
+async def render_and_tokenize(ctx: ServingContext, spans, messages: list[dict], add_generation_prompt: bool,
+                              requested_max_tokens: int | None, make_params, continue_final_message: bool = False):
+    """Stage ②: template, tokenize (both in a thread), check lengths, build SamplingParams — logged on the
+    render span."""
     with spans.stage(schema.RENDER) as render_span:
         try:
-            text = ctx.engine.input_processor.render_chat(messages, add_generation_prompt=add_generation_prompt,
-                                                          continue_final_message=continue_final_message)
+            text = await ctx.engine.render_threads.render_chat(
+                messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
         except ValueError as error:
-            raise APIError(400, str(error), "messages") from error
-        prompt = tokenize(ctx, text, add_special_tokens=False)
+            raise APIError(400, str(error), getattr(error, "param", None) or "messages") from error
+        prompt = await tokenize(ctx, text, add_special_tokens=False)
         max_tokens = ctx.max_tokens_for(len(prompt.prompt_token_ids), requested_max_tokens)
         try:
             params = spans.replayable(make_params(max_tokens))
@@ -147,7 +149,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     spans = start_request_spans(schema.OPERATION_CHAT, model, request_id, redact_inputs=ctx.redact_inputs)
     try:
-        prompt, params = render_and_tokenize(
+        prompt, params = await render_and_tokenize(
             ctx, spans, [m.as_template_message() for m in body.messages], body.add_generation_prompt,
             body.requested_max_tokens,
             lambda max_tokens: body.sampling_params(max_tokens, body.num_logprobs, ctx.sampling_defaults),

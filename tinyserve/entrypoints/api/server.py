@@ -1,7 +1,7 @@
 """The FastAPI app: routes, authentication, error bodies, health and metrics.
 
-Handlers live in openai_serving.py (chat), completions_serving.py and
-anthropic_serving.py; this file wires
+Handlers live in openai_serving.py (chat), completions_serving.py,
+anthropic_serving.py and tokenization_serving.py; this file wires
 them to URLs and makes sure that every failure, including a malformed body,
 answers in the endpoint's own error format with a 4xx/5xx status, and never
 with a traceback. A request passes, outermost first:
@@ -12,8 +12,10 @@ with a traceback. A request passes, outermost first:
     the route                pydantic validates the body (400), the handler runs
 """
 
+import gc
 import logging
 import re
+import sys
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -24,10 +26,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import tinyserve
 from tinyserve.frontend.async_llm import RequestRejectedError
 from tinyserve.frontend.engine_client import EngineDeadError
+from tinyserve.entrypoints.api import tokenization_serving
 from tinyserve.entrypoints.api.anthropic_serving import MessagesRequest, create_message
 from tinyserve.entrypoints.api.auth import ApiKeyMiddleware
 from tinyserve.entrypoints.api.completions_serving import create_completion
 from tinyserve.entrypoints.api.errors import APIError, error_response
+from tinyserve.entrypoints.api.field_limits import FieldLimits
 from tinyserve.entrypoints.api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestLimitsMiddleware
 from tinyserve.entrypoints.api.metrics import ServerMetrics
 from tinyserve.entrypoints.api.openai_protocol import (
@@ -73,11 +77,17 @@ def build_app(
     *,
     api_key: str | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    field_limits: FieldLimits = FieldLimits(),
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await ctx.engine.start()
         ctx.engine.stat_loggers.append(metrics)
+        # What is loaded by now (torch, transformers, the app) lives as long as the server. Frozen,
+        # it is no longer walked by every full garbage collection, each of which would stop the
+        # event loop for a few hundred milliseconds (vLLM freezes its start-up heap too).
+        gc.collect()
+        gc.freeze()
         yield
         ctx.engine.shutdown()
         shutdown_tracing()  # after the engines: every span of this process is flushed
@@ -99,6 +109,9 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, error: StarletteHTTPException):
+        if isinstance(error.__cause__, RecursionError):  # FastAPI's "error parsing the body", said plainly
+            return error_response(request.url.path, 400, "the request body nests too deeply: JSON arrays and "
+                                  f"objects may nest at most about {sys.getrecursionlimit()} levels")
         return error_response(request.url.path, error.status_code, str(error.detail))
 
     @app.exception_handler(EngineDeadError)
@@ -121,16 +134,20 @@ def build_app(
 
     # ---- routes ------------------------------------------------------------------
 
+    # The body types, checked against this server's field limits (field_limits.py).
+    Chat, Completion, Messages, Tokenize = map(
+        field_limits.bind, (ChatCompletionRequest, CompletionRequest, MessagesRequest, TokenizeRequest))
+
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(body: Chat, request: Request):
         return await create_chat_completion(ctx, body, request)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(body: Completion, request: Request):
         return await create_completion(ctx, body, request)
 
     @app.post("/v1/messages")
-    async def messages(body: MessagesRequest, request: Request):
+    async def messages(body: Messages, request: Request):
         return await create_message(ctx, body, request)
 
     @app.get("/v1/models")
@@ -152,35 +169,17 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus_metrics():
+        if ctx.engine.errored:  # a dead engine's load is no load (counters stay: they are history)
+            metrics.forget_engine_gauges()
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        ctx.check_model(body.model)
-        engine = ctx.engine
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "send exactly one of 'prompt' or 'messages'")
-        if body.messages is not None:
-            try:
-                text = engine.input_processor.render_chat(
-                    [m.as_template_message() for m in body.messages], add_generation_prompt=body.add_generation_prompt,
-                    continue_final_message=body.continue_final_message,
-                )
-            except ValueError as error:
-                raise APIError(400, str(error), "messages") from error
-            token_ids = engine.tokenizer.encode(text, add_special_tokens=False)
-        else:
-            token_ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": token_ids, "count": len(token_ids), "max_model_len": engine.model_info.max_model_len}
+    async def tokenize(body: Tokenize):
+        return await tokenization_serving.tokenize(ctx, body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        ctx.check_model(body.model)
-        vocab_size = ctx.engine.model_info.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
-        if bad:
-            raise APIError(400, f"tokens contains ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", "tokens")
-        return {"prompt": ctx.engine.tokenizer.decode(body.tokens)}
+        return await tokenization_serving.detokenize(ctx, body)
 
     # Added innermost first. The API key is checked outermost, so a refused client costs no span; the
     # HTTP span covers the rest, body limits included, for requests to a route that exists.

@@ -14,6 +14,19 @@
 
 uvicorn on its own would wait for open connections for ever, or cut them at a
 timeout without a final event; the drain and the abort are what this adds.
+
+An engine that dies (killed, crashed) takes the server down with it, as in
+vLLM, rather than leaving a server that answers 503 for ever:
+
+    engine process exits
+      │ its sentinel fires: every request it held fails at once (a 503, or an
+      │ error event as a stream's last), /health turns 503
+      │ the next tick (0.1 s) sees AsyncLLM.errored: the same shutdown as above,
+      │ with ENGINE_DEATH_GRACE_S for the responses to send their last bytes
+      ▼ the process exits with ENGINE_DEATH_EXIT_CODE, for a supervisor to restart it
+
+--keep-alive-on-engine-death keeps the server up instead (vLLM's
+VLLM_KEEP_ALIVE_ON_ENGINE_DEATH), answering 503 until someone stops it.
 """
 
 import asyncio
@@ -27,19 +40,40 @@ from tinyserve.frontend.async_llm import AsyncLLM
 logger = logging.getLogger("tinyserve.api")
 
 ABORT_GRACE_S = 5.0  # after the abort, how long responses get to send their last bytes
+ENGINE_DEATH_GRACE_S = 2.0  # after an engine died: its requests are failed already, only bytes are left to send
+ENGINE_DEATH_EXIT_CODE = 1
 _POLL_S = 0.05
 
 
 class GracefulServer(uvicorn.Server):
     """uvicorn's server, with AsyncLLM's drain and abort in its shutdown."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, shutdown_timeout: float,
+                 keep_alive_on_engine_death: bool = False) -> None:
         if shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be non-negative, got {shutdown_timeout}")
         config.timeout_graceful_shutdown = shutdown_timeout + ABORT_GRACE_S
         super().__init__(config)
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
+        self.keep_alive_on_engine_death = keep_alive_on_engine_death
+        self.stopped_for_engine_death = False
+
+    @property
+    def exit_code(self) -> int:
+        """What the process should exit with once `run` returns."""
+        if self.stopped_for_engine_death:
+            return ENGINE_DEATH_EXIT_CODE
+        return 0 if self.started else 1
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's tick (every 0.1 s); an engine's death asks for the shutdown."""
+        if self.engine.errored and not self.keep_alive_on_engine_death and not self.should_exit:
+            logger.error("an engine died: stopping the server (--keep-alive-on-engine-death keeps it up)")
+            self.stopped_for_engine_death = True
+            self.config.timeout_graceful_shutdown = ENGINE_DEATH_GRACE_S
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets=None) -> None:
         self.engine.start_draining()

@@ -1,0 +1,62 @@
+"""POST /tokenize and /detokenize: the model's tokenizer, as vLLM's server offers it.
+
+/tokenize counts a prompt or a rendered chat of any length (its answer says
+max_model_len, for the client to compare), so it is where a 4 MB text really is
+tokenized. Everything that grows with the payload runs in the render threads
+(frontend/render_threads.py), the answer's JSON included: a list of millions of
+ids, encoded in one call on the event loop, would stall every other request.
+"""
+
+import json
+
+from fastapi.responses import Response
+
+from tinyserve.frontend.render_threads import CHARS_PER_ID
+from tinyserve.entrypoints.api.errors import APIError
+from tinyserve.entrypoints.api.openai_protocol import DetokenizeRequest, TokenizeRequest
+from tinyserve.entrypoints.api.openai_serving import ServingContext
+
+_JSON_SLICE = 65536  # ids JSON-encoded per call, so that no one call holds the GIL for long
+
+
+def tokens_body(token_ids: list[int], max_model_len: int) -> bytes:
+    """The /tokenize answer, built slice by slice: between slices the thread lets the event loop run."""
+    parts = ['{"tokens":[']
+    for start in range(0, len(token_ids), _JSON_SLICE):
+        parts.append(("," if start else "") + ",".join(map(str, token_ids[start:start + _JSON_SLICE])))
+    parts.append(f'],"count":{len(token_ids)},"max_model_len":{max_model_len}}}')
+    return "".join(parts).encode()
+
+
+async def tokenize(ctx: ServingContext, body: TokenizeRequest) -> Response:
+    ctx.check_model(body.model)
+    engine = ctx.engine
+    threads = engine.render_threads
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "send exactly one of 'prompt' or 'messages'")
+    if body.messages is not None:
+        try:
+            text = await threads.render_chat(
+                [m.as_template_message() for m in body.messages], fit_context=False,
+                add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
+            )
+        except ValueError as error:
+            raise APIError(400, str(error), "messages") from error
+        token_ids = await threads.encode(text, add_special_tokens=False)
+    else:
+        token_ids = await threads.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    content = await threads.run(len(token_ids) * CHARS_PER_ID, tokens_body, token_ids, engine.model_info.max_model_len)
+    return Response(content, media_type="application/json")
+
+
+async def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> Response:
+    ctx.check_model(body.model)
+    vocab_size = ctx.engine.model_info.vocab_size
+    threads = ctx.engine.render_threads
+    bad = await threads.run(len(body.tokens) * CHARS_PER_ID,
+                            lambda: [t for t in body.tokens if not 0 <= t < vocab_size][:5])
+    if bad:
+        raise APIError(400, f"tokens contains ids outside the vocabulary [0, {vocab_size}): {bad}", "tokens")
+    text = await threads.decode(body.tokens)
+    content = await threads.run(len(text), json.dumps, {"prompt": text}, ensure_ascii=False, separators=(",", ":"))
+    return Response(content.encode(), media_type="application/json")
