@@ -9,21 +9,18 @@
         ▲
         │ one background task pulls EngineCoreOutputs, detokenizes them and puts
         │ each RequestOutput on its request's queue; stop strings found here
-        │ abort the request in the engine
-    generate() yields from that queue until the request is finished
+        │ abort the request in the engine; generate() yields until the request finishes
 
-If the caller stops iterating (a client disconnected), the request is aborted
-in the engine so its KV blocks are freed at once. `add_request` does the part
-before the loop and returns the request's `RequestStream`: the server calls it
-before it answers, so a refusal can still be a 503 status rather than an error
-inside a 200 stream.
+If the caller stops iterating (a client disconnected), the request is aborted in the
+engine, freeing its KV blocks at once. `add_request` (the part before the loop) returns
+the `RequestStream`: the server calls it before answering, so a refusal is a 503, not an
+error inside a 200 stream.
 
-Admission is counted here, in the front end, from what it already knows: every
-engine request it sent and has not seen finish is unfinished; the engines'
-latest stats (which arrive with every step) say how many of those run; the
-rest wait. Beyond `max_waiting_requests` waiting, new requests are refused with
-RequestRejectedError (the server's 503), so a burst cannot grow memory without
-bound. On shutdown, `start_draining` refuses new requests and `abort_all` ends
+Admission is counted here, from what the front end knows: every engine request sent
+and not seen to finish is unfinished; the engines' latest stats (with every step) say
+how many of those run; the rest wait. Beyond `max_waiting_requests` waiting, new ones
+are refused with RequestRejectedError (the server's 503), so a burst cannot grow memory
+without bound. On shutdown, `start_draining` refuses new requests and `abort_all` ends
 the ones left with finish_reason "abort", through the engines as any abort.
 """
 
