@@ -220,7 +220,8 @@ def ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
 
-HEADER = f"{'phase':32} {'status':>6} {'took s':>7} {'/health worst ms':>17} {'stream gap ms':>14} {'1-token req ms':>15}"
+HEADER = (f"{'phase':32} {'status':>6} {'took s':>7} {'/health worst ms':>17} {'stream gap ms':>14} "
+          f"{'1-token req ms':>15}")
 
 
 def print_row(row: dict) -> None:

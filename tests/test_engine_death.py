@@ -18,16 +18,19 @@ import httpx
 import psutil
 import pytest
 
-from tests.server_process import ServerProcess
+from tinyserve.testing import ServerProcess
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.otlp_json import read_spans
+
+pytestmark = pytest.mark.server  # a real `tinyserve serve` on loopback
 
 MODEL = "tiny"
 LONG_TOKENS = 6000  # far more than any machine generates before the kill
 LONG = {"max_tokens": LONG_TOKENS, "ignore_eos": True}
 REQUESTS = {  # name: (path, body, streamed)
-    "chat_stream": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], **LONG}, True),
+    "chat_stream": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], **LONG},
+                    True),
     "completions_stream": ("/v1/completions", {"model": MODEL, "prompt": "b", **LONG}, True),
     "messages_stream": ("/v1/messages", {"model": MODEL, "max_tokens": LONG_TOKENS, "temperature": 0,
                                          "messages": [{"role": "user", "content": "e"}]}, True),
@@ -69,8 +72,8 @@ def engine_of(proc: ServerProcess) -> psutil.Process:
 def start_four_requests(proc: ServerProcess, pool) -> dict:
     futures = {name: pool.submit(send, proc.url, path, body, streamed)
                for name, (path, body, streamed) in REQUESTS.items()}
-    wait_until(lambda: metric(proc.url, "num_requests_running") == 4 and metric(proc.url, "generation_tokens_total") > 20,
-               60, "all four requests are generating")
+    wait_until(lambda: metric(proc.url, "num_requests_running") == 4
+               and metric(proc.url, "generation_tokens_total") > 20, 60, "all four requests are generating")
     return futures
 
 

@@ -24,11 +24,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.server_process import ServerProcess
+from tinyserve.testing import ServerProcess
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.frontend.input_processor import InputProcessor
 from tinyserve.models.tokenizer import IM_END_TOKEN, IM_START_TOKEN, load_tokenizer
+
+pytestmark = pytest.mark.server  # a real `tinyserve serve` on loopback
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 8192
@@ -173,7 +175,8 @@ def test_a_small_request_is_not_queued_behind_a_large_one(server):
 @pytest.mark.parametrize("add_special_tokens", [True, False])
 def test_encode_gives_the_ids_transformers_gives(input_processor, add_special_tokens):
     tokenizer = input_processor.tokenizer
-    for text in ["Hello", f"{IM_START_TOKEN}user\nhi{IM_END_TOKEN}\n", "naïve café ☕ 東京 🙂", "  spaces\n\n\ttabs "]:
+    texts = ["Hello", f"{IM_START_TOKEN}user\nhi{IM_END_TOKEN}\n", "naïve café ☕ 東京 🙂", "  spaces\n\n\ttabs "]
+    for text in texts:
         assert input_processor.encode(text, add_special_tokens=add_special_tokens) == \
             tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -181,11 +184,12 @@ def test_encode_gives_the_ids_transformers_gives(input_processor, add_special_to
 # Texts the bound must never refuse when they fit: repeats of the longest token, combining
 # accents that NFC folds into one character, special tokens, any Unicode.
 LONGEST = "longest"
+PIECES = st.one_of(st.text(max_size=40),
+                   st.sampled_from(["e\u0301\u0323\u0302", "\u1100\u1161\u11a8", LONGEST, IM_START_TOKEN, " " * 30]))
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.one_of(st.text(max_size=40), st.sampled_from(["e\u0301\u0323\u0302", "\u1100\u1161\u11a8", LONGEST,
-                                                                    IM_START_TOKEN, " " * 30])), min_size=1, max_size=30))
+@given(st.lists(PIECES, min_size=1, max_size=30))
 def test_the_length_bound_never_refuses_a_text_that_fits(input_processor, pieces):
     tokenizer = input_processor.tokenizer
     longest = tokenizer.convert_tokens_to_string([max(tokenizer.get_vocab(), key=len)])

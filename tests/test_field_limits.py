@@ -9,10 +9,12 @@ not. JSON nested too deeply for the parser is a 400 that says so.
 import httpx
 import pytest
 
-from tests.server_process import ServerProcess
+from tinyserve.testing import ServerProcess
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.cli.main import main
 from tinyserve.entrypoints.api import field_limits
+
+pytestmark = pytest.mark.server  # a real `tinyserve serve` on loopback
 
 MODEL = "tiny"
 HI = [{"role": "user", "content": "hi"}]

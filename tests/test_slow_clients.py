@@ -13,8 +13,10 @@ import time
 import httpx
 import pytest
 
-from tests.server_process import ServerProcess
+from tinyserve.testing import ServerProcess
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
+
+pytestmark = pytest.mark.server  # a real `tinyserve serve` on loopback
 
 MODEL = "tiny"
 TIMEOUT_S = 1.0

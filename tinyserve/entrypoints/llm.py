@@ -93,13 +93,11 @@ class LLM:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
 
         def render(conversation) -> ProcessedPrompt:
-            self.input_processor.check_chat_fits(conversation)
-            text = self.input_processor.render_chat(
+            return self.input_processor.tokenize_chat(
                 conversation, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=chat_template,
                 template_kwargs=chat_template_kwargs,
             )
-            return self.input_processor.tokenize_prompt(text, add_special_tokens=False)
 
         return self._run(conversations, render, schema.OPERATION_CHAT, sampling_params, use_tqdm)
 

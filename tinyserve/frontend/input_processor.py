@@ -11,6 +11,7 @@ never fit in max_model_len, so that a 4 MB prompt costs a length check, not
 seconds of tokenizing (`check_text_fits`, `check_chat_fits`).
 """
 
+import inspect
 import logging
 import math
 import time
@@ -43,6 +44,8 @@ class InputProcessor:
         # special tokens included. Byte-level vocabularies spell each byte as one character,
         # so there the length counts bytes, never fewer than the characters they encode.
         self.max_chars_per_token = max(map(len, tokenizer.get_vocab()), default=1)
+        self._sanitizes_control_tokens = "sanitize_control_tokens" in inspect.signature(
+            tokenizer.apply_chat_template).parameters
 
     def check_text_fits(self, text: str) -> None:
         """Refuse, without tokenizing it, a text that has more than max_model_len tokens whatever they are.
@@ -109,21 +112,54 @@ class InputProcessor:
         end inside the last message instead (its end-of-turn marker cut off), so the reply
         continues it: an assistant message the caller has begun ("prefill").
         """
+        inputs = self._chat_inputs(messages, add_generation_prompt, continue_final_message, chat_template,
+                                   template_kwargs)
+        return self.tokenizer.apply_chat_template(**inputs, tokenize=False)
+
+    def tokenize_chat(self, messages: list[dict], *, fit_context: bool = True, add_generation_prompt: bool = True,
+                      continue_final_message: bool = False, chat_template: str | None = None,
+                      template_kwargs: dict | None = None) -> ProcessedPrompt:
+        """Render a chat (as render_chat) and tokenize it, a control token typed in a message as plain text.
+
+        An "<|im_start|>system" inside a user's message is encoded as the characters it is,
+        not as the token: only the template's own markers open and close turns, so no message
+        can forge another turn. transformers does it (apply_chat_template's
+        sanitize_control_tokens); with a transformers too old for that, the rendered text is
+        encoded whole and such a token is the token, as in vLLM.
+
+        fit_context: first refuse, from their number and the text's length, chats that cannot
+        fit max_model_len (check_chat_fits, check_text_fits).
+        """
+        if fit_context:
+            self.check_chat_fits(messages)
+        inputs = self._chat_inputs(messages, add_generation_prompt, continue_final_message, chat_template,
+                                   template_kwargs)
+        text = self.tokenizer.apply_chat_template(**inputs, tokenize=False)
+        if fit_context:
+            self.check_text_fits(text)
+        if not self._sanitizes_control_tokens:
+            return ProcessedPrompt(text, self.encode(text, add_special_tokens=False))
+        token_ids = self.tokenizer.apply_chat_template(**inputs, tokenize=True, return_dict=False,
+                                                       sanitize_control_tokens=True)
+        return ProcessedPrompt(text, token_ids)
+
+    def _chat_inputs(self, messages, add_generation_prompt: bool, continue_final_message: bool,
+                     chat_template: str | None, template_kwargs: dict | None) -> dict:
+        """apply_chat_template's arguments, each checked."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        reserved = {"tokenize", "add_generation_prompt", "continue_final_message", "chat_template", "conversation"}
+        reserved = {"tokenize", "add_generation_prompt", "continue_final_message", "chat_template", "conversation",
+                    "sanitize_control_tokens", "return_dict"}
         if template_kwargs and reserved & set(template_kwargs):
             raise ValueError(f"chat_template_kwargs cannot set {sorted(reserved & set(template_kwargs))}")
         normalized = [_normalize_message(i, message) for i, message in enumerate(messages)]
         template = chat_template or self.tokenizer.chat_template
         if template is None:
             raise ValueError("the model has no chat template; pass chat_template or send a plain prompt")
-        return self.tokenizer.apply_chat_template(
-            normalized, chat_template=template, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tokenize=False, **(template_kwargs or {}),
-        )
+        return {"conversation": normalized, "chat_template": template, "add_generation_prompt": add_generation_prompt,
+                "continue_final_message": continue_final_message, **(template_kwargs or {})}
 
     def tokenize_prompt(self, prompt, *, add_special_tokens: bool = True) -> ProcessedPrompt:
         """A string, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}."""

@@ -38,7 +38,7 @@ CHARS_PER_ID = 4  # what one token id weighs when choosing a lane: about the cha
 
 
 class RenderThreads:
-    """The input processor's render, tokenize and decode, awaited on the loop and run in two thread lanes."""
+    """The input processor's chat and prompt tokenizing and its decode, awaited on the loop, run in two lanes."""
 
     def __init__(self, input_processor: InputProcessor) -> None:
         self.input_processor = input_processor
@@ -50,8 +50,9 @@ class RenderThreads:
         lane = self.large if size > LARGE_JOB_CHARS else self.small
         return await asyncio.get_running_loop().run_in_executor(lane, functools.partial(function, *args, **kwargs))
 
-    async def render_chat(self, messages: list[dict], *, fit_context: bool = True, **kwargs) -> str:
-        """InputProcessor.render_chat; fit_context: first refuse more messages than max_model_len."""
+    async def tokenize_chat(self, messages: list[dict], *, fit_context: bool = True, **kwargs) -> ProcessedPrompt:
+        """InputProcessor.tokenize_chat; with fit_context, more messages than max_model_len are refused before
+        the chat queues."""
         if fit_context:
             self.input_processor.check_chat_fits(messages)
         if isinstance(messages, list) and len(messages) > LARGE_JOB_MESSAGES:
@@ -59,7 +60,7 @@ class RenderThreads:
         else:
             size = sum(len(m.get("content") or "") for m in messages if isinstance(m, dict)) \
                 if isinstance(messages, list) else 0
-        return await self.run(size, self.input_processor.render_chat, messages, **kwargs)
+        return await self.run(size, self.input_processor.tokenize_chat, messages, fit_context=fit_context, **kwargs)
 
     async def tokenize_prompt(self, prompt, *, add_special_tokens: bool = True) -> ProcessedPrompt:
         """InputProcessor.tokenize_prompt; a text that cannot fit max_model_len is refused before it queues."""

@@ -127,11 +127,11 @@ async def render_and_tokenize(ctx: ServingContext, spans, messages: list[dict], 
     render span."""
     with spans.stage(schema.RENDER) as render_span:
         try:
-            text = await ctx.engine.render_threads.render_chat(
+            prompt = await ctx.engine.render_threads.tokenize_chat(
                 messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
-        except ValueError as error:
+        except ValueError as error:  # the prompt's length (param "prompt"), or the messages themselves
             raise APIError(400, str(error), getattr(error, "param", None) or "messages") from error
-        prompt = await tokenize(ctx, text, add_special_tokens=False)
+        text = prompt.prompt
         max_tokens = ctx.max_tokens_for(len(prompt.prompt_token_ids), requested_max_tokens)
         try:
             params = spans.replayable(make_params(max_tokens))

@@ -34,6 +34,7 @@ from tinyserve.entrypoints.api.errors import APIError, error_response
 from tinyserve.entrypoints.api.field_limits import FieldLimits
 from tinyserve.entrypoints.api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestLimitsMiddleware
 from tinyserve.entrypoints.api.metrics import ServerMetrics
+from tinyserve.entrypoints.api.openapi import make_truthful
 from tinyserve.entrypoints.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -112,7 +113,8 @@ def build_app(
         if isinstance(error.__cause__, RecursionError):  # FastAPI's "error parsing the body", said plainly
             return error_response(request.url.path, 400, "the request body nests too deeply: JSON arrays and "
                                   f"objects may nest at most about {sys.getrecursionlimit()} levels")
-        return error_response(request.url.path, error.status_code, str(error.detail))
+        # error.headers: Starlette's 405 says which methods the path allows (Allow), as RFC 9110 wants.
+        return error_response(request.url.path, error.status_code, str(error.detail), headers=error.headers)
 
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(request: Request, error: EngineDeadError):
@@ -161,7 +163,7 @@ def build_app(
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200 if ctx.engine.is_healthy else 503)
+        return Response(status_code=200 if ctx.engine.is_healthy else 503, media_type="text/plain")
 
     @app.get("/version")
     async def version():
@@ -180,6 +182,8 @@ def build_app(
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         return await tokenization_serving.detokenize(ctx, body)
+
+    make_truthful(app, model_names=ctx.model_names, api_key=api_key is not None, field_limits=field_limits)
 
     # Added innermost first. The API key is checked outermost, so a refused client costs no span; the
     # HTTP span covers the rest, body limits included, for requests to a route that exists.

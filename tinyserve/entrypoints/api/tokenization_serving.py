@@ -35,14 +35,14 @@ async def tokenize(ctx: ServingContext, body: TokenizeRequest) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "send exactly one of 'prompt' or 'messages'")
     if body.messages is not None:
-        try:
-            text = await threads.render_chat(
+        try:  # the ids a chat request would send, control tokens typed in messages encoded as text
+            prompt = await threads.tokenize_chat(
                 [m.as_template_message() for m in body.messages], fit_context=False,
                 add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
             )
         except ValueError as error:
             raise APIError(400, str(error), "messages") from error
-        token_ids = await threads.encode(text, add_special_tokens=False)
+        token_ids = prompt.prompt_token_ids
     else:
         token_ids = await threads.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     content = await threads.run(len(token_ids) * CHARS_PER_ID, tokens_body, token_ids, engine.model_info.max_model_len)
