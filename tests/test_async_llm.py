@@ -171,4 +171,4 @@ def test_async_llm_from_the_package_with_vllms_names_streams_and_aborts():
             engine.shutdown()  # twice: harmless
 
     texts = asyncio.run(main())
-    assert len(texts) == 5 and all(isinstance(t, str) for t in texts)
+    assert len(texts) == 5 and all(isinstance(t, str) for t in texts)  # nothing more once abort() returned

@@ -37,7 +37,7 @@ from tinyserve.frontend.inproc_client import AsyncInprocClient
 from tinyserve.frontend.input_processor import InputProcessor, ProcessedPrompt, log_inputs
 from tinyserve.frontend.output_processor import OutputKind, OutputProcessor
 from tinyserve.frontend.render_threads import RenderThreads
-from tinyserve.frontend.request_stream import ABORTED, RequestStream
+from tinyserve.frontend.request_stream import RequestStream, end_now
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import NO_SPANS
 from tinyserve.models.tokenizer import load_tokenizer
@@ -220,7 +220,7 @@ class AsyncLLM:
         """Stop a request; its iterator (if any) ends without a final output. Unknown or finished ids are ignored."""
         queue = self.queues.pop(request_id, None)
         if queue is not None:
-            queue.put_nowait(ABORTED)
+            end_now(queue)
         child_ids = self.output_processor.abort_request(request_id)
         if child_ids and self._dead is None:
             await self.client.abort_requests(child_ids)

@@ -13,6 +13,13 @@ from tinyserve.outputs import RequestOutput
 ABORTED = object()
 
 
+def end_now(queue: asyncio.Queue) -> None:
+    """For AsyncLLM.abort: outputs not read yet go with the request, and the iterator ends at once."""
+    while not queue.empty():
+        queue.get_nowait()
+    queue.put_nowait(ABORTED)
+
+
 class RequestStream:
     """The outputs of one request as they arrive: `async for output in stream`, then `close()`."""
 
