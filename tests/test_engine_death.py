@@ -10,7 +10,6 @@ server stays up instead, and /metrics no longer shows the dead engine's gauges.
 import collections
 import concurrent.futures
 import json
-import re
 import signal
 import time
 
@@ -19,6 +18,7 @@ import psutil
 import pytest
 
 from tinyserve.testing import ServerProcess
+from tests.server_checks import long_context_model, metric, wait_until
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.otlp_json import read_spans
@@ -36,22 +36,6 @@ REQUESTS = {  # name: (path, body, streamed)
                                          "messages": [{"role": "user", "content": "e"}]}, True),
     "chat": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "c"}], **LONG}, False),
 }
-
-
-def long_context_model() -> str:
-    return str(tiny_model_with_tokenizer("llama", max_position_embeddings=8192))
-
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(float(m.group(1)) for m in re.finditer(rf"^tinyserve:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE))
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.1)
 
 
 def send(url: str, path: str, body: dict, streamed: bool) -> tuple[int, list[str], float]:

@@ -11,7 +11,6 @@ import concurrent.futures
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import httpx
 import psutil
 import pytest
 
+from tests.server_checks import long_context_model, metric, wait_until
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.otlp_json import read_spans
@@ -38,25 +38,9 @@ LONG_TOKENS = 6000
 LONG_ANTHROPIC_PROMPT = "e"
 
 
-def long_context_model() -> str:
-    return str(tiny_model_with_tokenizer("llama", max_position_embeddings=8192))
-
-
-def metric(server, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return sum(float(m.group(1)) for m in re.finditer(rf"^tinyserve:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE))
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.1)
-
-
 def is_idle(server) -> bool:
-    return not (metric(server, "num_requests_running") or metric(server, "num_requests_waiting")
-                or metric(server, "kv_cache_usage_perc"))
+    return not (metric(server.url, "num_requests_running") or metric(server.url, "num_requests_waiting")
+                or metric(server.url, "kv_cache_usage_perc"))
 
 
 def read_stream(url: str, path: str, body: dict, timeout: float = 60) -> tuple[int, list[str]]:
@@ -78,7 +62,7 @@ def busy_server():
 def test_a_tight_kv_pool_preempts_and_still_completes_every_request(busy_server):
     # 16 requests of 40 + 200 tokens need 16 × 15 blocks at the end; the pool has 64. Even
     # if they arrive a little apart, far more of them run at once than the pool can hold.
-    preemptions_before = metric(busy_server, "num_preemptions_total")
+    preemptions_before = metric(busy_server.url, "num_preemptions_total")
 
     def one(i):
         body = {"model": MODEL, "prompt": [10 + i] * 40, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
@@ -90,7 +74,7 @@ def test_a_tight_kv_pool_preempts_and_still_completes_every_request(busy_server)
     for response in responses:
         [choice] = response.json()["choices"]
         assert choice["finish_reason"] == "length" and response.json()["usage"]["completion_tokens"] == 200
-    assert metric(busy_server, "num_preemptions_total") > preemptions_before
+    assert metric(busy_server.url, "num_preemptions_total") > preemptions_before
     wait_until(lambda: is_idle(busy_server), 10, "the server is idle")
 
 
@@ -140,7 +124,7 @@ async def _storm_and_burst(url: str) -> tuple[list[int], list[tuple[int, str | N
 
 
 def test_a_storm_of_dropped_streams_and_a_burst_get_200_or_503_and_leave_nothing_behind(busy_server):
-    aborted_before = metric(busy_server, "request_success_total")
+    aborted_before = metric(busy_server.url, "request_success_total")
     drops, bursts = asyncio.run(_storm_and_burst(busy_server.url))
     assert set(drops) <= {200, 503}
     statuses = collections.Counter(status for status, _, _ in bursts)
@@ -153,7 +137,7 @@ def test_a_storm_of_dropped_streams_and_a_burst_get_200_or_503_and_leave_nothing
             assert body["choices"][0]["finish_reason"] == "length"
     wait_until(lambda: is_idle(busy_server), 15, "every request is aborted or finished and every KV block free")
     # Every admitted request was accounted for: finished (burst) or aborted (dropped, hung up).
-    accounted = metric(busy_server, "request_success_total") - aborted_before
+    accounted = metric(busy_server.url, "request_success_total") - aborted_before
     assert statuses[200] + drops.count(200) <= accounted <= statuses[200] + drops.count(200) + 20
     assert httpx.get(f"{busy_server.url}/health").status_code == 200
 
@@ -177,7 +161,7 @@ def test_engine_death_mid_stream_ends_every_stream_with_an_error_event_and_healt
             futures = {name: pool.submit(read_stream, proc.url, path, {**body, "stream": True})
                        for name, (path, body) in streams.items()}
             plain_future = pool.submit(httpx.post, f"{proc.url}/v1/chat/completions", json=plain, timeout=60)
-            wait_until(lambda: metric(proc, "num_requests_running") == 5 and metric(proc, "generation_tokens_total") > 20,
+            wait_until(lambda: metric(proc.url, "num_requests_running") == 5 and metric(proc.url, "generation_tokens_total") > 20,
                        30, "all five requests are generating")
             [engine] = [p for p in psutil.Process(proc.process.pid).children() if p.name() == "tinyserve-engine-0"]
             engine.send_signal(signal.SIGKILL)
@@ -234,7 +218,7 @@ def sigterm_run(tmp_path_factory):
             futures = {name: pool.submit(read_stream, proc.url, path, body) for name, (path, body) in streams.items()}
             futures.update({name: pool.submit(httpx.post, proc.url + path, json=body, timeout=60)
                             for name, (path, body) in plain.items()})
-            wait_until(lambda: metric(proc, "num_requests_running") == 6, 30, "the six long requests are running")
+            wait_until(lambda: metric(proc.url, "num_requests_running") == 6, 30, "the six long requests are running")
             with httpx.stream("POST", f"{proc.url}/v1/chat/completions", json=short, timeout=60) as response:
                 lines = response.iter_lines()
                 short_lines = [next(lines)]  # the first event: the request is in the engine

@@ -1,0 +1,25 @@
+"""Helpers for tests that watch a real server from outside: its Prometheus metrics, and waiting on a condition."""
+
+import re
+import time
+
+import httpx
+
+from tests.tiny_checkpoints import tiny_model_with_tokenizer
+
+
+def long_context_model() -> str:
+    return str(tiny_model_with_tokenizer("llama", max_position_embeddings=8192))
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of tinyserve:<name> over its label sets, as /metrics reports it now."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(m.group(1)) for m in re.finditer(rf"^tinyserve:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE))
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.1)
