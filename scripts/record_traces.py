@@ -135,6 +135,12 @@ def kv_roomy() -> Recording:
                      ["--num-kv-blocks", "1024", "--max-num-batched-tokens", "256"], kv_workload())
 
 
+def kv_no_prefix_cache() -> Recording:
+    return Recording("kv-no-prefix-cache", "the kv-roomy run with the prefix cache off: every prompt computed whole",
+                     ["--num-kv-blocks", "1024", "--max-num-batched-tokens", "256", "--no-enable-prefix-caching"],
+                     kv_workload())
+
+
 LOAD_FLAGS = ["--max-num-seqs", "4"]  # 4 seats: an engine on a CPU saturates at tens of requests per second
 
 
@@ -161,7 +167,7 @@ def load_dp() -> Recording:
                      "4 seats each", [*LOAD_FLAGS, "--data-parallel-size", "2"], load_workload(75))
 
 
-RECORDINGS = {r.name: r for r in (lifecycle(), mixed(), kv_tight(), kv_roomy(), load(5), load(25), load(75), load_dp())}
+RECORDINGS = {r.name: r for r in (lifecycle(), mixed(), kv_tight(), kv_roomy(), kv_no_prefix_cache(), load(5), load(25), load(75), load_dp())}
 
 
 # ---- the server and the client ------------------------------------------------------------

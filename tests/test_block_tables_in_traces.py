@@ -98,3 +98,26 @@ def test_the_block_map_colours_each_block_by_its_owner_and_greys_shared_ones(rec
             expected = 1 if not owners_here else 0 if len(owners_here) > 1 else 2 + owners.index(owners_here[0])
             assert grid[block, column] == expected, (step_id, block)
     assert (grid == 0).any()  # the shared prefix shows
+
+
+def test_a_preempted_request_waits_then_recomputes_as_prefill_in_the_kv_pressure_plot(recorded):
+    from tinyserve.lifecycle import plots_extra, schema
+
+    run, _, _ = recorded
+    steps = run.engine_steps(0)
+    preempted = [q for r in run.requests for q in r.sequences if q.preemption_times_ns]
+    assert preempted
+    for sequence in preempted:
+        segments = plots_extra.recompute_segments(sequence, steps)
+        queued = [s for s in segments if s[0] == schema.QUEUE]
+        recomputed = [s for s in segments if s[0] == schema.PREFILL]
+        assert [start for _, start, _ in queued] == sequence.preemption_times_ns
+        assert len(recomputed) == len(queued)  # a recompute always has its prompt to prefill again
+        for (_, _, resumed_ns), (_, start_ns, end_ns) in zip(queued, recomputed):
+            assert start_ns == resumed_ns < end_ns
+            during = [n for s in steps if start_ns <= s.start_ns < end_ns
+                      for rid, n in zip(s.request_ids, s.num_tokens_per_request) if rid == sequence.request_id]
+            after = [n for s in steps if s.start_ns >= end_ns
+                     for rid, n in zip(s.request_ids, s.num_tokens_per_request) if rid == sequence.request_id]
+            assert during and all(n > 1 for n in during)
+            assert not after or after[0] == 1  # then it decodes on, one token a step

@@ -13,7 +13,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from tests.synthetic_trace import (
-    DEMO_REQUESTS, DEMO_STEPS, T0_NS, SyntheticRequest, SyntheticSequence, ns, write_demo_run, write_run,
+    DEMO_REQUESTS, DEMO_STEPS, T0_NS, SyntheticRequest, SyntheticSequence, SyntheticStep, ns, write_demo_run, write_run,
 )
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM, SamplingParams
@@ -429,3 +429,46 @@ def test_cli_replay_exits_1_on_a_mismatch(tmp_path, model_path, real_outputs, ca
     assert "4 requests: 1 match, 1 mismatch, 2 skipped" in out
     assert main(["trace", "replay", str(folder), "--model", str(model_path), "--request-id", "cmpl-seeded"]) == 0
     assert sorted(p.name for p in folder.iterdir()) == [schema.MANIFEST_FILE, schema.OFFLINE_TRACE_FILE]
+
+
+def _light_run(tmp_path):
+    """One request: a 6-token prefill, then 1-token decodes, 2 of 1024 blocks, under a 2048-token budget."""
+    steps = [SyntheticStep(0, i, 5.0 + 5 * i, 9.0 + 5 * i, ["chatcmpl-a"], [6 if i == 0 else 1], int(i == 0),
+                           6 if i == 0 else 0, kv_blocks_used=1 + i // 2, kv_blocks_total=1024, token_budget=2048)
+             for i in range(4)]
+    return load_run(write_run(tmp_path / "light", DEMO_REQUESTS[:1], steps))
+
+
+def _legend_clear_of_axes(figure, ax) -> bool:
+    figure.canvas.draw()  # lay the figure out: legend and axes get their final boxes
+    legend = ax.get_legend().get_window_extent()
+    return not legend.overlaps(ax.get_window_extent())
+
+
+def test_a_light_run_fills_the_batch_plot_and_names_the_budget_above_it(tmp_path):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    figure = plots.plot_batch_composition(_light_run(tmp_path))
+    FigureCanvasAgg(figure)
+    ax = figure.axes[0]
+    assert ax.get_ylim()[1] < 10  # 1-token decodes and a 6-token prefill are visible, not squashed under 2048
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "token budget: 2048 (above the axis)" in labels
+    assert _legend_clear_of_axes(figure, ax)
+
+
+def test_a_light_run_fills_the_kv_plot_and_names_the_pool_above_it(tmp_path):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    figure = plots.plot_kv_usage(_light_run(tmp_path))
+    FigureCanvasAgg(figure)
+    ax = figure.axes[0]
+    assert ax.get_ylim()[1] < 5
+    assert "engine 0 pool: 1024 (above the axis)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert _legend_clear_of_axes(figure, ax)
+
+
+def test_a_pool_near_the_data_is_drawn_as_a_line(run):
+    ax = plots.plot_kv_usage(run).axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()].count("engine 0 pool: 8") == 1
+    assert ax.get_ylim()[1] >= 8

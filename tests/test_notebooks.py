@@ -111,6 +111,23 @@ def test_recorded_run_is_small_and_every_request_replayable(folder):
         assert request.ttft_s > 0 and request.inputs.prompt != "Warm up."
 
 
+@pytest.mark.slow
+def test_every_shipped_recording_replays_exactly_on_this_machine():
+    """The recordings were made with the shipped built-in model, whose files are the same on
+    every machine: replaying them here reproduces every request token for token, none skipped."""
+    from tinyserve import LLM
+    from tinyserve.lifecycle.replay import replay_run
+    from tinyserve.models.default_model import DEFAULT_MODEL_FINGERPRINT
+
+    llm = LLM()
+    for folder in RECORDED:
+        run = load_run(folder)
+        assert run.manifest["model_fingerprint"] == DEFAULT_MODEL_FINGERPRINT, folder.name
+        results = replay_run(run, llm)
+        assert len(results) == len(run.requests) > 0
+        assert [r.describe() for r in results if not r.matched] == [], folder.name
+
+
 @pytest.mark.server
 def test_record_traces_records_a_run_from_a_real_server(tmp_path):
     folder = record_traces.record("lifecycle", tmp_path)

@@ -35,6 +35,22 @@ def _process_colors(services) -> dict[str, str]:
     return {service: palette[i % len(palette)] for i, service in enumerate(ordered)}
 
 
+# Legends go right of the axes, where they never cover a line.
+LEGEND_OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.08, 1.0), "fontsize": "small"}
+OFF_SCALE = 4  # a limit more than this many times the data's peak is named in the legend, not drawn
+
+
+def _limit_line(ax, limit: float, peak: float, label: str, color: str) -> float:
+    """A dashed line at a limit (a token budget, a pool size), or only a legend entry when drawing
+    it would squash the data (a light run's 1-token decodes under a 2048-token budget).
+    Returns the top the y axis needs to show the data and the line, if drawn."""
+    if limit <= OFF_SCALE * max(peak, 1):
+        ax.axhline(limit, color=color, linestyle="--", label=f"{label}: {limit:g}")
+        return limit * 1.05
+    ax.plot([], [], color=color, linestyle="--", label=f"{label}: {limit:g} (above the axis)")
+    return max(peak, 1) * 1.15
+
+
 def _empty(ax, title: str, xlabel: str, ylabel: str, message: str) -> None:
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes)
@@ -126,7 +142,8 @@ def plot_batch_composition(run: Run, engine_index: int | None = None) -> Figure:
         ax.bar(x, decode, bottom=prefill, color="tab:blue", label="decode tokens", width=1.0)
         budgets = [s.token_budget for s in steps if s.token_budget is not None]
         if budgets:
-            ax.axhline(max(budgets), color="black", linestyle="--", label="token budget")
+            ax.set_ylim(0, _limit_line(ax, max(budgets), max(p + d for p, d in zip(prefill, decode)), "token budget",
+                                       "black"))
         ax.set(title=title, xlabel="engine step", ylabel="tokens scheduled")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         requests_ax = ax.twinx()
@@ -135,7 +152,7 @@ def plot_batch_composition(run: Run, engine_index: int | None = None) -> Figure:
         requests_ax.set_ylim(bottom=0)
         requests_ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         handles = ax.get_legend_handles_labels()[0] + requests_ax.get_legend_handles_labels()[0]
-        ax.legend(handles=handles, loc="upper right", fontsize="small")
+        ax.legend(handles=handles, **LEGEND_OUTSIDE)
     fig.suptitle(f"Batch composition per engine step, run {run.name}")
     return fig
 
@@ -146,24 +163,26 @@ def plot_kv_usage(run: Run) -> Figure:
     ax = fig.add_subplot()
     title = "KV-cache blocks in use per engine"
     xlabel, ylabel = "time since the run started (s)", "KV blocks in use"
-    plotted = False
+    plotted, top = False, 1.0
     palette = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
     for color, index in zip(palette, run.engine_indices):
         steps = [s for s in run.engine_steps(index) if s.kv_blocks_used is not None]
         if not steps:
             continue
         times = [(s.start_ns - run.origin_ns) / 1e9 for s in steps]
-        ax.step(times, [s.kv_blocks_used for s in steps], where="post", color=color, label=f"engine {index} used")
+        used = [s.kv_blocks_used for s in steps]
+        ax.step(times, used, where="post", color=color, label=f"engine {index} used")
         totals = [s.kv_blocks_total for s in steps if s.kv_blocks_total is not None]
         if totals:
-            ax.axhline(max(totals), color=color, linestyle="--", label=f"engine {index} total")
+            top = max(top, _limit_line(ax, max(totals), max(used), f"engine {index} pool", color))
+        top = max(top, max(used) * 1.15)
         plotted = True
     if not plotted:
         _empty(ax, title, xlabel, ylabel, "no KV-cache data in the step spans")
         return fig
     ax.set(title=f"{title}, run {run.name}", xlabel=xlabel, ylabel=ylabel)
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize="small")
+    ax.set_ylim(0, top)
+    ax.legend(**LEGEND_OUTSIDE)
     return fig
 
 

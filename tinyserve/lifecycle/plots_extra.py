@@ -12,6 +12,8 @@ Plots that set several runs side by side are in plots_compare.py. Like plots.py,
 figures use matplotlib's object API: no pyplot, no backend chosen here.
 """
 
+import itertools
+
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
@@ -170,6 +172,9 @@ def plot_kv_pressure(run: Run, engine_index: int | None = None) -> Figure:
                 if name in STAGE_COLORS:
                     bottom.barh(row, span.duration_s, left=(span.start_ns - origin) / 1e9, color=STAGE_COLORS[name],
                                 height=0.7)
+            for name, start_ns, end_ns in recompute_segments(sequence, steps):
+                bottom.barh(row, (end_ns - start_ns) / 1e9, left=(start_ns - origin) / 1e9,
+                            color=STAGE_COLORS[name], height=0.7)
             preempted = [(t - origin) / 1e9 for t in sequence.preemption_times_ns]
             bottom.scatter(preempted, [row] * len(preempted), marker="v", color="red", s=50, zorder=3)
     bottom.set_yticks(range(len(requests)), [r.request_id for r in requests])
@@ -179,6 +184,27 @@ def plot_kv_pressure(run: Run, engine_index: int | None = None) -> Figure:
     handles.append(bottom.scatter([], [], marker="v", color="red", label="preempted"))
     bottom.legend(handles=handles, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
+
+
+def recompute_segments(sequence, steps: list) -> list[tuple[str, int, int]]:
+    """What a preemption adds to a request's decode span: (stage, start_ns, end_ns) pieces.
+
+    After each preemption the request waits again (queue) until a step schedules it, then
+    recomputes its prompt and the tokens it had generated (prefill: its steps carry more than
+    one token), then decodes on. `steps` are the engine's step records, by start time.
+    """
+    segments = []
+    for preempted_ns in sequence.preemption_times_ns:
+        mine = [(s, n) for s in steps if s.end_ns > preempted_ns
+                for rid, n in zip(s.request_ids, s.num_tokens_per_request) if rid == sequence.request_id]
+        if not mine:
+            continue
+        resumed = mine[0][0].start_ns
+        segments.append((schema.QUEUE, preempted_ns, resumed))
+        chunks = [step for step, _ in itertools.takewhile(lambda pair: pair[1] > 1, mine)]
+        if chunks:
+            segments.append((schema.PREFILL, resumed, chunks[-1].end_ns))
+    return segments
 
 
 def plot_prefix_cache_hits(run: Run) -> Figure:
