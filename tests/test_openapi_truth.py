@@ -75,11 +75,16 @@ def test_generation_routes_document_their_stream_and_the_503_with_retry_after(do
         assert "Retry-After" in responses["503"]["headers"]
 
 
-def test_health_and_metrics_declare_their_text_and_answer_with_it(server, document):
-    assert set(document["paths"]["/health"]["get"]["responses"]) == {"200", "503"}
-    for path in ("/health", "/metrics"):
-        assert set(document["paths"][path]["get"]["responses"]["200"]["content"]) == {"text/plain"}
-        assert httpx.get(f"{server.url}{path}").headers["content-type"].startswith("text/plain")
+def test_health_and_metrics_declare_their_content_and_answer_with_it(server, document):
+    health = document["paths"]["/health"]["get"]["responses"]
+    assert set(health) == {"200", "503"}
+    assert set(health["200"]["content"]) == {"application/json"}
+    response = httpx.get(f"{server.url}/health")
+    assert response.headers["content-type"] == "application/json"
+    assert response.json()["status"] == health["200"]["content"]["application/json"]["schema"]["properties"][
+        "status"]["const"]
+    assert set(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert httpx.get(f"{server.url}/metrics").headers["content-type"].startswith("text/plain")
 
 
 def test_the_field_limits_are_in_the_schemas(document):

@@ -201,7 +201,8 @@ def test_tokenize_and_detokenize_round_trip(server):
 
 
 def test_health_and_version(server):
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    health = httpx.get(f"{server.url}/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
     assert httpx.get(f"{server.url}/version").json()["version"]
 
 

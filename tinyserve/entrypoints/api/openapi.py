@@ -5,7 +5,7 @@ validate. This server answers that 400, in the endpoint's own error format, and
 much else FastAPI cannot see: the 401 of --api-key, the 404 of an unknown
 model, the 408/413/415 of the body checks, the 503 (with Retry-After when the
 queue is full) of an overloaded server or a dead engine, an event stream for
-stream=true, the Prometheus text of /metrics and the empty text of /health, and
+stream=true, the Prometheus text of /metrics, the small JSON of /health, and
 the field limits a request must keep. `make_truthful` adds all that to the
 document FastAPI generates, once, the first time it is asked for.
 
@@ -70,6 +70,15 @@ def _error(description: str, path: str, headers: dict | None = None) -> dict:
     return response | ({"headers": headers} if headers else {})
 
 
+HEALTH_OK = {"type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"]}
+HEALTH_UNAVAILABLE = {"type": "object", "required": ["status", "reason"],
+                      "properties": {"status": {"const": "unavailable"}, "reason": {"type": "string"}}}
+
+
+def _json(description: str, schema: dict) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
 def _text(description: str, schema: dict) -> dict:
     return {"description": description, "content": {"text/plain": {"schema": schema}}}
 
@@ -97,10 +106,9 @@ def _complete(document: dict, *, model_names: list[str], api_key: bool, field_li
                 responses["401"] = _error("the API key is missing or wrong", path)
                 operation["security"] = [{"bearer": []}, {"x-api-key": []}] if is_anthropic_path(path) \
                     else [{"bearer": []}]
-    empty = {"type": "string", "maxLength": 0}
     document["paths"]["/health"]["get"]["responses"] = {
-        "200": _text("the server and its engines are up", empty),
-        "503": _text("an engine is not available", empty),
+        "200": _json("the server and its engines are up", HEALTH_OK),
+        "503": _json("an engine is not available", HEALTH_UNAVAILABLE),
     }
     document["paths"]["/metrics"]["get"]["responses"] = {
         "200": _text("Prometheus' text exposition format, version 0.0.4", {"type": "string"}),

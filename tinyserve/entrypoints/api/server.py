@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tinyserve
@@ -163,7 +163,11 @@ def build_app(
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200 if ctx.engine.is_healthy else 503, media_type="text/plain")
+        # vLLM answers an empty 200; a small JSON body says the same to someone with curl.
+        if ctx.engine.is_healthy:
+            return JSONResponse({"status": "ok"})
+        reason = "an engine died" if ctx.engine.errored else "the engines are not running"
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
     @app.get("/version")
     async def version():
