@@ -1,6 +1,9 @@
 # The README's commands. Each sets everything up first (idempotent).
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8000
+SERVE_ARGS ?=
 # The markers are described in pyproject.toml.
 FAST_TESTS := not server and not notebook and not interpreter and not slow
 
@@ -12,8 +15,10 @@ $(VENV)/.installed: pyproject.toml scripts/setup.sh
 
 setup: $(VENV)/.installed
 
+# make serve HOST=0.0.0.0 PORT=8080 SERVE_ARGS="--max-num-seqs 8": any flag of `tinyserve serve --help`.
+# Ctrl-C drains the server and ends make with its status (scripts/foreground.py says how).
 serve: setup
-	$(VENV)/bin/tinyserve serve --trace
+	@$(PYTHON) scripts/foreground.py $(VENV)/bin/tinyserve serve --trace --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 test: setup
 	$(PYTHON) -m pytest -q

@@ -25,7 +25,11 @@ def main(argv: list[str] | None = None) -> int:
         if problem is not None:
             print(f"error: {problem}", file=sys.stderr)
             return 2
-    return args.handler(args) or 0
+    try:
+        return args.handler(args) or 0
+    except KeyboardInterrupt:  # Ctrl-C before a command could take it over (the server drains instead)
+        print("interrupted", file=sys.stderr)
+        return 130  # a shell's status for SIGINT: 128 + 2
 
 
 if __name__ == "__main__":

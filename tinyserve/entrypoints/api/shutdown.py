@@ -30,10 +30,14 @@ VLLM_KEEP_ALIVE_ON_ENGINE_DEATH), answering 503 until someone stops it.
 """
 
 import asyncio
+import contextlib
 import logging
+import signal
+import threading
 from multiprocessing import resource_tracker
 
 import uvicorn
+from uvicorn.server import HANDLED_SIGNALS
 
 from tinyserve.frontend.async_llm import AsyncLLM
 
@@ -58,6 +62,21 @@ class GracefulServer(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self.keep_alive_on_engine_death = keep_alive_on_engine_death
         self.stopped_for_engine_death = False
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn's, less raising the signal again once the shutdown is done: the drain is what
+        SIGINT and SIGTERM ask for, so the process then exits with exit_code (0 after a clean
+        drain), not killed by the signal, and Ctrl-C ends without a KeyboardInterrupt traceback."""
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            yield
+            return
+        original_handlers = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in original_handlers.items():
+                signal.signal(sig, handler)
 
     @property
     def exit_code(self) -> int:
