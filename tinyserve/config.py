@@ -50,6 +50,7 @@ class EngineArgs:
     # Tracing of the engine process(es): the run folder for engine-<i>.jsonl, and/or an OTLP/HTTP endpoint.
     trace_run_dir: str | None = None
     otlp_endpoint: str | None = None
+    trace_max_bytes: int | None = None  # --trace-max-mb: the run folder's cap (otlp_capped.py)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":

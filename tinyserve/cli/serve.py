@@ -86,6 +86,10 @@ def add_parser(commands) -> None:
     tracing.add_argument("--trace", action="store_true",
                          help="write OpenTelemetry spans of every stage to a run folder under --trace-dir")
     tracing.add_argument("--trace-dir", default="traces", help="where --trace writes run folders (default traces)")
+    tracing.add_argument("--trace-max-mb", type=float, default=None,
+                         help="cap the run folder at about this many MB: past it the oldest engine steps "
+                              "are dropped first, then new request spans, each counted in manifest.json "
+                              "(default: no cap)")
     tracing.add_argument("--otlp-endpoint", default=None,
                          help="also export spans over OTLP/HTTP, e.g. http://localhost:4318 (Jaeger, Tempo, a collector)")
     tracing.add_argument("--trace-redact-inputs", action="store_true",
@@ -171,6 +175,8 @@ def _check_server_flags(args: argparse.Namespace) -> str | None:
             return f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}"
     if args.shutdown_timeout < 0:
         return f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}"
+    if args.trace_max_mb is not None and not args.trace_max_mb > 0:
+        return f"--trace-max-mb must be positive, got {args.trace_max_mb}"
     return None
 
 
@@ -180,17 +186,21 @@ def start_tracing(args: argparse.Namespace, engine_args, served_model_name: str)
 
     from tinyserve.config import ModelInfo
     from tinyserve.lifecycle import schema
-    from tinyserve.lifecycle.tracing import new_run_dir, setup_tracing, write_manifest
+    from tinyserve.lifecycle.tracing import new_run_dir, setup_tracing, trace_cap_bytes, write_manifest
     from tinyserve.models.fingerprint import manifest_fingerprint
 
     if not args.trace and args.otlp_endpoint is None:
         return None
     run_dir = new_run_dir(args.trace_dir) if args.trace else None
+    cap = trace_cap_bytes(args.trace_max_mb)  # of the whole folder: every process checks it
     if run_dir is not None:
+        engine_args.trace_max_bytes = cap
         write_manifest(run_dir, model=args.model, served_model_name=served_model_name,
                        engine_args=asdict(engine_args), data_parallel_size=args.data_parallel_size,
-                       model_fingerprint=manifest_fingerprint(ModelInfo.from_args(engine_args).path))
+                       model_fingerprint=manifest_fingerprint(ModelInfo.from_args(engine_args).path),
+                       trace_max_mb=args.trace_max_mb)
         engine_args.trace_run_dir = str(run_dir)
     engine_args.otlp_endpoint = args.otlp_endpoint
-    setup_tracing(schema.SERVICE_API, run_dir / schema.API_TRACE_FILE if run_dir else None, args.otlp_endpoint)
+    setup_tracing(schema.SERVICE_API, run_dir / schema.API_TRACE_FILE if run_dir else None, args.otlp_endpoint,
+                  max_bytes=cap)
     return run_dir

@@ -102,7 +102,8 @@ def _start_tracing(args: EngineArgs, engine_index: int) -> None:
     trace_file = None
     if args.trace_run_dir is not None:
         trace_file = Path(args.trace_run_dir) / schema.engine_trace_file(engine_index)
-    setup_tracing(schema.engine_service_name(engine_index), trace_file, args.otlp_endpoint)
+    setup_tracing(schema.engine_service_name(engine_index), trace_file, args.otlp_endpoint,
+                  max_bytes=args.trace_max_bytes)
 
 
 def _exit_on_sigterm(signum, frame) -> None:

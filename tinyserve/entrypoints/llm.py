@@ -25,6 +25,7 @@ from tinyserve.lifecycle.tracing import (
     new_run_dir,
     setup_tracing,
     shutdown_tracing,
+    trace_cap_bytes,
     tracing_enabled,
     write_manifest,
 )
@@ -37,15 +38,16 @@ _PROGRESS_BAR_MIN_PROMPTS = 8
 
 
 class LLM:
-    """Offline generation. `trace_dir` writes a traced run folder (offline.jsonl) there;
-    `otlp_endpoint` exports the same spans over OTLP/HTTP."""
+    """Offline generation. `trace_dir` writes a traced run folder (offline.jsonl) there, capped
+    at about `trace_max_mb` if given (oldest steps dropped first); `otlp_endpoint` exports the
+    same spans over OTLP/HTTP."""
 
     def __init__(self, model: str | None = None, *, trace_dir: str | None = None, otlp_endpoint: str | None = None,
-                 **engine_args) -> None:
+                 trace_max_mb: float | None = None, **engine_args) -> None:
         self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
         self.model_name = model or "tinyserve-default"
         self.model_info = ModelInfo.from_args(self.engine_args)
-        self.trace_run_dir = self._start_tracing(trace_dir, otlp_endpoint)
+        self.trace_run_dir = self._start_tracing(trace_dir, otlp_endpoint, trace_max_mb)
         self.tokenizer = load_tokenizer(self.model_info.path)
         self.llm_engine = LLMEngine(self.engine_args, self.model_info, self.tokenizer)
         self.input_processor = self.llm_engine.input_processor
@@ -139,18 +141,20 @@ class LLM:
                 engine.flush_spans()
                 flush_tracing()
 
-    def _start_tracing(self, trace_dir: str | None, otlp_endpoint: str | None) -> Path | None:
+    def _start_tracing(self, trace_dir: str | None, otlp_endpoint: str | None,
+                       trace_max_mb: float | None) -> Path | None:
+        max_bytes = trace_cap_bytes(trace_max_mb)
         if trace_dir is None and otlp_endpoint is None:
             return None
         run_dir = new_run_dir(trace_dir) if trace_dir is not None else None
         if run_dir is not None:
             write_manifest(run_dir, model=self.engine_args.model, served_model_name=self.model_name,
                            engine_args=asdict(self.engine_args), data_parallel_size=1,
-                           model_fingerprint=manifest_fingerprint(self.model_info.path))
+                           model_fingerprint=manifest_fingerprint(self.model_info.path), trace_max_mb=trace_max_mb)
         # Export when the engine flushes its spans (every few hundred steps and at the end
         # of generate), in this thread: not on a timer, from a thread competing with the model.
         setup_tracing(schema.SERVICE_OFFLINE, run_dir / schema.OFFLINE_TRACE_FILE if run_dir else None, otlp_endpoint,
-                      export_every_ms=60_000)
+                      export_every_ms=60_000, max_bytes=max_bytes)
         atexit.register(shutdown_tracing)
         return run_dir
 

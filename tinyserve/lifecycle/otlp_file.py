@@ -148,12 +148,16 @@ def _value(value) -> dict:
     raise TypeError(f"cannot encode a {type(value).__name__} as an OTLP attribute value: {value!r}")
 
 
+def open_owner_only(path: Path):
+    """Open a trace file for appending, 0600 like the run folder's 0700: the spans carry prompts and outputs."""
+    return open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a", encoding="utf-8")
+
+
 class OTLPJsonFileExporter(SpanExporter):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # Owner-only, like the run folder: the spans carry prompts and outputs.
-        self._file = open(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a", encoding="utf-8")
+        self._file = open_owner_only(self.path)
         self._lock = threading.Lock()
         self.num_exported = 0
 

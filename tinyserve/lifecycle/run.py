@@ -77,6 +77,12 @@ class Run:
         return [s for s in self.steps if s.engine_index == engine_index]
 
     @property
+    def dropped_steps(self) -> int:
+        """Engine steps whose spans --trace-max-mb dropped (the oldest first), over every file."""
+        dropped = self.manifest.get(schema.MANIFEST_DROPPED, {})
+        return sum(counts.get("steps", 0) for counts in dropped.values())
+
+    @property
     def has_block_tables(self) -> bool:
         """Whether the steps recorded their block-table changes (runs recorded before they did: not)."""
         return any(s.block_table_is_full for s in self.steps)
@@ -88,6 +94,8 @@ class Run:
         at each step, drop the tables of requests released since the previous one and of
         those preempted now, then apply the step's new blocks. A table is what the
         request held while that step ran; a request that finished in a step still has it there.
+        In a run capped by --trace-max-mb, a request whose whole table was sent in a dropped
+        step is left out: only its later blocks are known.
         """
         if not self.has_block_tables:
             raise ValueError(f"run {self.name} has no block tables: it was recorded before steps logged them")
@@ -99,7 +107,8 @@ class Run:
             for request_id in step.released_request_ids + step.preempted_request_ids:
                 tables.pop(request_id, None)
             for request_id, new_ids, full in zip(step.request_ids, step.new_block_ids, step.block_table_is_full):
-                tables[request_id] = list(new_ids) if full else tables.get(request_id, []) + new_ids
+                if full or request_id in tables:
+                    tables[request_id] = list(new_ids) if full else tables[request_id] + new_ids
             by_step[step.step_id] = {request_id: list(ids) for request_id, ids in tables.items()}
         self._block_tables[engine_index] = by_step
         return by_step

@@ -145,3 +145,14 @@ OFFLINE_TRACE_FILE = "offline.jsonl"
 
 def engine_trace_file(engine_index: int) -> str:
     return f"engine-{engine_index}.jsonl"
+
+
+# Under --trace-max-mb a process writes its step spans to numbered segments beside its file
+# (otlp_capped.py), and the manifest counts what was dropped under this key.
+STEP_SPANS = (STEP, SCHEDULE, EXECUTE, UPDATE)
+MANIFEST_DROPPED = "dropped"
+
+
+def step_segment_file(trace_file: str, number: int) -> str:
+    """engine-0.jsonl, 3 -> engine-0.steps-000003.jsonl"""
+    return f"{trace_file.removesuffix('.jsonl')}.steps-{number:06d}.jsonl"

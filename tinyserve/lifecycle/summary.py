@@ -84,6 +84,8 @@ def summarize(run: Run) -> str:
     lines = [
         f"run {run.name}: model {model_name(run.manifest)}, {len(requests)} requests"
         + (f" ({kinds})" if kinds else "") + f", {len(run.steps)} engine steps, {len(run.engine_indices)} engine(s)",
+        *([f"capped at {run.manifest.get('trace_max_mb')} MB: the {run.dropped_steps} oldest engine steps were "
+           f"dropped"] if run.dropped_steps else []),
         f"errors: {len(failed)}",
         *(f"  {r.request_id}: {r.error}" for r in failed[:_MAX_FAILED_LISTED]),
         *([f"  ... and {len(failed) - _MAX_FAILED_LISTED} more"] if len(failed) > _MAX_FAILED_LISTED else []),

@@ -27,6 +27,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.otlp_capped import CappedOTLPJsonFileExporter
 from tinyserve.lifecycle.otlp_file import OTLPJsonFileExporter
 
 try:  # the installed distribution's version; lifecycle imports nothing else of tinyserve
@@ -43,11 +44,12 @@ _provider: TracerProvider | None = None
 
 
 def setup_tracing(service_name: str, trace_file: str | Path | None = None, otlp_endpoint: str | None = None, *,
-                  export_every_ms: int = 500) -> bool:
+                  export_every_ms: int = 500, max_bytes: int | None = None) -> bool:
     """Install this process's tracer provider. Returns False (and stays a no-op) if given nowhere to send.
 
     Ended spans are exported every export_every_ms (or sooner when 4096 are waiting),
-    on the batch processor's thread, and at every flush_tracing().
+    on the batch processor's thread, and at every flush_tracing(). max_bytes caps the
+    trace file and its step segments (otlp_capped.py); the OTLP endpoint gets every span.
     """
     global _provider
     if trace_file is None and otlp_endpoint is None:
@@ -57,7 +59,9 @@ def setup_tracing(service_name: str, trace_file: str | Path | None = None, otlp_
         span_limits=SpanLimits(max_links=_MAX_LINKS, max_attributes=256, max_events=4096, max_span_attributes=256),
     )
     if trace_file is not None:
-        provider.add_span_processor(_batch(OTLPJsonFileExporter(trace_file), export_every_ms))
+        exporter = OTLPJsonFileExporter(trace_file) if max_bytes is None else \
+            CappedOTLPJsonFileExporter(trace_file, max_bytes)
+        provider.add_span_processor(_batch(exporter, export_every_ms))
     if otlp_endpoint is not None:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -140,8 +144,18 @@ def new_run_dir(trace_dir: str | Path) -> Path:
         return run_dir
 
 
+def trace_cap_bytes(trace_max_mb: float | None) -> int | None:
+    """--trace-max-mb in bytes: the cap of the whole run folder, which each of its processes checks."""
+    if trace_max_mb is None:
+        return None
+    if not trace_max_mb > 0:
+        raise ValueError(f"trace_max_mb must be positive, got {trace_max_mb}")
+    return max(1, int(trace_max_mb * 1e6))
+
+
 def write_manifest(run_dir: Path, *, model: str | None, served_model_name: str, engine_args: dict,
-                   data_parallel_size: int, model_fingerprint: str | None = None) -> None:
+                   data_parallel_size: int, model_fingerprint: str | None = None,
+                   trace_max_mb: float | None = None) -> None:
     """model_fingerprint: tinyserve.models.fingerprint's, which replay checks before anything else."""
     manifest = {
         "tinyserve_version": _VERSION,
@@ -151,6 +165,7 @@ def write_manifest(run_dir: Path, *, model: str | None, served_model_name: str, 
         "engine_args": engine_args,
         "data_parallel_size": data_parallel_size,
         "start_time_unix_nano": time.time_ns(),
+        "trace_max_mb": trace_max_mb,  # and, once anything was dropped for it, "dropped" (otlp_capped.py)
     }
     path = run_dir / schema.MANIFEST_FILE
     path.touch(mode=0o600)
