@@ -77,6 +77,7 @@ CHAT_REPEATS = 4
 # Training.
 SEED = 0
 TRAIN_STEPS = 300
+PROGRESS_EVERY = 25  # training steps between two progress lines (on stderr)
 BATCH_SIZE = 8
 SEQUENCE_LENGTH = 64
 LEARNING_RATE = 3e-3
@@ -156,6 +157,8 @@ def _train(model: LlamaForCausalLM, token_ids: torch.Tensor) -> None:
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
+        if (step + 1) % PROGRESS_EVERY == 0 or step == 0:  # it takes about a minute: say how far it is
+            print(f"training step {step + 1}/{TRAIN_STEPS}: loss {loss.item():.3f}", file=sys.stderr, flush=True)
     model.eval()
 
 

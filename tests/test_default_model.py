@@ -34,6 +34,9 @@ def build_with(python: str, folder) -> str:
     """Run the recipe under `python` into `folder`; the fingerprint of what it built."""
     result = subprocess.run([python, str(BUILD_SCRIPT), "--out", str(folder)], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
+    # it shows how far the training is, from the first step to the last
+    progress = [line for line in result.stderr.splitlines() if line.startswith("training step ")]
+    assert progress[0].startswith("training step 1/") and progress[-1].startswith("training step 300/300: loss ")
     return model_fingerprint(folder)
 
 
