@@ -47,6 +47,7 @@ class EngineArgs:
     enforce_eager: bool = False  # on CUDA: no CUDA graphs for decode steps
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs one request may ask for (vLLM's default)
+    tensor_parallel_size: int = 1  # ranks each engine's model is split over (worker/tensor_parallel_workers.py)
     # Tracing of the engine process(es): the run folder for engine-<i>.jsonl, and/or an OTLP/HTTP endpoint.
     trace_run_dir: str | None = None
     otlp_endpoint: str | None = None
@@ -63,7 +64,7 @@ class EngineArgs:
         return args
 
     def validate(self) -> None:
-        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs")
+        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -31,6 +31,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="weights and KV dtype (auto: float32 on CPU, the checkpoint's on GPU)")
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
                        help="attention kernels (default: triton on CUDA, torch elsewhere)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="split each engine's model over this many worker processes, one per device "
+                            "(torch.distributed: gloo on CPU, NCCL on CUDA; default 1)")
     group.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests (default 0)")
     group.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     group.add_argument("--max-logprobs", type=int, default=20,
@@ -70,6 +73,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         device=args.device,
         enforce_eager=args.enforce_eager,
         max_logprobs=args.max_logprobs,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     engine_args.validate()
     return engine_args

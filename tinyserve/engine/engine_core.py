@@ -18,6 +18,7 @@ from tinyserve.engine.core.scheduler import Scheduler
 from tinyserve.engine.core.scheduler_output import SchedulerOutput
 from tinyserve.engine.worker.gpu_memory import MemorySnapshot, kv_cache_budget
 from tinyserve.engine.worker.model_runner import ModelRunner
+from tinyserve.engine.worker.tensor_parallel_workers import TensorParallelRunner, TensorParallelWorkers
 from tinyserve.kernels.backend import default_attention_backend, get_attention_backend
 from tinyserve.lifecycle.engine_records import StepTimes
 from tinyserve.lifecycle.engine_spans import EngineSpanBuilder
@@ -38,10 +39,17 @@ class EngineCore:
         backend_name = args.attention_backend or default_attention_backend(device)
         backend = get_attention_backend(backend_name, device)
         gpu_at_start = MemorySnapshot.take(device) if device.type == "cuda" else None
+        # Tensor parallelism: ranks 1..N-1 start now and load their shards while this one
+        # loads rank 0's (worker/tensor_parallel_workers.py).
+        self.tp_workers = TensorParallelWorkers(args, self.model_info, engine_index) \
+            if args.tensor_parallel_size > 1 else None
         model, _ = load_model(
-            self.model_info.path, self.model_info.torch_dtype, device, backend, max_model_len=self.model_info.max_model_len
+            self.model_info.path, self.model_info.torch_dtype, device, backend, max_model_len=self.model_info.max_model_len,
+            tp=self.tp_workers.tp if self.tp_workers else None,
         )
         num_blocks = args.num_kv_blocks or self._blocks_from_memory(model, gpu_at_start)
+        if self.tp_workers is not None:
+            self.tp_workers.start(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -58,11 +66,14 @@ class EngineCore:
             device=device,
             seed=args.seed,
             # The Triton kernels read every shape from tensors, so a decode step can be
-            # recorded once per batch-size bucket and replayed (CUDA graphs).
-            decode_graphs=backend.name == "triton" and not args.enforce_eager,
+            # recorded once per batch-size bucket and replayed (CUDA graphs); not yet with
+            # the collectives of tensor parallelism inside.
+            decode_graphs=backend.name == "triton" and not args.enforce_eager and self.tp_workers is None,
             max_num_seqs=args.max_num_seqs,
             max_model_len=self.model_info.max_model_len,
         )
+        if self.tp_workers is not None:
+            self.model_runner = TensorParallelRunner(self.model_runner, self.tp_workers)
         self.model_runner.warm_up()
         # The latest step's decisions and clock, for a notebook or a benchmark to look at.
         self.last_scheduler_output: SchedulerOutput | None = None
@@ -167,10 +178,13 @@ class EngineCore:
             self.span_builder.flush()
 
     def shutdown(self) -> None:
-        """Finish building spans (the caller then flushes the tracer)."""
+        """Finish building spans (the caller then flushes the tracer); stop the other TP ranks."""
         if self.span_builder is not None:
             self.span_builder.close()
             self.span_builder = None
+        if self.tp_workers is not None:
+            self.tp_workers.shutdown()
+            self.tp_workers = None
 
     # ---- utilities -------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from torch import nn
 from tinyserve.kernels.backend import AttentionBackend
 from tinyserve.kernels.metadata import AttentionMetadata
 from tinyserve.models.rope import RotaryEmbedding, get_rope_parameters
+from tinyserve.models.tensor_parallel import RowParallelLinear, TensorParallel, split_heads, split_width
 
 
 class RMSNorm(nn.Module):
@@ -60,11 +61,14 @@ class LlamaAttention(nn.Module):
         kv heads:  0  |  1         (num_kv_heads = 2)
     """
 
-    def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding, backend: AttentionBackend,
+                 tp: TensorParallel | None = None):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # Under tensor parallelism, this rank's heads only (tensor_parallel.py).
+        split = split_heads(config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank) if tp else None
+        self.num_heads = split.num_heads if split else config.num_attention_heads
+        self.num_kv_heads = split.num_kv_heads if split else config.num_key_value_heads
         self.head_dim = head_dim_of(config)
         self.scale = self.head_dim**-0.5
         self.rotary_emb = rotary_emb
@@ -77,7 +81,7 @@ class LlamaAttention(nn.Module):
         # instead of three. The loader copies q_proj/k_proj/v_proj into their rows.
         self.qkv_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=attention_bias)
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=attention_bias, tp=tp)
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -108,13 +112,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)), with gate and up in one matrix."""
 
-    def __init__(self, config):
+    def __init__(self, config, tp: TensorParallel | None = None):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
+        width = split_width(config.intermediate_size, tp.size, "intermediate_size") if tp else config.intermediate_size
         # gate_proj and up_proj stacked by rows, [gate; up]: one matmul instead of two.
-        self.gate_up_sizes = [config.intermediate_size, config.intermediate_size]
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_sizes = [width, width]
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * width, bias=bias)
+        self.down_proj = RowParallelLinear(width, config.hidden_size, bias=bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -124,12 +129,13 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm residual block: attention, then MLP, each added back onto the stream."""
 
-    def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding, backend: AttentionBackend,
+                 tp: TensorParallel | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, backend)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(self, hidden, positions, kv_cache, metadata) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, kv_cache, metadata)
@@ -137,20 +143,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole decoder. kv_caches[i] is layer i's slice of the paged KV pool."""
+    """The whole decoder. kv_caches[i] is layer i's slice of the paged KV pool.
 
-    def __init__(self, config, attention_backend: AttentionBackend):
+    With `tp`, this rank's shard of it (tensor_parallel.py): num_heads and num_kv_heads
+    are then the rank's own, and so is the KV cache the runner allocates from them.
+    """
+
+    def __init__(self, config, attention_backend: AttentionBackend, tp: TensorParallel | None = None):
         super().__init__()
         self.config = config
+        self.tp = tp
         self.num_layers = config.num_hidden_layers
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
         self.vocab_size = config.vocab_size
-        if self.num_heads % self.num_kv_heads != 0:
+        if config.num_attention_heads % config.num_key_value_heads != 0:
             raise ValueError(
-                f"num_attention_heads ({self.num_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})"
+                f"num_attention_heads ({config.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({config.num_key_value_heads})"
             )
         # One RoPE table shared by every layer (a submodule of each, registered once here).
         self.rotary_emb = RotaryEmbedding(
@@ -158,9 +167,11 @@ class LlamaForCausalLM(nn.Module):
         )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb, attention_backend)
+            LlamaDecoderLayer(config, i, self.rotary_emb, attention_backend, tp)
             for i in range(config.num_hidden_layers)
         )
+        self.num_heads = self.layers[0].self_attn.num_heads  # this rank's, under tensor parallelism
+        self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

@@ -29,6 +29,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from tinyserve.kernels.backend import AttentionBackend
 from tinyserve.models.llama import LlamaForCausalLM
+from tinyserve.models.tensor_parallel import TensorParallel, checkpoint_slice
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -61,12 +62,14 @@ def load_model(
     device: torch.device,
     attention_backend: AttentionBackend,
     max_model_len: int | None = None,
+    tp: TensorParallel | None = None,
 ) -> tuple[LlamaForCausalLM, PretrainedConfig]:
     """Build the model described by path/config.json and load its weights.
 
     max_model_len is the longest sequence the engine will run (default: the config's
     max_position_embeddings); it is only used to reject sliding-window attention
-    whose window would actually cut a sequence short.
+    whose window would actually cut a sequence short. With `tp`, this rank's shard of
+    every weight is loaded (tensor_parallel.checkpoint_slice).
     """
     path = pathlib.Path(path)
     config = AutoConfig.from_pretrained(path)
@@ -76,7 +79,7 @@ def load_model(
     # Built directly on the target device; the random initial values are all
     # overwritten below (load_weights checks that every parameter is).
     with torch.device(device):
-        model = LlamaForCausalLM(config, attention_backend)
+        model = LlamaForCausalLM(config, attention_backend, tp)
     model.to(dtype)
     load_weights(model, path)
     # Serving never trains: no autograd bookkeeping, whatever context forward runs in.
@@ -162,6 +165,8 @@ def load_weights(model: LlamaForCausalLM, path: pathlib.Path) -> None:
                 param_name, rows = parameter_rows(model, name)
                 destination = params[param_name][rows]
                 tensor = f.get_tensor(hf_name)
+                if model.tp is not None:
+                    tensor = checkpoint_slice(name, tensor, model.config, model.tp)
                 if tensor.shape != destination.shape:
                     raise ValueError(
                         f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "

@@ -1,0 +1,222 @@
+"""Tensor parallelism across processes: rank 0 beside the scheduler, ranks 1..N-1 as its children.
+
+    engine process                                     worker process, rank r = 1 .. N-1
+    ┌─────────────────────────────────┐  SchedulerOutput ┌──────────────────────────────┐
+    │ Scheduler.schedule()            │ ─ ZeroMQ PUSH ─► │ ModelRunner (rank r's shard) │
+    │ TensorParallelRunner            │   msgpack bytes  │   execute_model(output)      │
+    │   send the output to each rank  │                  │                              │
+    │   ModelRunner (rank 0's shard)  │ ◄─ all_reduce ─► │   (two per layer, and the    │
+    │   execute_model(output)         │  torch.distributed│   same sampled tokens)       │
+    │ Scheduler.update_from_output()  │  gloo / NCCL     │                              │
+    └─────────────────────────────────┘                  └──────────────────────────────┘
+
+Rank 0 lives in the engine process, as in vLLM's uniprocess-plus-workers layout: the
+scheduler and rank 0's model runner need nothing between them, and one process fewer
+stands between a step and its result. Each step, the SchedulerOutput (the whole of what a
+worker learns, see scheduler_output.py) is encoded once with msgspec and pushed to every
+other rank; each rank runs its shard of the same forward pass, the all-reduces inside it
+making the ranks wait for one another. Every rank samples the same tokens from the same
+logits and seeds (the LM head is replicated, tensor_parallel.py), so each keeps its own
+request state; rank 0's tokens are the step's.
+
+The process group is set up by rendezvous on a torch.distributed TCPStore that rank 0
+hosts: an address and a port are all a rank needs, so ranks could be on other hosts.
+A rank that dies breaks the next collective on the others: the engine's step raises and
+the engine fails every request, as when an engine process dies.
+"""
+
+import contextlib
+import datetime
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import msgspec
+import setproctitle
+import torch
+import torch.distributed as dist
+import zmq
+
+from tinyserve.config import EngineArgs, ModelInfo
+from tinyserve.engine.core.scheduler_output import SchedulerOutput
+from tinyserve.models.tensor_parallel import TensorParallel
+
+RENDEZVOUS_TIMEOUT_S = 300  # ranks import torch and load their shard before they join
+_STOP = b"stop"
+
+
+class GroupTimer:
+    """The process group's all_reduce, timed: how long this rank waited in collectives."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
+        dist.all_reduce(tensor)
+        self.seconds += time.perf_counter() - started
+        return tensor
+
+
+def join_group(rank: int, size: int, host: str, port: int, device: torch.device) -> TensorParallel:
+    """Join the tensor-parallel process group (rank 0 hosts the TCP store the others find it by)."""
+    store = dist.TCPStore(host, port, world_size=size, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+    timer = GroupTimer()
+    tp = TensorParallel(rank, size, timer.all_reduce)
+    tp.timer = timer
+    return tp
+
+
+def rank_device(args: EngineArgs, engine_index: int, rank: int) -> torch.device:
+    """cuda:(engine_index * N + rank) on a GPU machine (one device per rank), else the CPU."""
+    device = args.torch_device
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", engine_index * args.tensor_parallel_size + rank)
+
+
+def check_devices(args: EngineArgs) -> None:
+    if args.torch_device.type == "cuda" and args.tensor_parallel_size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size ({args.tensor_parallel_size}) is more than the "
+                         f"{torch.cuda.device_count()} CUDA device(s) of this machine: one rank per device")
+
+
+class TensorParallelWorkers:
+    """Rank 0's side: start ranks 1..N-1, join the group, then send each step to them."""
+
+    def __init__(self, args: EngineArgs, model_info: ModelInfo, engine_index: int) -> None:
+        check_devices(args)
+        self.size = args.tensor_parallel_size
+        host, port = "127.0.0.1", _free_port()
+        self._context = zmq.Context()
+        self._sockets, addresses = [], []
+        for _ in range(1, self.size):
+            socket = self._context.socket(zmq.PUSH)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.bind(f"tcp://{host}:0")
+            self._sockets.append(socket)
+            addresses.append(socket.getsockopt_string(zmq.LAST_ENDPOINT))
+        spawn = multiprocessing.get_context("spawn")
+        num_threads = max(1, (os.cpu_count() or 1) // self.size) if args.torch_device.type == "cpu" else None
+        self.processes = []
+        for rank, address in zip(range(1, self.size), addresses):
+            process = spawn.Process(target=run_worker, name=f"tinyserve-engine-{engine_index}-tp{rank}", daemon=True,
+                                    args=(args, model_info, engine_index, rank, host, port, address, os.getpid(),
+                                          num_threads))
+            with _sigint_ignored():
+                process.start()
+            self.processes.append(process)
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)  # rank 0 shares the cores with the others
+        self.tp = join_group(0, self.size, host, port, rank_device(args, engine_index, 0))
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def start(self, num_blocks: int) -> None:
+        """Tell every rank how many KV blocks to allocate (the scheduler's, the same on every rank)."""
+        for socket in self._sockets:
+            socket.send(self._encoder.encode(num_blocks))
+
+    def send(self, scheduler_output: SchedulerOutput) -> None:
+        message = self._encoder.encode(scheduler_output)
+        for socket in self._sockets:
+            socket.send(message)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        for socket in self._sockets:
+            with contextlib.suppress(zmq.ZMQError):
+                socket.send(_STOP, flags=zmq.NOBLOCK)
+        for process in self.processes:
+            process.join(timeout_s)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+        self._context.destroy(linger=0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class TensorParallelRunner:
+    """Rank 0's ModelRunner, with every step sent to the other ranks first."""
+
+    def __init__(self, runner, workers: TensorParallelWorkers) -> None:
+        self.runner = runner
+        self.workers = workers
+
+    def execute_model(self, scheduler_output: SchedulerOutput):
+        self.workers.send(scheduler_output)
+        return self.runner.execute_model(scheduler_output)
+
+    def warm_up(self) -> None:
+        self.runner.warm_up()  # every rank warms up with the same dummy step: their collectives pair up
+
+    def __getattr__(self, name):  # requests, kv_caches, num_graph_steps, ...: rank 0's
+        return getattr(self.runner, name)
+
+
+def run_worker(args: EngineArgs, model_info: ModelInfo, engine_index: int, rank: int, host: str, port: int,
+               address: str, parent_pid: int, num_threads: int | None) -> None:
+    """Entry point of rank `rank`: join the group, load this rank's shard, run every step it is sent."""
+    from tinyserve.engine.worker.model_runner import ModelRunner
+    from tinyserve.kernels.backend import default_attention_backend, get_attention_backend
+    from tinyserve.models.loader import load_model
+
+    setproctitle.setproctitle(f"tinyserve-engine-{engine_index}-tp{rank}")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0's engine decides when this stops
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    context = zmq.Context()
+    socket = context.socket(zmq.PULL)
+    socket.connect(address)
+    device = rank_device(args, engine_index, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    tp = join_group(rank, args.tensor_parallel_size, host, port, device)
+    backend = get_attention_backend(args.attention_backend or default_attention_backend(device), device)
+    model, _ = load_model(model_info.path, model_info.torch_dtype, device, backend,
+                          max_model_len=model_info.max_model_len, tp=tp)
+    num_blocks = msgspec.msgpack.decode(socket.recv(), type=int)
+    runner = ModelRunner(model, num_blocks=num_blocks, block_size=args.block_size, dtype=model_info.torch_dtype,
+                         device=device, seed=args.seed, max_num_seqs=args.max_num_seqs,
+                         max_model_len=model_info.max_model_len)
+    runner.warm_up()
+    decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+    try:
+        while (message := socket.recv()) != _STOP:
+            runner.execute_model(decoder.decode(message))
+    finally:
+        context.destroy(linger=0)
+        dist.destroy_process_group()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(1)  # the engine is gone: nobody will send another step
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """A child started with SIGINT ignored (engine_procs.py says why)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
