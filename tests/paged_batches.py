@@ -77,11 +77,11 @@ def reference_attention(batch: PagedBatch) -> torch.Tensor:
     ])
 
 
-def run_decode_kernel(batch: PagedBatch, **kwargs) -> torch.Tensor:
+def run_decode_kernel(batch: PagedBatch, num_splits: int = 1, **kwargs) -> torch.Tensor:
     out = torch.full_like(batch.query, float("nan"))
     meta = batch.metadata
     paged_decode_attention(
-        out, batch.query, batch.kv_cache, meta.block_tables, meta.seq_lens, batch.scale, meta.max_seq_len, **kwargs
+        out, batch.query, batch.kv_cache, meta.block_tables, meta.seq_lens, batch.scale, num_splits, **kwargs
     )
     return out
 

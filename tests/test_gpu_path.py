@@ -49,7 +49,7 @@ def decode_batch(seq_lens: list[int], block_size: int, first_block: int = 1):
 @pytest.mark.parametrize("num_seqs", [1, 3, 5])
 def test_a_padded_bucket_gives_the_eager_forward_and_writes_only_real_slots(num_seqs):
     model, _ = load_model(tiny_model_with_tokenizer("llama"), torch.float32, torch.device("cpu"),
-                          TritonAttentionBackend("cpu"))
+                          TritonAttentionBackend("cpu", max_model_len=2048))
     block_size = 16
     seq_lens = [5, 33, 17, 48, 2][:num_seqs]
     metadata, num_blocks = decode_batch(seq_lens, block_size)
@@ -84,7 +84,7 @@ def test_a_padded_bucket_gives_the_eager_forward_and_writes_only_real_slots(num_
 
 def test_graphs_refuse_a_batch_they_have_no_bucket_for():
     model, _ = load_model(tiny_model_with_tokenizer("llama"), torch.float32, torch.device("cpu"),
-                          TritonAttentionBackend("cpu"))
+                          TritonAttentionBackend("cpu", max_model_len=2048))
     metadata, num_blocks = decode_batch([3] * 5, 16)
     caches = [torch.zeros(2, num_blocks, 16, model.num_kv_heads, model.head_dim) for _ in range(model.num_layers)]
     graphs = DecodeGraphs(model, caches, max_num_seqs=4, max_model_len=64, block_size=16,

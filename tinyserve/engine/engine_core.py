@@ -36,7 +36,7 @@ class EngineCore:
         self.model_info = model_info or ModelInfo.from_args(args)
         device = args.torch_device
         backend_name = args.attention_backend or default_attention_backend(device)
-        backend = get_attention_backend(backend_name, device)
+        backend = get_attention_backend(backend_name, device, self.model_info.max_model_len)
         gpu_at_start = MemorySnapshot.take(device) if device.type == "cuda" else None
         model, _ = load_model(
             self.model_info.path, self.model_info.torch_dtype, device, backend, max_model_len=self.model_info.max_model_len
