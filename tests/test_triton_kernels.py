@@ -16,6 +16,7 @@ import torch
 from tests.paged_batches import (
     KERNEL_CASES,
     TOLERANCE,
+    case_id,
     make_paged_batch,
     reference_attention,
     run_decode_kernel,
@@ -28,6 +29,7 @@ from tinyserve.kernels.triton_kv_store import store_kv
 from tinyserve.kernels.triton_paged import default_fp32_dot
 
 pytestmark = pytest.mark.interpreter
+CASE_IDS = [case_id(case) for case in KERNEL_CASES]
 
 
 @pytest.mark.parametrize("head_dim", [48, 128])
@@ -69,7 +71,7 @@ def test_store_kv_skips_slot_minus_one():
     assert slots.isnan().sum() == 2 * (num_blocks * block_size - 3) * num_kv_heads * head_dim
 
 
-@pytest.mark.parametrize("queries_per_kv, head_dim, block_size, dtype", KERNEL_CASES)
+@pytest.mark.parametrize("queries_per_kv, head_dim, block_size, dtype", KERNEL_CASES, ids=CASE_IDS)
 def test_decode_attention_matches_reference(queries_per_kv, head_dim, block_size, dtype):
     # Ragged contexts: inside one block, exactly one block, and a partial last block.
     seq_lens = [5, block_size, 2 * block_size + 7]
@@ -130,7 +132,7 @@ def test_the_fp32_path_is_the_default_for_fp32_caches_and_under_the_interpreter(
     assert default_fp32_dot(torch.bfloat16) is (os.environ.get("TRITON_INTERPRET") == "1")
 
 
-@pytest.mark.parametrize("queries_per_kv, head_dim, block_size, dtype", KERNEL_CASES)
+@pytest.mark.parametrize("queries_per_kv, head_dim, block_size, dtype", KERNEL_CASES, ids=CASE_IDS)
 def test_prefill_attention_matches_reference(queries_per_kv, head_dim, block_size, dtype):
     # A fresh prompt, a chunk after a cached prefix (not block-aligned), a decode
     # token riding in the mixed batch, and a prefix-cache hit (block-aligned).
