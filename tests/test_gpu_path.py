@@ -4,13 +4,17 @@
   on a CPU the same buffers run eagerly through the Triton kernels (interpreter), so the
   padding to batch-size buckets is tested here; only the recording itself needs CUDA.
 - The KV cache's size under --gpu-memory-utilization: the arithmetic, with its errors.
+- The model is built in its serving dtype: no fp32 copy of a weight, ever.
 - The flags.
 """
 
 import argparse
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.hf_reference import hf_greedy
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
@@ -20,6 +24,7 @@ from tinyserve.config import EngineArgs
 from tinyserve.engine.worker.cuda_graphs import DecodeGraphs, batch_size_buckets
 from tinyserve.engine.worker.gpu_memory import GiB, kv_cache_bytes
 from tinyserve.kernels.metadata import AttentionMetadata
+from tinyserve.kernels.torch_attention import TorchAttentionBackend
 from tinyserve.kernels.triton_backend import TritonAttentionBackend
 from tinyserve.models.loader import load_model
 
@@ -115,6 +120,36 @@ def test_engine_decodes_through_the_graph_buffers_unless_enforce_eager():
     assert eager.engine_core.model_runner.decode_graphs is None
     # The torch backend reads host-side lengths (its decode groups), so it never uses the buffers.
     assert LLM(str(folder), num_kv_blocks=8).engine_core.model_runner.decode_graphs is None
+
+
+class CreatedTensors(TorchDispatchMode):
+    """Every tensor any operation makes while active: (dtype, shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.created = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.created += [(t.dtype, tuple(t.shape)) for t in torch.utils._pytree.tree_leaves(out)
+                         if isinstance(t, torch.Tensor)]
+        return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_bf16_model_is_built_in_bf16_with_no_fp32_copy_of_any_weight(family, tmp_path):
+    # A 40B model built in fp32 first would need 149 GiB for a moment. The checkpoint is
+    # saved in bf16 here, as real ones are: an fp32 one is read in fp32, a tensor at a time.
+    folder = tmp_path / family
+    shutil.copytree(tiny_model_with_tokenizer(family), folder)
+    weights = {name: tensor.to(torch.bfloat16) for name, tensor in load_file(folder / "model.safetensors").items()}
+    save_file(weights, folder / "model.safetensors")
+    with CreatedTensors() as mode:
+        model, _ = load_model(folder, torch.bfloat16, torch.device("cpu"), TorchAttentionBackend())
+    weight_shapes = {tuple(param.shape) for param in model.parameters()}
+    assert {param.dtype for param in model.parameters()} == {torch.bfloat16}
+    assert [created for created in mode.created if created[0] == torch.float32 and created[1] in weight_shapes] == []
+    assert torch.get_default_dtype() == torch.float32  # restored
 
 
 # ---- --gpu-memory-utilization ---------------------------------------------------------------------
