@@ -3,7 +3,8 @@
 - Decode steps through the static buffers of the CUDA graphs (engine/worker/cuda_graphs.py):
   on a CPU the same buffers run eagerly through the Triton kernels (interpreter), so the
   padding to batch-size buckets is tested here; only the recording itself needs CUDA.
-- The KV cache's size under --gpu-memory-utilization: the arithmetic, with its errors.
+- The KV cache's size under --gpu-memory-utilization: the arithmetic, with its errors, and
+  the dummy step it is measured on (on a CPU; the measuring itself needs CUDA).
 - The model is built in its serving dtype: no fp32 copy of a weight, ever.
 - The flags.
 """
@@ -21,8 +22,9 @@ from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM, SamplingParams
 from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from
 from tinyserve.config import EngineArgs
+from tinyserve.engine.worker import sampler as sampler_module
 from tinyserve.engine.worker.cuda_graphs import DecodeGraphs, batch_size_buckets
-from tinyserve.engine.worker.gpu_memory import GiB, kv_cache_bytes
+from tinyserve.engine.worker.gpu_memory import GiB, dummy_step, kv_cache_bytes, scratch_kv_caches
 from tinyserve.kernels.metadata import AttentionMetadata
 from tinyserve.kernels.torch_attention import TorchAttentionBackend
 from tinyserve.kernels.triton_backend import TritonAttentionBackend
@@ -155,10 +157,27 @@ def test_a_bf16_model_is_built_in_bf16_with_no_fp32_copy_of_any_weight(family, t
 # ---- --gpu-memory-utilization ---------------------------------------------------------------------
 
 
-def test_the_kv_cache_gets_what_weights_activations_and_cuda_leave_of_the_share():
+def test_the_kv_cache_gets_what_weights_activations_graphs_and_cuda_leave_of_the_share():
     budget = kv_cache_bytes(total=80 * GiB, free_at_start=79 * GiB, utilization=0.9, weights=16 * GiB,
-                            peak_activations=3 * GiB, non_torch=GiB // 2)
-    assert budget == int(80 * GiB * 0.9) - 16 * GiB - 3 * GiB - GiB // 2
+                            peak_activations=3 * GiB, non_torch=GiB // 2, cuda_graphs=GiB // 4)
+    assert budget == int(80 * GiB * 0.9) - 16 * GiB - 3 * GiB - GiB // 2 - GiB // 4
+
+
+def test_the_profiles_dummy_step_samples_a_full_batch_the_costliest_way_and_every_prompt_logprob(monkeypatch):
+    # What the KV cache must leave room for: top-k/top-p over max_num_seqs rows (sort, cumsum,
+    # scatter of the whole vocabulary) and prompt logprobs over every token of the step.
+    model, _ = load_model(tiny_model_with_tokenizer("llama"), torch.float32, torch.device("cpu"),
+                          TorchAttentionBackend())
+    filtered = []
+    original = sampler_module.apply_top_k_top_p
+    monkeypatch.setattr(sampler_module, "apply_top_k_top_p",
+                        lambda logits, params: filtered.append(logits.shape) or original(logits, params))
+    caches = scratch_kv_caches(model, num_blocks=3 * 2, block_size=16, dtype=torch.float32, device=torch.device("cpu"))
+    sampled, prompt_rows = dummy_step(model, caches, num_tokens=80, max_num_seqs=6, max_model_len=32, block_size=16,
+                                      device=torch.device("cpu"))
+    assert (sampled, prompt_rows) == (6, 80)
+    assert filtered == [(6, model.vocab_size)]
+    assert all(cache.abs().sum() > 0 for cache in caches)  # every layer wrote its K/V: the forward ran
 
 
 def test_a_gpu_too_busy_for_the_share_is_refused_with_the_numbers():

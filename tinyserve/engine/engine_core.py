@@ -41,7 +41,10 @@ class EngineCore:
         model, _ = load_model(
             self.model_info.path, self.model_info.torch_dtype, device, backend, max_model_len=self.model_info.max_model_len
         )
-        num_blocks = args.num_kv_blocks or self._blocks_from_memory(model, gpu_at_start)
+        # The Triton kernels read every shape from tensors, so a decode step can be
+        # recorded once per batch-size bucket and replayed (CUDA graphs).
+        decode_graphs = backend.name == "triton" and not args.enforce_eager
+        num_blocks = args.num_kv_blocks or self._blocks_from_memory(model, gpu_at_start, decode_graphs)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -57,9 +60,7 @@ class EngineCore:
             dtype=self.model_info.torch_dtype,
             device=device,
             seed=args.seed,
-            # The Triton kernels read every shape from tensors, so a decode step can be
-            # recorded once per batch-size bucket and replayed (CUDA graphs).
-            decode_graphs=backend.name == "triton" and not args.enforce_eager,
+            decode_graphs=decode_graphs,
             max_num_seqs=args.max_num_seqs,
             max_model_len=self.model_info.max_model_len,
         )
@@ -78,7 +79,7 @@ class EngineCore:
         gc.freeze()
         atexit.register(gc.unfreeze)  # let the interpreter's last collection free them at exit
 
-    def _blocks_from_memory(self, model, gpu_at_start: MemorySnapshot | None) -> int:
+    def _blocks_from_memory(self, model, gpu_at_start: MemorySnapshot | None, decode_graphs: bool) -> int:
         """--kv-cache-memory if given; else on a GPU what --gpu-memory-utilization leaves; else 1 GiB."""
         args, info = self.args, self.model_info
         if args.kv_cache_memory is None and gpu_at_start is not None:
@@ -86,7 +87,7 @@ class EngineCore:
                 model, gpu_at_start, utilization=args.gpu_memory_utilization,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                 max_model_len=info.max_model_len, block_size=args.block_size, dtype=info.torch_dtype,
-                device=args.torch_device,
+                device=args.torch_device, cuda_graphs=decode_graphs,
             )
         else:
             budget = args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY

@@ -85,12 +85,16 @@ class DecodeGraphs:
     def _forward(self, bucket: int) -> torch.Tensor:
         return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, self.metadata(bucket))
 
-    @torch.inference_mode()
     def capture_all(self) -> None:
         """Record one graph per bucket, largest first (so the shared pool is sized by it)."""
+        self.capture(list(reversed(self.buckets)))
+
+    @torch.inference_mode()
+    def capture(self, buckets: list[int]) -> None:
+        """Record the graphs of these buckets, in this order (gpu_memory.py measures the largest alone)."""
         if not self.capture_graphs:
             return
-        for bucket in reversed(self.buckets):
+        for bucket in buckets:
             self._forward(bucket)  # warm-up outside the graph: Triton compiles, cuBLAS picks its kernels
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
