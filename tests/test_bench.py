@@ -10,7 +10,6 @@ vLLM's table layout.
 import asyncio
 import json
 import math
-import os
 import pathlib
 import re
 import statistics
