@@ -83,18 +83,17 @@ def check_imports() -> str | None:
             "'Installing on an offline GPU server'.")
 
 
-def plan(smoke: bool) -> list[tuple[str, object, float]]:
-    """(name, function, estimated GPU seconds) of each part, in order."""
+def plan() -> list[tuple[str, object, float]]:
+    """(name, function, estimated seconds of a GPU run) of each part, in order; --smoke runs fewer cases."""
     import gpu_check_end_to_end
     import gpu_check_kernels
-    import torch
 
     import tests.paged_batches as cases
 
-    params = cases.KERNEL_CASES[:1] if smoke else cases.KERNEL_CASES
-    # A case: decode (1 or 2 variants) + the split reduction, prefill (2), store: compiles; 4 timings.
-    compiles = sum((2 if dtype == torch.float32 else 3) + 2 + 1 for *_, dtype in params)
-    kernels = compiles * COMPILE_SECONDS + len(params) * 4 * BENCH_SECONDS
+    params = cases.KERNEL_CASES  # the GPU run's, whatever this run is
+    timings = sum(len(gpu_check_kernels.variants(kernel, dtype)) for *_, dtype in params
+                  for kernel in ("decode", "prefill"))
+    kernels = gpu_check_kernels.specializations(params) * COMPILE_SECONDS + timings * BENCH_SECONDS
     speed = 5 * COMPILE_SECONDS + 5 * BENCH_SECONDS + 10  # + filling 2 GiB of K/V and a 1 GiB copy
     end_to_end = 20 + 3 * 40 + 30  # model and tokenizer; 3 contenders (start + 4 generates); fp32 parity
     return [("kernels", gpu_check_kernels.check_kernels, kernels),
@@ -156,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     description = describe_device(device)
     print(f"device: {description}\nrows go to {out}/", flush=True)
-    parts = plan(args.smoke)
+    parts = plan()
     for number, (name, _, estimate) in enumerate(parts, 1):
         print(f"  part {number}, {name}: about {estimate:.0f} s on one GPU", flush=True)
     print(f"  in all about {sum(estimate for *_, estimate in parts) / 60:.1f} minutes", flush=True)

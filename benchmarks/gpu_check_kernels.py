@@ -39,6 +39,19 @@ def variants(kernel: str, dtype: torch.dtype) -> dict[str, dict]:
     return before | {f"now ({half} dot, 8 warps)": dict(fp32_dot=False, num_warps=8)}
 
 
+def specializations(params: list[tuple]) -> int:
+    """How many kernels Triton compiles for part 1: one per distinct set of constexprs (and dtypes)."""
+    seen = set()
+    for queries_per_kv, head_dim, block_size, dtype in params:
+        seen.add(("store_kv", head_dim, dtype))
+        seen.add(("reduce", head_dim, dtype))
+        seen.update(("decode", queries_per_kv, head_dim, block_size, dtype, tuple(options.values()))
+                    for options in variants("decode", dtype).values())
+        seen.update(("prefill", queries_per_kv, head_dim, block_size, dtype, tuple(options.values()))
+                    for options in variants("prefill", dtype).values())
+    return len(seen)
+
+
 def batch_to(batch, device: torch.device):
     """A PagedBatch (tests/paged_batches.py) with every tensor moved to device."""
     meta = batch.metadata

@@ -76,7 +76,7 @@ def test_a_failing_case_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch):
     def fine(device, smoke):
         return [Row("fine", "a measurement", "42")]
 
-    monkeypatch.setattr(gpu_check, "plan", lambda smoke: [("broken", broken, 1.0), ("fine", fine, 1.0)])
+    monkeypatch.setattr(gpu_check, "plan", lambda: [("broken", broken, 1.0), ("fine", fine, 1.0)])
     assert gpu_check.main(["--smoke", "--out", str(tmp_path)]) == 1  # a failure is reported in the exit status
     [failed] = read_rows(tmp_path / "1-broken.jsonl")
     assert failed["result"].startswith("FAILED: RuntimeError: out of resources: shared memory")
