@@ -1,5 +1,6 @@
 """Paged attention batches poisoned with NaN, the reference they are checked against, and the kernel cases
-(a helper module, not tests: tests/test_triton_kernels.py and benchmarks/gpu_check.py share them).
+(a helper module, not tests: tests/test_triton_kernels.py and benchmarks/gpu_check.py share them;
+it needs no pytest, which a GPU machine may not have).
 
 A batch catches a kernel that reads or writes where it should not: block tables are
 shuffled, non-contiguous block ids; block 0 is never allocated (block tables are padded
@@ -10,7 +11,6 @@ runs, so every element must be written.
 
 from dataclasses import dataclass
 
-import pytest
 import torch
 
 from tinyserve.kernels.metadata import AttentionMetadata
@@ -77,11 +77,11 @@ def reference_attention(batch: PagedBatch) -> torch.Tensor:
     ])
 
 
-def run_decode_kernel(batch: PagedBatch, **kwargs) -> torch.Tensor:
+def run_decode_kernel(batch: PagedBatch, num_splits: int = 1, **kwargs) -> torch.Tensor:
     out = torch.full_like(batch.query, float("nan"))
     meta = batch.metadata
     paged_decode_attention(
-        out, batch.query, batch.kv_cache, meta.block_tables, meta.seq_lens, batch.scale, meta.max_seq_len, **kwargs
+        out, batch.query, batch.kv_cache, meta.block_tables, meta.seq_lens, batch.scale, num_splits, **kwargs
     )
     return out
 
@@ -103,22 +103,23 @@ def run_prefill_kernel(batch: PagedBatch, **kwargs) -> torch.Tensor:
     return out
 
 
-def kernel_case(queries_per_kv: int, head_dim: int, block_size: int, dtype: torch.dtype):
-    dtype_name = str(dtype).removeprefix("torch.")
-    case_id = f"gqa{queries_per_kv}-d{head_dim}-bs{block_size}-{dtype_name}"
-    return pytest.param(queries_per_kv, head_dim, block_size, dtype, id=case_id)
+def case_id(case: tuple) -> str:
+    """gqa2-d128-bs32-bfloat16 for the case (2, 128, 32, torch.bfloat16)."""
+    queries_per_kv, head_dim, block_size, dtype = case
+    return f"gqa{queries_per_kv}-d{head_dim}-bs{block_size}-{str(dtype).removeprefix('torch.')}"
 
 
 # Every GQA ratio x head dim x block size in fp32; the half-precision dtypes on a
 # spread of them (the interpreter is too slow to pay for the full product twice more).
+# (queries_per_kv, head_dim, block_size, dtype) tuples.
 KERNEL_CASES = [
-    kernel_case(queries_per_kv, head_dim, block_size, torch.float32)
+    (queries_per_kv, head_dim, block_size, torch.float32)
     for queries_per_kv in (1, 2, 4)
     for head_dim in (48, 64, 128)
     for block_size in (16, 32)
 ] + [
-    kernel_case(1, 64, 32, torch.bfloat16),
-    kernel_case(2, 128, 32, torch.bfloat16),
-    kernel_case(4, 48, 16, torch.bfloat16),
-    kernel_case(2, 48, 16, torch.float16),
+    (1, 64, 32, torch.bfloat16),
+    (2, 128, 32, torch.bfloat16),
+    (4, 48, 16, torch.bfloat16),
+    (2, 48, 16, torch.float16),
 ]

@@ -10,7 +10,6 @@ vLLM's table layout.
 import asyncio
 import json
 import math
-import os
 import pathlib
 import re
 import statistics
@@ -269,33 +268,6 @@ def test_compare_quick_runs_every_contender_and_prints_the_roofline():
     assert out.count("transformers static 4/4, continuous 4/4, tinyserve traced 4/4 requests") == 2
     assert out.count("bf16: tinyserve bf16 / transformers static bf16 = ") == 2
     assert out.count("tinyserve bf16 traced equal to tinyserve bf16: 4/4") == 2
-
-
-# ---- benchmarks/gpu_check.py --------------------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.interpreter
-def test_gpu_check_smoke_runs_every_part_on_the_cpu_and_prints_the_table():
-    # The script is meant for a GPU; --smoke runs the same code on tiny sizes here, so a
-    # GPU run is not the first time it ever executes.
-    done = run_benchmark("gpu_check.py", "--smoke")
-    out = done.stdout
-    assert out.startswith("device: CPU (smoke run")
-    assert re.search(r"^kernels +2 cases x decode, prefill, store_kv vs the PyTorch reference +all equal$", out,
-                     re.MULTILINE)
-    assert re.search(r"^decode attention +device copy bandwidth \(read \+ write\) +\d+ GB/s$", out, re.MULTILINE)
-    for contender in ("transformers static", "tinyserve \\(CUDA graphs\\)", "tinyserve --enforce-eager"):
-        assert re.search(rf"^end to end +{contender} +[\d.]+ s, [\d,]+ output tok/s, [\d.]+x transformers; "
-                         r"same tokens 4/4$", out, re.MULTILINE), contender
-
-
-def test_gpu_check_without_a_gpu_says_so_and_measures_nothing():
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py")], capture_output=True,
-                          text=True, timeout=120, cwd=REPO, env=env)
-    assert done.returncode == 2
-    assert "no CUDA GPU on this machine" in done.stderr and done.stdout == ""
 
 
 # ---- benchmarks/tracing_cost.py ----------------------------------------------------------------

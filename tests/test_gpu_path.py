@@ -3,23 +3,30 @@
 - Decode steps through the static buffers of the CUDA graphs (engine/worker/cuda_graphs.py):
   on a CPU the same buffers run eagerly through the Triton kernels (interpreter), so the
   padding to batch-size buckets is tested here; only the recording itself needs CUDA.
-- The KV cache's size under --gpu-memory-utilization: the arithmetic, with its errors.
+- The KV cache's size under --gpu-memory-utilization: the arithmetic, with its errors, and
+  the dummy step it is measured on (on a CPU; the measuring itself needs CUDA).
+- The model is built in its serving dtype: no fp32 copy of a weight, ever.
 - The flags.
 """
 
 import argparse
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.hf_reference import hf_greedy
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM, SamplingParams
 from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from
 from tinyserve.config import EngineArgs
+from tinyserve.engine.worker import sampler as sampler_module
 from tinyserve.engine.worker.cuda_graphs import DecodeGraphs, batch_size_buckets
-from tinyserve.engine.worker.gpu_memory import GiB, kv_cache_bytes
+from tinyserve.engine.worker.gpu_memory import GiB, dummy_step, kv_cache_bytes, scratch_kv_caches
 from tinyserve.kernels.metadata import AttentionMetadata
+from tinyserve.kernels.torch_attention import TorchAttentionBackend
 from tinyserve.kernels.triton_backend import TritonAttentionBackend
 from tinyserve.models.loader import load_model
 
@@ -49,7 +56,7 @@ def decode_batch(seq_lens: list[int], block_size: int, first_block: int = 1):
 @pytest.mark.parametrize("num_seqs", [1, 3, 5])
 def test_a_padded_bucket_gives_the_eager_forward_and_writes_only_real_slots(num_seqs):
     model, _ = load_model(tiny_model_with_tokenizer("llama"), torch.float32, torch.device("cpu"),
-                          TritonAttentionBackend("cpu"))
+                          TritonAttentionBackend("cpu", max_model_len=2048))
     block_size = 16
     seq_lens = [5, 33, 17, 48, 2][:num_seqs]
     metadata, num_blocks = decode_batch(seq_lens, block_size)
@@ -84,7 +91,7 @@ def test_a_padded_bucket_gives_the_eager_forward_and_writes_only_real_slots(num_
 
 def test_graphs_refuse_a_batch_they_have_no_bucket_for():
     model, _ = load_model(tiny_model_with_tokenizer("llama"), torch.float32, torch.device("cpu"),
-                          TritonAttentionBackend("cpu"))
+                          TritonAttentionBackend("cpu", max_model_len=2048))
     metadata, num_blocks = decode_batch([3] * 5, 16)
     caches = [torch.zeros(2, num_blocks, 16, model.num_kv_heads, model.head_dim) for _ in range(model.num_layers)]
     graphs = DecodeGraphs(model, caches, max_num_seqs=4, max_model_len=64, block_size=16,
@@ -117,13 +124,60 @@ def test_engine_decodes_through_the_graph_buffers_unless_enforce_eager():
     assert LLM(str(folder), num_kv_blocks=8).engine_core.model_runner.decode_graphs is None
 
 
+class CreatedTensors(TorchDispatchMode):
+    """Every tensor any operation makes while active: (dtype, shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.created = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.created += [(t.dtype, tuple(t.shape)) for t in torch.utils._pytree.tree_leaves(out)
+                         if isinstance(t, torch.Tensor)]
+        return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_bf16_model_is_built_in_bf16_with_no_fp32_copy_of_any_weight(family, tmp_path):
+    # A 40B model built in fp32 first would need 149 GiB for a moment. The checkpoint is
+    # saved in bf16 here, as real ones are: an fp32 one is read in fp32, a tensor at a time.
+    folder = tmp_path / family
+    shutil.copytree(tiny_model_with_tokenizer(family), folder)
+    weights = {name: tensor.to(torch.bfloat16) for name, tensor in load_file(folder / "model.safetensors").items()}
+    save_file(weights, folder / "model.safetensors")
+    with CreatedTensors() as mode:
+        model, _ = load_model(folder, torch.bfloat16, torch.device("cpu"), TorchAttentionBackend())
+    weight_shapes = {tuple(param.shape) for param in model.parameters()}
+    assert {param.dtype for param in model.parameters()} == {torch.bfloat16}
+    assert [created for created in mode.created if created[0] == torch.float32 and created[1] in weight_shapes] == []
+    assert torch.get_default_dtype() == torch.float32  # restored
+
+
 # ---- --gpu-memory-utilization ---------------------------------------------------------------------
 
 
-def test_the_kv_cache_gets_what_weights_activations_and_cuda_leave_of_the_share():
+def test_the_kv_cache_gets_what_weights_activations_graphs_and_cuda_leave_of_the_share():
     budget = kv_cache_bytes(total=80 * GiB, free_at_start=79 * GiB, utilization=0.9, weights=16 * GiB,
-                            peak_activations=3 * GiB, non_torch=GiB // 2)
-    assert budget == int(80 * GiB * 0.9) - 16 * GiB - 3 * GiB - GiB // 2
+                            peak_activations=3 * GiB, non_torch=GiB // 2, cuda_graphs=GiB // 4)
+    assert budget == int(80 * GiB * 0.9) - 16 * GiB - 3 * GiB - GiB // 2 - GiB // 4
+
+
+def test_the_profiles_dummy_step_samples_a_full_batch_the_costliest_way_and_every_prompt_logprob(monkeypatch):
+    # What the KV cache must leave room for: top-k/top-p over max_num_seqs rows (sort, cumsum,
+    # scatter of the whole vocabulary) and prompt logprobs over every token of the step.
+    model, _ = load_model(tiny_model_with_tokenizer("llama"), torch.float32, torch.device("cpu"),
+                          TorchAttentionBackend())
+    filtered = []
+    original = sampler_module.apply_top_k_top_p
+    monkeypatch.setattr(sampler_module, "apply_top_k_top_p",
+                        lambda logits, params: filtered.append(logits.shape) or original(logits, params))
+    caches = scratch_kv_caches(model, num_blocks=3 * 2, block_size=16, dtype=torch.float32, device=torch.device("cpu"))
+    sampled, prompt_rows = dummy_step(model, caches, num_tokens=80, max_num_seqs=6, max_model_len=32, block_size=16,
+                                      device=torch.device("cpu"))
+    assert (sampled, prompt_rows) == (6, 80)
+    assert filtered == [(6, model.vocab_size)]
+    assert all(cache.abs().sum() > 0 for cache in caches)  # every layer wrote its K/V: the forward ran
 
 
 def test_a_gpu_too_busy_for_the_share_is_refused_with_the_numbers():

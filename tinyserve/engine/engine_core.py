@@ -37,7 +37,7 @@ class EngineCore:
         self.model_info = model_info or ModelInfo.from_args(args)
         device = args.torch_device
         backend_name = args.attention_backend or default_attention_backend(device)
-        backend = get_attention_backend(backend_name, device)
+        backend = get_attention_backend(backend_name, device, self.model_info.max_model_len)
         gpu_at_start = MemorySnapshot.take(device) if device.type == "cuda" else None
         # Tensor parallelism: ranks 1..N-1 start now and load their shards while this one
         # loads rank 0's (worker/tensor_parallel_workers.py).
@@ -47,7 +47,11 @@ class EngineCore:
             self.model_info.path, self.model_info.torch_dtype, device, backend, max_model_len=self.model_info.max_model_len,
             tp=self.tp_workers.tp if self.tp_workers else None,
         )
-        num_blocks = args.num_kv_blocks or self._blocks_from_memory(model, gpu_at_start)
+        # The Triton kernels read every shape from tensors, so a decode step can be
+        # recorded once per batch-size bucket and replayed (CUDA graphs); not yet with
+        # the collectives of tensor parallelism inside.
+        decode_graphs = backend.name == "triton" and not args.enforce_eager and self.tp_workers is None
+        num_blocks = args.num_kv_blocks or self._blocks_from_memory(model, gpu_at_start, decode_graphs)
         if self.tp_workers is not None:
             self.tp_workers.start(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
@@ -65,10 +69,7 @@ class EngineCore:
             dtype=self.model_info.torch_dtype,
             device=device,
             seed=args.seed,
-            # The Triton kernels read every shape from tensors, so a decode step can be
-            # recorded once per batch-size bucket and replayed (CUDA graphs); not yet with
-            # the collectives of tensor parallelism inside.
-            decode_graphs=backend.name == "triton" and not args.enforce_eager and self.tp_workers is None,
+            decode_graphs=decode_graphs,
             max_num_seqs=args.max_num_seqs,
             max_model_len=self.model_info.max_model_len,
         )
@@ -89,7 +90,7 @@ class EngineCore:
         gc.freeze()
         atexit.register(gc.unfreeze)  # let the interpreter's last collection free them at exit
 
-    def _blocks_from_memory(self, model, gpu_at_start: MemorySnapshot | None) -> int:
+    def _blocks_from_memory(self, model, gpu_at_start: MemorySnapshot | None, decode_graphs: bool) -> int:
         """--kv-cache-memory if given; else on a GPU what --gpu-memory-utilization leaves; else 1 GiB."""
         args, info = self.args, self.model_info
         if args.kv_cache_memory is None and gpu_at_start is not None:
@@ -97,7 +98,7 @@ class EngineCore:
                 model, gpu_at_start, utilization=args.gpu_memory_utilization,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                 max_model_len=info.max_model_len, block_size=args.block_size, dtype=info.torch_dtype,
-                device=args.torch_device,
+                device=args.torch_device, cuda_graphs=decode_graphs,
             )
         else:
             budget = args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY

@@ -39,8 +39,8 @@ class AttentionBackend(Protocol):
 ATTENTION_BACKENDS = ("torch", "triton")
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Return the backend called `name` ("torch" or "triton")."""
+def get_attention_backend(name: str, device: torch.device, max_model_len: int) -> AttentionBackend:
+    """Return the backend called `name` ("torch" or "triton"), for sequences of up to max_model_len tokens."""
     if name == "torch":
         from tinyserve.kernels.torch_attention import TorchAttentionBackend
 
@@ -48,7 +48,7 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "triton":
         from tinyserve.kernels.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend(device)
+        return TritonAttentionBackend(device, max_model_len)
     raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
 
 

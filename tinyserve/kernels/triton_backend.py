@@ -22,7 +22,7 @@ import os
 import torch
 
 from tinyserve.kernels.metadata import AttentionMetadata
-from tinyserve.kernels.triton_decode_attention import paged_decode_attention
+from tinyserve.kernels.triton_decode_attention import default_num_splits, paged_decode_attention
 from tinyserve.kernels.triton_kv_store import store_kv
 from tinyserve.kernels.triton_prefill_attention import paged_prefill_attention
 
@@ -30,7 +30,9 @@ from tinyserve.kernels.triton_prefill_attention import paged_prefill_attention
 class TritonAttentionBackend:
     name = "triton"
 
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, max_model_len: int):
+        # Fixed for the engine's life: the decode kernel's grid and constexprs never follow the batch.
+        self.num_kv_splits = default_num_splits(max_model_len)
         if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 "attention_backend='triton' needs a CUDA GPU, or TRITON_INTERPRET=1 to run "
@@ -51,7 +53,7 @@ class TritonAttentionBackend:
         out = torch.empty_like(query)
         if metadata.is_decode_only:
             paged_decode_attention(
-                out, query, kv_cache, metadata.block_tables, metadata.seq_lens, scale, metadata.max_seq_len
+                out, query, kv_cache, metadata.block_tables, metadata.seq_lens, scale, self.num_kv_splits
             )
         else:
             paged_prefill_attention(

@@ -24,15 +24,17 @@ is just a tile with one valid row, so mixed batches of prefills and decodes run
 through this one kernel.
 
 The walk over KV blocks (load through the block table, online softmax) is
-shared with the other paged kernel, in triton_paged.py. All arithmetic is fp32
-whatever the cache dtype, at the price of half-precision tensor cores.
+shared with the other paged kernel, in triton_paged.py, and so is the choice of
+dot (FP32_DOT: fp32 IEEE for an fp32 cache, the cache's half precision with fp32
+accumulation otherwise). A program runs on 8 warps: at head_dim 128 a 64-row tile
+of fp32 scores and accumulator does not fit 4 warps' registers and spills.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.triton_paged import load_kv_block, online_softmax_update
+from tinyserve.kernels.triton_paged import default_fp32_dot, dot, load_kv_block, online_softmax_update
 
 
 @triton.jit
@@ -58,6 +60,7 @@ def paged_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -79,7 +82,9 @@ def paged_prefill_kernel(
     dim_mask = dims < head_dim
     q_mask = row_mask[:, None] & dim_mask[None, :]
     q_offsets = (query_start + rows)[:, None] * stride_q_token + head * stride_q_head + dims[None, :]
-    q = tl.load(query_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32)
+    q = tl.load(query_ptr + q_offsets, mask=q_mask, other=0.0)
+    if FP32_DOT:
+        q = q.to(tl.float32)
     q_positions = context_len + rows
 
     # Online softmax state per query row: running max m_i, denominator l_i, and
@@ -94,15 +99,15 @@ def paged_prefill_kernel(
     for logical_block in range(0, tl.cdiv(kv_end, BLOCK_SIZE)):
         k, v, k_positions = load_kv_block(
             kv_cache_ptr, block_table_ptr, logical_block, seq_len, kv_head, dims, dim_mask,
-            stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head, BLOCK_SIZE,
+            stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head, BLOCK_SIZE, FP32_DOT,
         )
         # --- Scores [BLOCK_M, BLOCK_SIZE], with the causal mask. Key 0 is visible to
         # every row, so after the first block each row's max is finite and a row
         # whose keys are all masked in a later block just gets p = 0 there.
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        scores = dot(q, tl.trans(k), FP32_DOT) * scale
         visible = (k_positions[None, :] <= q_positions[:, None]) & (k_positions < seq_len)[None, :]
         scores = tl.where(visible, scores, float("-inf"))
-        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, scores, v)
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, scores, v, FP32_DOT)
 
     out = acc / l_i[:, None]
     out_offsets = (query_start + rows)[:, None] * stride_out_token + head * stride_out_head + dims[None, :]
@@ -119,11 +124,16 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     block_m: int = 64,
+    fp32_dot: bool | None = None,
+    num_warps: int = 8,
 ) -> None:
     """Fill out [num_tokens, num_heads, head_dim] with causal attention of each sequence's queries.
 
-    block_m is the number of query rows per program (a power of two, >= 16).
+    block_m is the number of query rows per program (a power of two, >= 16); fp32_dot
+    defaults to default_fp32_dot(kv_cache.dtype).
     """
+    if fp32_dot is None:
+        fp32_dot = default_fp32_dot(kv_cache.dtype)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -150,4 +160,6 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_SIZE=block_size,
         BLOCK_D=triton.next_power_of_2(head_dim),
+        FP32_DOT=fp32_dot,
+        num_warps=num_warps,
     )

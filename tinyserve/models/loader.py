@@ -5,7 +5,8 @@ by a hub id such as "Qwen/Qwen3-0.6B" that is already in the local Hugging Face 
 Nothing is ever downloaded: serving must not depend on the network.
 
 Loading reads config.json with transformers' AutoConfig, builds the model on the
-target device, then copies the safetensors weights in by name. Names map one to one
+target device and in the target dtype (never an fp32 copy first: a bf16 model would
+need twice its memory for a moment), then copies the safetensors weights in by name. Names map one to one
 after dropping Hugging Face's "model." prefix, except the projections the model
 stacks into one matrix, which land in their rows of it:
 
@@ -18,6 +19,7 @@ Every parameter must be found exactly once; a missing or unexpected name is an e
 that lists them, never a silently random weight.
 """
 
+import contextlib
 import json
 import pathlib
 
@@ -76,16 +78,27 @@ def load_model(
     if max_model_len is None:
         max_model_len = config.max_position_embeddings
     check_supported(config, max_model_len)
-    # Built directly on the target device; the random initial values are all
-    # overwritten below (load_weights checks that every parameter is).
-    with torch.device(device):
+    # Built directly on the target device, in the target dtype; the random initial values
+    # are all overwritten below (load_weights checks that every parameter is). Tensors
+    # made with an explicit dtype keep it (RoPE's fp32 tables, rounded at use).
+    with torch.device(device), default_dtype(dtype):
         model = LlamaForCausalLM(config, attention_backend, tp)
-    model.to(dtype)
     load_weights(model, path)
     # Serving never trains: no autograd bookkeeping, whatever context forward runs in.
     model.requires_grad_(False)
     model.eval()
     return model, config
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Floating-point tensors made without a dtype inside get `dtype`."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def check_supported(config, max_model_len: int) -> None:

@@ -18,8 +18,9 @@ buffers the graph reads:
 A step of n decodes copies its inputs into the first n rows, fills the rest with
 padding that harms nothing (a padding row writes no K/V and reads block 0), replays
 the graph of the smallest bucket >= n, and reads the first n rows of the output.
-The decode kernel's grid must not depend on the step either, so its split-K is
-sized for max_model_len; a split past a sequence's end does no work.
+The decode kernel's grid must not depend on the step either: its split count is
+fixed by max_model_len when the backend is made, and each sequence's context is
+cut into that many parts inside the kernel.
 
 Prefill and mixed steps, and decode batches above the largest bucket, run eagerly.
 Sampling stays outside the graph: it depends on each request's parameters.
@@ -76,7 +77,7 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:bucket],
             block_tables=self.block_tables[:bucket],
             max_query_len=1,
-            max_seq_len=self.max_model_len,  # fixed: sizes the decode kernel's split-K grid
+            max_seq_len=self.max_model_len,  # an upper bound: the kernels read each length from seq_lens
             query_start_loc_cpu=list(range(bucket + 1)),
             seq_lens_cpu=[self.max_model_len] * bucket,  # host-side view; the kernels read seq_lens
         )
@@ -84,12 +85,16 @@ class DecodeGraphs:
     def _forward(self, bucket: int) -> torch.Tensor:
         return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, self.metadata(bucket))
 
-    @torch.inference_mode()
     def capture_all(self) -> None:
         """Record one graph per bucket, largest first (so the shared pool is sized by it)."""
+        self.capture(list(reversed(self.buckets)))
+
+    @torch.inference_mode()
+    def capture(self, buckets: list[int]) -> None:
+        """Record the graphs of these buckets, in this order (gpu_memory.py measures the largest alone)."""
         if not self.capture_graphs:
             return
-        for bucket in reversed(self.buckets):
+        for bucket in buckets:
             self._forward(bucket)  # warm-up outside the graph: Triton compiles, cuBLAS picks its kernels
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

@@ -178,7 +178,8 @@ def run_worker(args: EngineArgs, model_info: ModelInfo, engine_index: int, rank:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     tp = join_group(rank, args.tensor_parallel_size, host, port, device)
-    backend = get_attention_backend(args.attention_backend or default_attention_backend(device), device)
+    backend = get_attention_backend(args.attention_backend or default_attention_backend(device), device,
+                                    model_info.max_model_len)
     model, _ = load_model(model_info.path, model_info.torch_dtype, device, backend,
                           max_model_len=model_info.max_model_len, tp=tp)
     num_blocks = msgspec.msgpack.decode(socket.recv(), type=int)

@@ -1,0 +1,55 @@
+"""The offline install, rehearsed: wheels downloaded here, installed with no index beside a GPU image's torch.
+
+scripts/rehearse_offline_install.sh plays the GPU server on this CPU: an environment of
+Python 3.12 holding torch and what such images carry, none of tinyserve's other
+dependencies; the wheels of scripts/offline_wheels.sh installed into it with no index;
+then benchmarks/gpu_check.py --smoke, end to end, in it.
+
+Cost, measured on a 2-core machine: the image (torch with its CUDA libraries, ~5 GB)
+takes about 3 minutes to make, once per machine: it is cached outside the checkout
+(~/.cache/tinyserve) and only ever read, because installing torch for every run would
+be most of the test. The rest runs every time: the wheels (~90 MB, ~50 s, seconds once
+pip's cache holds them), the fresh environment and the offline install (~35 s), the
+smoke run (~60 s). About 2.5 minutes then, so it is marked slow; `make test` runs it.
+"""
+
+import os
+import subprocess
+
+import pytest
+
+from tests.pythons import ROOT, find_pythons
+
+TARGET = "3.12"  # the Python of the GPU images this rehearses
+
+
+def rehearsal_python() -> str:
+    python = find_pythons().get(TARGET)
+    if python is None:
+        message = f"no Python {TARGET} on this machine for the offline-install rehearsal"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)  # CI must rehearse it, not skip it
+        pytest.skip(message)
+    return python
+
+
+@pytest.mark.slow
+def test_an_offline_install_beside_the_images_torch_runs_the_gpu_check_smoke(tmp_path):
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    env["TINYSERVE_REHEARSAL_PYTHON"] = rehearsal_python()
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "rehearse_offline_install.sh"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=1500, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert "rehearsal: torch and triton untouched" in done.stderr
+
+    wheels = sorted(path.name for path in (tmp_path / "wheels").iterdir())
+    assert any(name.startswith("tinyserve-") for name in wheels)
+    assert any(name.startswith("msgspec-") and "cp312" in name for name in wheels)  # built for the target
+    assert not [name for name in wheels if name.startswith(("torch-", "triton-"))]
+    installed = {path.name.split("-")[0].lower() for path in
+                 (tmp_path / "venv" / "lib" / f"python{TARGET}" / "site-packages").glob("*.dist-info")}
+    assert {"tinyserve", "msgspec", "pyzmq", "opentelemetry_sdk", "fastapi"} <= installed
+    assert not installed & {"torch", "triton", "numpy", "transformers"}  # the image's own, kept
+    assert sorted(path.name for path in (tmp_path / "gpu-check").iterdir()) == [
+        "1-kernels.jsonl", "2-speed.jsonl", "3-end-to-end.jsonl"]
+    assert "FAILED" not in done.stdout
