@@ -43,10 +43,15 @@ class EngineCore:
         # loads rank 0's (worker/tensor_parallel_workers.py).
         self.tp_workers = TensorParallelWorkers(args, self.model_info, engine_index) \
             if args.tensor_parallel_size > 1 else None
-        model, _ = load_model(
-            self.model_info.path, self.model_info.torch_dtype, device, backend, max_model_len=self.model_info.max_model_len,
-            tp=self.tp_workers.tp if self.tp_workers else None,
-        )
+        try:
+            model, _ = load_model(
+                self.model_info.path, self.model_info.torch_dtype, device, backend,
+                max_model_len=self.model_info.max_model_len, tp=self.tp_workers.tp if self.tp_workers else None,
+            )
+        except BaseException:
+            if self.tp_workers is not None:  # the other ranks would wait for this one for ever
+                self.tp_workers.shutdown()
+            raise
         # The Triton kernels read every shape from tensors, so a decode step can be
         # recorded once per batch-size bucket and replayed (CUDA graphs); not yet with
         # the collectives of tensor parallelism inside.

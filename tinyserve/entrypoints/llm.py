@@ -58,6 +58,11 @@ class LLM:
         """The in-process engine (scheduler, KV cache, model runner), for looking inside."""
         return self.llm_engine.engine_core
 
+    def shutdown(self) -> None:
+        """Stop the engine: its tensor-parallel worker processes end, its process group goes.
+        Only a tensor-parallel LLM holds anything an interpreter's exit would not free."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self):
         return self.tokenizer
 

@@ -76,3 +76,6 @@ class LLMEngine:
 
     def flush_spans(self) -> None:
         self.client.engine_core.flush_spans()
+
+    def shutdown(self) -> None:
+        self.client.shutdown()

@@ -27,11 +27,13 @@ the engine fails every request, as when an engine process dies.
 
 import contextlib
 import datetime
+import json
 import multiprocessing
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 import setproctitle
@@ -41,7 +43,7 @@ import zmq
 
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.engine.core.scheduler_output import SchedulerOutput
-from tinyserve.models.tensor_parallel import TensorParallel
+from tinyserve.models.tensor_parallel import TensorParallel, split_heads, split_width
 
 RENDEZVOUS_TIMEOUT_S = 300  # ranks import torch and load their shard before they join
 _STOP = b"stop"
@@ -87,11 +89,23 @@ def check_devices(args: EngineArgs) -> None:
                          f"{torch.cuda.device_count()} CUDA device(s) of this machine: one rank per device")
 
 
+def check_split(model_path, size: int) -> None:
+    """ValueError naming the numbers if the checkpoint's heads or MLP width do not split over `size` ranks."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    split_heads(heads, config.get("num_key_value_heads") or heads, size, 0)
+    split_width(config["intermediate_size"], size, "intermediate_size")
+
+
 class TensorParallelWorkers:
     """Rank 0's side: start ranks 1..N-1, join the group, then send each step to them."""
 
     def __init__(self, args: EngineArgs, model_info: ModelInfo, engine_index: int) -> None:
         check_devices(args)
+        if dist.is_initialized():  # torch.distributed has one default group per process
+            raise ValueError("a tensor-parallel engine is already running in this process: shut it down first "
+                             "(LLM.shutdown())")
+        check_split(model_info.path, args.tensor_parallel_size)  # before any process starts
         self.size = args.tensor_parallel_size
         host, port = "127.0.0.1", _free_port()
         self._context = zmq.Context()
@@ -109,7 +123,7 @@ class TensorParallelWorkers:
             process = spawn.Process(target=run_worker, name=f"tinyserve-engine-{engine_index}-tp{rank}", daemon=True,
                                     args=(args, model_info, engine_index, rank, host, port, address, os.getpid(),
                                           num_threads))
-            with _sigint_ignored():
+            with _sigint_ignored(), _may_have_children():
                 process.start()
             self.processes.append(process)
         if num_threads is not None:
@@ -123,6 +137,11 @@ class TensorParallelWorkers:
             socket.send(self._encoder.encode(num_blocks))
 
     def send(self, scheduler_output: SchedulerOutput) -> None:
+        """Push the step to every rank. A rank that has died fails the step with its name: a PUSH
+        socket whose reader is gone would block, and the collective would wait for it."""
+        for rank, process in enumerate(self.processes, start=1):
+            if process.exitcode is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} died ({_exit_reason(process.exitcode)})")
         message = self._encoder.encode(scheduler_output)
         for socket in self._sockets:
             socket.send(message)
@@ -182,7 +201,10 @@ def run_worker(args: EngineArgs, model_info: ModelInfo, engine_index: int, rank:
                                     model_info.max_model_len)
     model, _ = load_model(model_info.path, model_info.torch_dtype, device, backend,
                           max_model_len=model_info.max_model_len, tp=tp)
-    num_blocks = msgspec.msgpack.decode(socket.recv(), type=int)
+    message = socket.recv()
+    if message == _STOP:  # rank 0 failed to start
+        return
+    num_blocks = msgspec.msgpack.decode(message, type=int)
     runner = ModelRunner(model, num_blocks=num_blocks, block_size=args.block_size, dtype=model_info.torch_dtype,
                          device=device, seed=args.seed, max_num_seqs=args.max_num_seqs,
                          max_model_len=model_info.max_model_len)
@@ -194,6 +216,10 @@ def run_worker(args: EngineArgs, model_info: ModelInfo, engine_index: int, rank:
     finally:
         context.destroy(linger=0)
         dist.destroy_process_group()
+
+
+def _exit_reason(exitcode: int) -> str:
+    return f"killed by {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -208,6 +234,20 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _may_have_children():
+    """An engine process is a daemon of the API process (ended with it), and multiprocessing
+    refuses children to a daemon. Its ranks need no such protection from it: they are daemons
+    themselves, ended with the engine, and each watches that its parent is still there."""
+    me = multiprocessing.current_process()
+    was_daemon = me.daemon
+    me.daemon = False
+    try:
+        yield
+    finally:
+        me.daemon = was_daemon
 
 
 @contextlib.contextmanager

@@ -1,0 +1,119 @@
+"""Tensor parallelism: the model split over N worker processes gives transformers' greedy tokens.
+
+Each test starts real ranks (spawned processes joined by torch.distributed over gloo, fed
+each SchedulerOutput over ZeroMQ) on the CPU. The tiny checkpoints have 4 query heads
+over 2 KV heads: TP=2 splits both, TP=4 replicates each KV head on two ranks.
+"""
+
+import os
+import signal
+
+import pytest
+import torch
+
+from tests.hf_reference import MAX_TOKENS, hf_greedy, hf_model
+from tests.tiny_checkpoints import tiny_model_with_tokenizer
+from tinyserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPT_LENGTHS = (5, 17, 40)
+
+
+def prompts_for(folder) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(7)
+    vocab = hf_model(folder).config.vocab_size
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def generate(llm: LLM, prompts, params=None) -> list[list[int]]:
+    params = params or SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                          use_tqdm=False)]
+
+
+@pytest.fixture
+def tp_llm():
+    """Make tensor-parallel LLMs; each is shut down afterwards (one process group per process)."""
+    made = []
+
+    def make(folder, size, **kwargs):
+        llm = LLM(str(folder), tensor_parallel_size=size, num_kv_blocks=64, **kwargs)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(("family", "size", "extra"), [
+    ("llama", 2, {}),
+    ("llama", 4, {}),  # 2 KV heads over 4 ranks: each KV head replicated
+    ("qwen2", 2, {}),  # biases on q/k/v: split with their rows
+    ("llama", 2, {"attention_bias": True, "mlp_bias": True}),  # o_proj/down_proj biases: added once, after the sum
+], ids=["llama-tp2", "llama-tp4-replicated-kv", "qwen2-tp2", "llama-biases-tp2"])
+def test_greedy_matches_transformers(tp_llm, family, size, extra):
+    folder = tiny_model_with_tokenizer(family, **extra)
+    prompts = prompts_for(folder)
+    llm = tp_llm(folder, size, max_num_batched_tokens=16)  # chunked prefill as well
+    assert generate(llm, prompts) == [hf_greedy(folder, p) for p in prompts]
+    # Each rank's KV cache holds its own heads only: 2 KV heads / 2 ranks, or 1 replicated.
+    assert llm.engine_core.model_runner.kv_caches[0].shape[3] == 1
+
+
+def test_seeded_sampling_is_the_same_split_or_not(tp_llm):
+    folder = tiny_model_with_tokenizer("llama")
+    prompts = prompts_for(folder)
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    whole = generate(LLM(str(folder), num_kv_blocks=64), prompts, params)
+    assert generate(tp_llm(folder, 2), prompts, params) == whole
+
+
+def test_heads_that_do_not_split_are_refused_by_name():
+    folder = tiny_model_with_tokenizer("llama")
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) must be divisible by tensor_parallel_size \(3\)"):
+        LLM(str(folder), tensor_parallel_size=3, num_kv_blocks=64)
+
+
+def test_a_second_tensor_parallel_llm_in_one_process_is_refused_until_the_first_is_shut_down(tp_llm):
+    folder = tiny_model_with_tokenizer("llama")
+    first = tp_llm(folder, 2)
+    with pytest.raises(ValueError, match="already running in this process"):
+        LLM(str(folder), tensor_parallel_size=2, num_kv_blocks=64)
+    first.shutdown()
+    assert generate(tp_llm(folder, 2), prompts_for(folder)[:1])  # a new group forms
+
+
+def test_a_rank_that_dies_fails_the_step_instead_of_hanging(tp_llm):
+    folder = tiny_model_with_tokenizer("llama")
+    llm = tp_llm(folder, 2)
+    [worker] = llm.engine_core.tp_workers.processes
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 died \(killed by SIGKILL\)"):
+        generate(llm, prompts_for(folder))
+
+
+@pytest.mark.server
+def test_a_server_with_two_ranks_serves_and_goes_down_when_a_rank_dies():
+    import httpx
+    import psutil
+
+    from tinyserve.testing import ServerProcess
+
+    folder = tiny_model_with_tokenizer("llama")
+    server = ServerProcess(str(folder), "--served-model-name", "tiny", "--tensor-parallel-size", "2",
+                           "--num-kv-blocks", "64")
+    try:
+        body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": MAX_TOKENS, "temperature": 0.0}
+        answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        assert answer["usage"]["completion_tokens"] == len(hf_greedy(folder, [5, 6, 7, 8]))
+        engine = [c for c in psutil.Process(server.process.pid).children() if "engine" in c.name()][0]
+        [rank1] = [c for c in engine.children() if c.name().endswith("-tp1")]
+        rank1.kill()
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert response.status_code >= 500
+        assert server.process.wait(30) == 1  # the engine died with its rank: the server goes down
+    finally:
+        server.stop()
