@@ -117,3 +117,24 @@ def test_a_server_with_two_ranks_serves_and_goes_down_when_a_rank_dies():
         assert server.process.wait(30) == 1  # the engine died with its rank: the server goes down
     finally:
         server.stop()
+
+
+def test_each_traced_step_has_one_execute_span_per_rank_with_its_all_reduce_time(tmp_path, tp_llm):
+    from tinyserve.lifecycle import load_run
+    from tinyserve.lifecycle.tracing import shutdown_tracing
+
+    folder = tiny_model_with_tokenizer("llama")
+    try:
+        llm = tp_llm(folder, 2, trace_dir=str(tmp_path))
+        generate(llm, prompts_for(folder))
+        llm.llm_engine.flush_spans()
+    finally:
+        shutdown_tracing()
+    [run_dir] = list(tmp_path.iterdir())
+    steps = load_run(run_dir).steps
+    assert steps
+    for step in steps:
+        assert [r["rank"] for r in step.ranks] == [0, 1] and {r["device"] for r in step.ranks} == {"cpu"}
+        # two all-reduces per layer on every rank; waiting in them is part of each rank's forward pass
+        assert all(0 < r["all_reduce_s"] < r["execute_s"] for r in step.ranks)
+        assert step.execute_s == step.ranks[0]["execute_s"]

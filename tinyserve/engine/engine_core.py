@@ -174,7 +174,9 @@ class EngineCore:
         )
         end = time.time()
         stats = self.scheduler.make_stats()
-        self.last_scheduler_output, self.last_step_times = scheduler_output, StepTimes(start, scheduled, executed, end)
+        ranks = getattr(self.model_runner, "last_rank_times", None)  # tensor parallelism: every rank's execute
+        self.last_scheduler_output = scheduler_output
+        self.last_step_times = StepTimes(start, scheduled, executed, end, ranks)
         if self.span_builder is not None:
             self.span_builder.record_step(scheduler_output, self.last_step_times, stats, outputs)
         return EngineCoreOutputs(engine_index=self.engine_index, timestamp=end, outputs=outputs, scheduler_stats=stats)

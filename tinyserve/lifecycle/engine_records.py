@@ -11,6 +11,17 @@ from tinyserve.lifecycle import schema
 
 
 @dataclass(slots=True)
+class RankTimes:
+    """One tensor-parallel rank's share of a step: its forward pass and the time it waited in all-reduces."""
+
+    rank: int
+    device: str
+    start: float  # time.time()
+    end: float
+    all_reduce_s: float
+
+
+@dataclass(slots=True)
 class StepTimes:
     """When one engine step began, finished scheduling, finished executing, and ended (time.time())."""
 
@@ -18,6 +29,7 @@ class StepTimes:
     scheduled: float
     executed: float
     end: float
+    ranks: list[RankTimes] | None = None  # under tensor parallelism: every rank's execute, rank 0 first
 
 
 @dataclass(slots=True)

@@ -246,11 +246,15 @@ class EngineSpanBuilder:
         step = self.tracer.start_span(schema.STEP, context=Context(), start_time=_ns(times.start),
                                       attributes=attributes, links=links)
         step_context = trace.set_span_in_context(step)
-        for name, start, end in (
-            (schema.SCHEDULE, times.start, times.scheduled),
-            (schema.EXECUTE, times.scheduled, times.executed),
-            (schema.UPDATE, times.executed, times.end),
-        ):
-            self.tracer.start_span(name, context=step_context, start_time=_ns(start)).end(end_time=_ns(end))
+        phases = [(schema.SCHEDULE, times.start, times.scheduled, None),
+                  (schema.EXECUTE, times.scheduled, times.executed, None),
+                  (schema.UPDATE, times.executed, times.end, None)]
+        if times.ranks:  # one execute per rank, each with its own clock
+            phases[1:2] = [(schema.EXECUTE, r.start, r.end, {
+                schema.TP_RANK: r.rank, schema.TP_SIZE: len(times.ranks), schema.TP_DEVICE: r.device,
+                schema.TP_ALL_REDUCE_TIME: r.all_reduce_s}) for r in times.ranks]
+        for name, start, end, phase_attributes in phases:
+            self.tracer.start_span(name, context=step_context, start_time=_ns(start),
+                                   attributes=phase_attributes).end(end_time=_ns(end))
         step.end(end_time=_ns(times.end))
 

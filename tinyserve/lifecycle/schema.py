@@ -18,7 +18,7 @@ Each engine also writes one trace per step:
 
     tinyserve.step  (links → the `chat {model}` span of every request it served)
     ├── tinyserve.schedule
-    ├── tinyserve.execute
+    ├── tinyserve.execute            one per tensor-parallel rank (tinyserve.tp.*), if any
     └── tinyserve.update
 """
 
@@ -129,6 +129,11 @@ STEP_NUM_NEW_BLOCK_IDS = "tinyserve.step.num_new_block_ids"
 STEP_NEW_BLOCK_IDS = "tinyserve.step.new_block_ids"
 STEP_BLOCK_TABLE_IS_FULL = "tinyserve.step.block_table_is_full"
 STEP_RELEASED_REQUEST_IDS = "tinyserve.step.released_request_ids"
+# on tinyserve.execute, under tensor parallelism: which rank, on what, how long it waited in all-reduces
+TP_RANK = "tinyserve.tp.rank"
+TP_SIZE = "tinyserve.tp.size"
+TP_DEVICE = "tinyserve.tp.device"
+TP_ALL_REDUCE_TIME = "tinyserve.tp.all_reduce_time_s"
 KV_BLOCKS_USED = "tinyserve.kv.blocks_used"
 KV_BLOCKS_FREE = "tinyserve.kv.blocks_free"
 KV_BLOCKS_TOTAL = "tinyserve.kv.blocks_total"

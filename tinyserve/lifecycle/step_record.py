@@ -35,9 +35,11 @@ class StepRecord:
     block_table_is_full: list[bool]
     released_request_ids: list[str]
     schedule_s: float | None
-    execute_s: float | None
+    execute_s: float | None  # rank 0's, under tensor parallelism
     update_s: float | None
     span: Span = field(repr=False)
+    # Under tensor parallelism, per rank: {"rank", "device", "execute_s", "all_reduce_s"}, by rank.
+    ranks: list[dict] = field(default_factory=list)
 
     @property
     def duration_s(self) -> float:
@@ -56,7 +58,12 @@ class StepRecord:
 def step_record_from_span(span: Span, children: list[Span]) -> StepRecord:
     a = span.attributes
     tokens = [int(t) for t in a.get(schema.STEP_TOKENS_PER_REQUEST, [])]
-    phases = {child.name: child.duration_s for child in children}
+    ranks = sorted(({"rank": c.attributes[schema.TP_RANK], "device": c.attributes.get(schema.TP_DEVICE),
+                     "execute_s": c.duration_s, "all_reduce_s": c.attributes.get(schema.TP_ALL_REDUCE_TIME)}
+                    for c in children if c.name == schema.EXECUTE and schema.TP_RANK in c.attributes),
+                   key=lambda r: r["rank"])
+    phases = {child.name: child.duration_s for child in children
+              if child.attributes.get(schema.TP_RANK, 0) == 0}
     return StepRecord(
         engine_index=engine_index_of(span),
         step_id=a.get(schema.STEP_ID),
@@ -85,6 +92,7 @@ def step_record_from_span(span: Span, children: list[Span]) -> StepRecord:
         schedule_s=phases.get(schema.SCHEDULE),
         execute_s=phases.get(schema.EXECUTE),
         update_s=phases.get(schema.UPDATE),
+        ranks=ranks,
         span=span,
     )
 

@@ -43,6 +43,8 @@ import zmq
 
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.engine.core.scheduler_output import SchedulerOutput
+from tinyserve.lifecycle.engine_records import RankTimes
+from tinyserve.lifecycle.tracing import tracing_enabled
 from tinyserve.models.tensor_parallel import TensorParallel, split_heads, split_width
 
 RENDEZVOUS_TIMEOUT_S = 300  # ranks import torch and load their shard before they join
@@ -116,13 +118,20 @@ class TensorParallelWorkers:
             socket.bind(f"tcp://{host}:0")
             self._sockets.append(socket)
             addresses.append(socket.getsockopt_string(zmq.LAST_ENDPOINT))
+        # Each rank's clock of a step comes back here, for the step span (only when tracing).
+        self._times = self._context.socket(zmq.PULL)
+        self._times.setsockopt(zmq.LINGER, 0)
+        self._times.bind(f"tcp://{host}:0")
+        times_address = self._times.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.traced = tracing_enabled()
+        self.device = str(rank_device(args, engine_index, 0))
         spawn = multiprocessing.get_context("spawn")
         num_threads = max(1, (os.cpu_count() or 1) // self.size) if args.torch_device.type == "cpu" else None
         self.processes = []
         for rank, address in zip(range(1, self.size), addresses):
             process = spawn.Process(target=run_worker, name=f"tinyserve-engine-{engine_index}-tp{rank}", daemon=True,
-                                    args=(args, model_info, engine_index, rank, host, port, address, os.getpid(),
-                                          num_threads))
+                                    args=(args, model_info, engine_index, rank, host, port, address, times_address,
+                                          os.getpid(), num_threads))
             with _sigint_ignored(), _may_have_children():
                 process.start()
             self.processes.append(process)
@@ -132,9 +141,15 @@ class TensorParallelWorkers:
         self._encoder = msgspec.msgpack.Encoder()
 
     def start(self, num_blocks: int) -> None:
-        """Tell every rank how many KV blocks to allocate (the scheduler's, the same on every rank)."""
+        """Tell every rank how many KV blocks to allocate (the scheduler's, the same on every rank),
+        and whether to send its clock back each step."""
         for socket in self._sockets:
-            socket.send(self._encoder.encode(num_blocks))
+            socket.send(self._encoder.encode([num_blocks, self.traced]))
+
+    def receive_times(self) -> list[RankTimes]:
+        """Ranks 1..N-1's clocks of the step that just ran (each sends one as it finishes)."""
+        times = [RankTimes(*msgspec.msgpack.decode(self._times.recv())) for _ in self.processes]
+        return sorted(times, key=lambda t: t.rank)
 
     def send(self, scheduler_output: SchedulerOutput) -> None:
         """Push the step to every rank. A rank that has died fails the step with its name: a PUSH
@@ -166,10 +181,18 @@ class TensorParallelRunner:
     def __init__(self, runner, workers: TensorParallelWorkers) -> None:
         self.runner = runner
         self.workers = workers
+        self.last_rank_times: list[RankTimes] | None = None  # the latest step's, rank 0 first, when tracing
 
     def execute_model(self, scheduler_output: SchedulerOutput):
         self.workers.send(scheduler_output)
-        return self.runner.execute_model(scheduler_output)
+        timer, started = self.workers.tp.timer, time.time()
+        waited = timer.seconds
+        output = self.runner.execute_model(scheduler_output)
+        self.last_rank_times = None
+        if self.workers.traced and not scheduler_output.is_empty:
+            own = RankTimes(0, self.workers.device, started, time.time(), timer.seconds - waited)
+            self.last_rank_times = [own, *self.workers.receive_times()]
+        return output
 
     def warm_up(self) -> None:
         self.runner.warm_up()  # every rank warms up with the same dummy step: their collectives pair up
@@ -179,7 +202,7 @@ class TensorParallelRunner:
 
 
 def run_worker(args: EngineArgs, model_info: ModelInfo, engine_index: int, rank: int, host: str, port: int,
-               address: str, parent_pid: int, num_threads: int | None) -> None:
+               address: str, times_address: str, parent_pid: int, num_threads: int | None) -> None:
     """Entry point of rank `rank`: join the group, load this rank's shard, run every step it is sent."""
     from tinyserve.engine.worker.model_runner import ModelRunner
     from tinyserve.kernels.backend import default_attention_backend, get_attention_backend
@@ -204,15 +227,21 @@ def run_worker(args: EngineArgs, model_info: ModelInfo, engine_index: int, rank:
     message = socket.recv()
     if message == _STOP:  # rank 0 failed to start
         return
-    num_blocks = msgspec.msgpack.decode(message, type=int)
+    num_blocks, traced = msgspec.msgpack.decode(message)
+    times = context.socket(zmq.PUSH)
+    times.connect(times_address)
     runner = ModelRunner(model, num_blocks=num_blocks, block_size=args.block_size, dtype=model_info.torch_dtype,
                          device=device, seed=args.seed, max_num_seqs=args.max_num_seqs,
                          max_model_len=model_info.max_model_len)
     runner.warm_up()
-    decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+    decoder, encoder = msgspec.msgpack.Decoder(SchedulerOutput), msgspec.msgpack.Encoder()
     try:
         while (message := socket.recv()) != _STOP:
-            runner.execute_model(decoder.decode(message))
+            scheduler_output = decoder.decode(message)
+            started, waited = time.time(), tp.timer.seconds
+            runner.execute_model(scheduler_output)
+            if traced and not scheduler_output.is_empty:
+                times.send(encoder.encode([rank, str(device), started, time.time(), tp.timer.seconds - waited]))
     finally:
         context.destroy(linger=0)
         dist.destroy_process_group()
