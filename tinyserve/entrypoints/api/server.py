@@ -84,6 +84,7 @@ def build_app(
     async def lifespan(app: FastAPI):
         await ctx.engine.start()
         ctx.engine.stat_loggers.append(metrics)
+        metrics.record_cache_config(ctx.engine.engine_args, ctx.engine.client.num_kv_blocks)
         # What is loaded by now (torch, transformers, the app) lives as long as the server. Frozen,
         # it is no longer walked by every full garbage collection, each of which would stop the
         # event loop for a few hundred milliseconds (vLLM freezes its start-up heap too).
