@@ -68,7 +68,7 @@ class AsyncLLM:
         self.model_info = ModelInfo.from_args(engine_args)
         self.tokenizer = load_tokenizer(self.model_info.path)
         self.input_processor = InputProcessor(self.model_info, self.tokenizer, engine_args.block_size,
-                                              engine_args.max_logprobs)
+                                              engine_args.max_logprobs, engine_args.scheduling_policy)
         self.render_threads = RenderThreads(self.input_processor)  # templates and tokenizing, off the event loop
         self.output_processor = OutputProcessor(self.tokenizer)
         self.client: EngineClient
