@@ -41,7 +41,7 @@ SSE_EVENT = {  # one event of a stream=true answer
 }
 RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying, when the waiting queue is full",
                                "schema": {"type": "integer"}}}
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 BODY_ERRORS = {  # what any request with a body may be answered
     "400": "the body is malformed, or a field is invalid (named in the error's param)",
     "404": "the model is not one this server serves",
@@ -112,11 +112,14 @@ def _complete(document: dict, *, model_names: list[str], api_key: bool, field_li
     document["paths"]["/metrics"]["get"]["responses"] = {
         "200": _text("Prometheus' text exposition format, version 0.0.4", {"type": "string"}),
     }
-    document["paths"]["/v1/models/{model_id}"]["get"]["responses"]["404"] = _error(
-        "the model is not one this server serves", "/v1/models/{model_id}")
+    for path, what in (("/v1/models/{model_id}", "the model is not one this server serves"),
+                       ("/v1/responses/{response_id}", "no response with this id is kept (or was ever made)")):
+        document["paths"][path]["get"]["responses"]["404"] = _error(what, path)
+    [model_id] = document["paths"]["/v1/models/{model_id}"]["get"]["parameters"]
+    model_id["schema"]["enum"] = list(model_names)  # any other name is a 404
     _write_limits(schemas, field_limits)
-    for name in ("ChatCompletionRequest", "CompletionRequest", "MessagesRequest", "MessagesCountTokensRequest",
-                 "TokenizeRequest", "DetokenizeRequest"):
+    for name in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest", "MessagesRequest",
+                 "MessagesCountTokensRequest", "TokenizeRequest", "DetokenizeRequest"):
         for variant in _variants(schemas[name]["properties"]["model"]):
             if variant.get("type") == "string":
                 variant["enum"] = list(model_names)  # any other name is a 404

@@ -142,7 +142,6 @@ NO_EFFECT: dict[str, dict[str, str]] = {
     "chat": _OPENAI_NO_EFFECT,
     "completions": _OPENAI_NO_EFFECT,
     "messages": {
-        "metadata": "the caller's user id, for a hosted API's abuse monitoring",
         "service_tier": "a hosted API's capacity tier",
         "cache_control": "a hosted API's prompt-cache breakpoint; the prefix cache here needs none",
         "inference_geo": "a hosted API's region",
@@ -151,7 +150,7 @@ NO_EFFECT: dict[str, dict[str, str]] = {
         "user_profile_id": "a hosted API's attribution",
         "workspace_id": "a hosted API's workspace",
     },
-    "responses": {**_OPENAI_NO_EFFECT, "store": "kept anyway, in memory and bounded, for previous_response_id"},
+    "responses": {name: why for name, why in _OPENAI_NO_EFFECT.items() if name != "store"},  # store: implemented
 }
 
 

@@ -1,7 +1,7 @@
 """The FastAPI app: routes, authentication, error bodies, health and metrics.
 
 Handlers live in openai_serving.py (chat), completions_serving.py,
-anthropic_serving.py and tokenization_serving.py; this file wires
+responses_serving.py, anthropic_serving.py and tokenization_serving.py; this file wires
 them to URLs and makes sure that every failure, including a malformed body,
 answers in the endpoint's own error format with a 4xx/5xx status, and never
 with a traceback. A request passes, outermost first:
@@ -49,6 +49,8 @@ from tinyserve.entrypoints.api.openai_protocol import (
 )
 from tinyserve.entrypoints.api.openai_serving import ServingContext, create_chat_completion
 from tinyserve.entrypoints.api.request_ids import RequestIdMiddleware
+from tinyserve.entrypoints.api.responses_protocol import ResponsesRequest, ResponseStore
+from tinyserve.entrypoints.api.responses_serving import create_response
 from tinyserve.entrypoints.api.sse import engine_dead_message
 from tinyserve.lifecycle.http_spans import TracingMiddleware
 from tinyserve.lifecycle.tracing import shutdown_tracing
@@ -145,8 +147,10 @@ def build_app(
     # ---- routes ------------------------------------------------------------------
 
     # The body types, checked against this server's field limits (field_limits.py).
-    Chat, Completion, Messages, CountTokens, Tokenize = map(field_limits.bind, (
-        ChatCompletionRequest, CompletionRequest, MessagesRequest, MessagesCountTokensRequest, TokenizeRequest))
+    Chat, Completion, Responses, Messages, CountTokens, Tokenize = map(field_limits.bind, (
+        ChatCompletionRequest, CompletionRequest, ResponsesRequest, MessagesRequest, MessagesCountTokensRequest,
+        TokenizeRequest))
+    responses = ResponseStore()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: Chat, request: Request):
@@ -155,6 +159,17 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: Completion, request: Request):
         return await create_completion(ctx, body, request)
+
+    @app.post("/v1/responses")
+    async def create_responses(body: Responses, request: Request):
+        return await create_response(ctx, responses, body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        stored = responses.response(response_id)
+        if stored is None:
+            raise APIError(404, f"no stored response has the id {response_id!r}", "response_id")
+        return stored
 
     @app.post("/v1/messages")
     async def messages(body: Messages, request: Request):
