@@ -8,7 +8,8 @@ A field a client sends is one of three things:
   naming the field; sent with a value that asks for nothing (null, an empty list, the
   API's default) it is accepted, since clients send defaults they did not choose;
 - without effect on the output: listed in NO_EFFECT, with why (billing, storage, routing,
-  caching hints of a hosted API). Accepted and not used.
+  caching hints of a hosted API). Accepted (some, `user` say, with their type checked by the
+  model) and not used.
 
 Anything else is ignored, as OpenAI clients send fields a server may not know. The
 tables are data on purpose: implementing a field means removing it from here and
@@ -75,6 +76,7 @@ _OPENAI_NO_EFFECT = {
     "prompt_cache_retention": "a hosted API's prompt-cache lifetime",
     "prompt_cache_options": "a hosted API's prompt-cache options",
     "request_id": "vLLM's name for the request in its logs; responses carry the server's own id",
+    "user": "an end user's id, for a hosted API's abuse monitoring",
 }
 
 REFUSED: dict[str, dict[str, Refused]] = {
@@ -106,6 +108,7 @@ REFUSED: dict[str, dict[str, Refused]] = {
         "response_format": Refused(_NO_STRUCTURED, (None, {"type": "text"})),
         "best_of": Refused("as in vLLM V1; use n", (None, 1)),
         "suffix": Refused("no fill-in-the-middle", (None, "")),
+        "add_special_tokens": Refused("a prompt is always tokenized with its special tokens", (None, True)),
     },
     "messages": {
         "tools": Refused(_NO_TOOLS, (None, [])),
@@ -118,7 +121,7 @@ REFUSED: dict[str, dict[str, Refused]] = {
     "responses": {
         "tools": Refused("function tools are not implemented yet", (None, [])),
         "tool_choice": Refused(_NO_TOOLS, (None, "none", "auto")),
-        "parallel_tool_calls": Refused(_NO_TOOLS, (None, True, False)),
+        "parallel_tool_calls": Refused(_NO_TOOLS),
         "max_tool_calls": Refused(_NO_TOOLS),
         "text": Refused(_NO_STRUCTURED, (None, {"format": {"type": "text"}})),
         "reasoning": Refused("the model has no reasoning effort to set"),
@@ -142,6 +145,7 @@ NO_EFFECT: dict[str, dict[str, str]] = {
     "chat": _OPENAI_NO_EFFECT,
     "completions": _OPENAI_NO_EFFECT,
     "messages": {
+        "metadata": "the caller's user id, for a hosted API's abuse monitoring",
         "service_tier": "a hosted API's capacity tier",
         "cache_control": "a hosted API's prompt-cache breakpoint; the prefix cache here needs none",
         "inference_geo": "a hosted API's region",
