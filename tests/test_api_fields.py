@@ -31,7 +31,9 @@ THINKING_TEMPLATE = (
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
     "{%- endif -%}"
 )
 
@@ -213,7 +215,8 @@ def test_cached_tokens_are_in_a_streamed_chats_usage(client):
     [first_usage] = [c.usage for c in client.chat.completions.create(**kwargs) if c.usage]
     [second_usage] = [c.usage for c in client.chat.completions.create(**kwargs) if c.usage]
     assert first_usage.prompt_tokens_details.cached_tokens == 0
-    assert second_usage.prompt_tokens_details.cached_tokens == (second_usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+    full_blocks = (second_usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert second_usage.prompt_tokens_details.cached_tokens == full_blocks
 
 
 # ---- priority under FCFS ---------------------------------------------------------------------

@@ -51,7 +51,8 @@ def test_instructions_and_a_message_list_are_rendered_in_order(client):
     response = client.responses.create(model=MODEL, instructions="Answer with the Zen.", input=messages,
                                        temperature=0)
     text, num_prompt = chat_text(client, [
-        {"role": "system", "content": "Answer with the Zen."}, {"role": "user", "content": "Beautiful is better than ugly."},
+        {"role": "system", "content": "Answer with the Zen."},
+        {"role": "user", "content": "Beautiful is better than ugly."},
         {"role": "assistant", "content": "Explicit is better."}, {"role": "user", "content": "Simple is better."}])
     assert (response.output_text, response.usage.input_tokens) == (text, num_prompt)
 

@@ -22,6 +22,7 @@ from pydantic import Field, field_validator
 from tinyserve.entrypoints.api.openai_protocol import StrictBody, Text
 
 DEFAULT_MAX_STORED_RESPONSES = 1024
+RESPONSE_ID_PATTERN = r"^resp_[0-9a-f]{32}$"  # the ids this server gives (responses_serving.py)
 
 
 class InputText(StrictBody):

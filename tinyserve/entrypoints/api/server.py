@@ -18,8 +18,9 @@ import logging
 import re
 import sys
 from contextlib import asynccontextmanager
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -49,7 +50,7 @@ from tinyserve.entrypoints.api.openai_protocol import (
 )
 from tinyserve.entrypoints.api.openai_serving import ServingContext, create_chat_completion
 from tinyserve.entrypoints.api.request_ids import RequestIdMiddleware
-from tinyserve.entrypoints.api.responses_protocol import ResponsesRequest, ResponseStore
+from tinyserve.entrypoints.api.responses_protocol import RESPONSE_ID_PATTERN, ResponsesRequest, ResponseStore
 from tinyserve.entrypoints.api.responses_serving import create_response
 from tinyserve.entrypoints.api.sse import engine_dead_message
 from tinyserve.lifecycle.http_spans import TracingMiddleware
@@ -165,7 +166,7 @@ def build_app(
         return await create_response(ctx, responses, body, request)
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str):
+    async def retrieve_response(response_id: Annotated[str, Path(pattern=RESPONSE_ID_PATTERN)]):
         stored = responses.response(response_id)
         if stored is None:
             raise APIError(404, f"no stored response has the id {response_id!r}", "response_id")
