@@ -123,3 +123,9 @@ def test_what_is_not_implemented_is_400_naming_it(server, change, param):
     response = httpx.post(f"{server.url}/v1/responses", json=body, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_retrieving_a_response_wants_an_id_of_the_servers_form(server):
+    response = httpx.get(f"{server.url}/v1/responses/not-an-id", timeout=10)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "response_id"
+    assert httpx.get(f"{server.url}/v1/responses/resp_{'0' * 32}", timeout=10).status_code == 404

@@ -115,6 +115,8 @@ def _complete(document: dict, *, model_names: list[str], api_key: bool, field_li
     for path, what in (("/v1/models/{model_id}", "the model is not one this server serves"),
                        ("/v1/responses/{response_id}", "no response with this id is kept (or was ever made)")):
         document["paths"][path]["get"]["responses"]["404"] = _error(what, path)
+    document["paths"]["/v1/responses/{response_id}"]["get"]["responses"]["400"] = _error(
+        "the id is not of the form this server gives (resp_ and 32 hexadecimal digits)", "/v1/responses/{response_id}")
     [model_id] = document["paths"]["/v1/models/{model_id}"]["get"]["parameters"]
     model_id["schema"]["enum"] = list(model_names)  # any other name is a 404
     _write_limits(schemas, field_limits)

@@ -65,7 +65,8 @@ _UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|list|dict)$|\[|^function-
 
 
 def _location(error: dict) -> list[str]:
-    return [str(part) for part in error.get("loc", ()) if part != "body" and not _UNION_MEMBER.search(str(part))]
+    return [str(part) for part in error.get("loc", ())
+            if part not in ("body", "path", "query") and not _UNION_MEMBER.search(str(part))]
 
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
