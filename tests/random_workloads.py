@@ -112,6 +112,9 @@ def draw_case(seed: int, probe: LLM) -> Case:
         "enable_prefix_caching": rng.random() < 0.7,
         "scheduling_policy": rng.choice(("fcfs", "priority", "priority")),
     }
+    if engine_args["scheduling_policy"] == "fcfs":  # a priority is refused unless the policy is "priority"
+        for request in requests:
+            request.priority = 0
     return Case(seed, engine_args, requests)
 
 

@@ -6,7 +6,8 @@ is documented, with its content type and body schema; a 405 says which methods
 are allowed; a request without the key is refused. One check is told what no
 document can say: a request the schema allows may still be refused with a 400,
 when its prompt does not fit the context once tokenized or its ids are outside
-the vocabulary (openapi.py), so a 400 is an accepted answer to valid data.
+the vocabulary (openapi.py), so a 400 is an accepted answer to valid data; and a
+response id is a 404 unless the server kept that response.
 """
 
 import subprocess
@@ -24,9 +25,14 @@ pytestmark = pytest.mark.server  # a real `tinyserve serve` on loopback
 MODEL = "tiny"
 KEY = "sk-openapi-test"
 MAX_EXAMPLES = 5  # per operation and phase: about a minute in all
+# A response id the schema allows (any string) is a 404 unless the server answered and kept that response.
 SCHEMATHESIS_CONFIG = """
 [checks.positive_data_acceptance]
 expected-statuses = ["2xx", "400"]
+
+[[operations]]
+include-path-regex = "^/v1/responses"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "404"]
 """
 
 
@@ -52,7 +58,7 @@ def test_schemathesis_with_every_check_finds_no_failure(server, tmp_path):
                "--header", f"Authorization: Bearer {KEY}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=540, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "9 selected" in result.stdout
+    assert " passed" in result.stdout and "14 selected" in result.stdout
 
 
 def test_no_422_is_documented_and_every_body_error_is(document):
@@ -63,13 +69,13 @@ def test_no_422_is_documented_and_every_body_error_is(document):
             if method == "post":
                 assert {"400", "404", "408", "413", "415"} <= set(responses), (method, path)
                 schema = responses["400"]["content"]["application/json"]["schema"]["$ref"]
-                assert schema.endswith("AnthropicError" if path == "/v1/messages" else "OpenAIError")
+                assert schema.endswith("AnthropicError" if path.startswith("/v1/messages") else "OpenAIError")
             if path.startswith("/v1"):
                 assert "401" in responses, (method, path)
 
 
 def test_generation_routes_document_their_stream_and_the_503_with_retry_after(document):
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"):
         responses = document["paths"][path]["post"]["responses"]
         assert {"application/json", "text/event-stream"} <= set(responses["200"]["content"])
         assert "Retry-After" in responses["503"]["headers"]

@@ -68,7 +68,7 @@ class AsyncLLM:
         self.model_info = ModelInfo.from_args(engine_args)
         self.tokenizer = load_tokenizer(self.model_info.path)
         self.input_processor = InputProcessor(self.model_info, self.tokenizer, engine_args.block_size,
-                                              engine_args.max_logprobs)
+                                              engine_args.max_logprobs, engine_args.scheduling_policy)
         self.render_threads = RenderThreads(self.input_processor)  # templates and tokenizing, off the event loop
         self.output_processor = OutputProcessor(self.tokenizer)
         self.client: EngineClient
@@ -78,7 +78,7 @@ class AsyncLLM:
             self.client = MPClient(engine_args, self.model_info, data_parallel_size=data_parallel_size)
         self.queues: dict[str, asyncio.Queue] = {}
         self.engine_stats: dict[int, SchedulerStats] = {}
-        # Objects with on_request(EngineCoreRequest) and on_outputs(EngineCoreOutputs, received_time),
+        # Objects with on_request(request_id, child EngineCoreRequests, SamplingParams) and on_outputs(...),
         # e.g. the server's Prometheus metrics.
         self.stat_loggers: list = []
         self._output_task: asyncio.Task | None = None
@@ -203,6 +203,8 @@ class AsyncLLM:
                 # Registered from here on: a failure must abort what was sent.
                 stream = RequestStream(self, request_id, spans)
                 self.queues[request_id] = stream.queue
+                for logger in self.stat_loggers:  # before the first send: an output may follow at once
+                    logger.on_request(request_id, child_requests, sampling_params)
                 try:
                     for request in child_requests:
                         engine_index = await self._send(request, spans)
@@ -240,8 +242,6 @@ class AsyncLLM:
             engine_index = await self.client.add_request(request)
             if send_span is not None:
                 send_span.set_attribute(schema.ENGINE_INDEX, engine_index)
-        for logger in self.stat_loggers:
-            logger.on_request(request)
         return engine_index
 
     def start_draining(self) -> None:
@@ -280,9 +280,9 @@ class AsyncLLM:
                 received_time = time.time()
                 if engine_outputs.scheduler_stats is not None:
                     self.engine_stats[engine_outputs.engine_index] = engine_outputs.scheduler_stats
-                for logger in self.stat_loggers:
-                    logger.on_outputs(engine_outputs, received_time)
                 request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs.outputs)
+                for logger in self.stat_loggers:  # after: a stop string found there is the finish they count
+                    logger.on_outputs(engine_outputs, received_time)
                 for request_output in request_outputs:
                     # Popped once finished: a stream nobody reads any more leaves nothing behind.
                     get = self.queues.pop if request_output.finished else self.queues.get

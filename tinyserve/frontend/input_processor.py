@@ -34,9 +34,12 @@ class ProcessedPrompt:
 
 
 class InputProcessor:
-    def __init__(self, model_info: ModelInfo, tokenizer, block_size: int, max_logprobs: int = 20) -> None:
-        """max_logprobs: the most logprobs or prompt_logprobs a request may ask for (vLLM's flag, default 20)."""
+    def __init__(self, model_info: ModelInfo, tokenizer, block_size: int, max_logprobs: int = 20,
+                 scheduling_policy: str = "fcfs") -> None:
+        """max_logprobs: the most logprobs or prompt_logprobs a request may ask for (vLLM's flag, default 20).
+        scheduling_policy: the engine's; a request's priority means something only under "priority"."""
         self.model_info = model_info
+        self.scheduling_policy = scheduling_policy
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.max_logprobs = max_logprobs
@@ -153,7 +156,8 @@ class InputProcessor:
         reserved = {"tokenize", "add_generation_prompt", "continue_final_message", "chat_template", "conversation",
                     "sanitize_control_tokens", "return_dict"}
         if template_kwargs and reserved & set(template_kwargs):
-            raise ValueError(f"chat_template_kwargs cannot set {sorted(reserved & set(template_kwargs))}")
+            raise InvalidInputError(f"chat_template_kwargs cannot set {sorted(reserved & set(template_kwargs))}",
+                                    "chat_template_kwargs")
         normalized = [_normalize_message(i, message) for i, message in enumerate(messages)]
         template = chat_template or self.tokenizer.chat_template
         if template is None:
@@ -203,6 +207,9 @@ class InputProcessor:
         and, if seeded, the seed + i, so the n samples differ yet each is reproducible.
         """
         self.model_info.validate_prompt(prompt.prompt_token_ids)
+        if priority != 0 and self.scheduling_policy != "priority":  # as vLLM: never silently ignored
+            raise InvalidInputError(f"priority={priority} needs --scheduling-policy priority; this engine schedules "
+                                    f"{self.scheduling_policy!r}", "priority")
         for name, token_ids in (("stop_token_ids", sampling_params.stop_token_ids),
                                 ("logit_bias", sampling_params.logit_bias)):
             for token_id in token_ids or ():

@@ -149,6 +149,9 @@ class OutputProcessor:
                     to_abort.append(output.request_id)
                 finish_reason, stop_reason = "stop", child.detokenizer.stop_reason
                 parent.stop_string = stop_reason
+                # Written back: whoever reads the engine's output after this (the server's metrics)
+                # counts the finish the client gets, not the abort the engine will report.
+                output.finish_reason, output.stop_reason = finish_reason, stop_reason
             parent.num_cached_tokens = max(parent.num_cached_tokens, output.num_cached_tokens)
             if finish_reason is not None:
                 del self.children[output.request_id]

@@ -7,11 +7,13 @@ content_block_stop, message_delta (stop reason, usage), message_stop.
 A stream that cannot finish (the engine died, the server shut down and aborted
 it) ends with an `error` event instead, as Anthropic's own API does. A final
 assistant message is a prefill: the reply continues it rather than opening a new
-turn. Tools are not implemented, and a request that offers some is refused.
+turn. Tools and extended thinking are not implemented: a request that asks for
+them is refused (request_fields.py). /v1/messages/count_tokens counts the prompt as
+/v1/messages would render it.
 """
 
 import uuid
-from typing import Literal
+from typing import ClassVar, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -19,7 +21,7 @@ from pydantic import Field, field_validator, model_validator
 
 from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError, anthropic_error_body
-from tinyserve.entrypoints.api.openai_protocol import StrictBody, Text, Unsupported
+from tinyserve.entrypoints.api.openai_protocol import StrictBody, Text
 from tinyserve.entrypoints.api.openai_serving import ServingContext, render_and_tokenize
 from tinyserve.entrypoints.api.sse import (
     EventStreamResponse,
@@ -52,28 +54,18 @@ class Metadata(StrictBody):
     user_id: Text | None = None
 
 
-class MessagesRequest(StrictBody):
+class MessagesCountTokensRequest(StrictBody):
+    """What /v1/messages/count_tokens takes: the prompt part of a messages request."""
+
+    refused_fields: ClassVar[str] = "messages"
     model: Text
-    max_tokens: int = Field(ge=1)
     messages: list[Message] = Field(min_length=1)
     system: Text | list[TextBlock] | None = None
-    stop_sequences: list[Text] | None = None
-    tools: Unsupported = None  # tool use
-    temperature: float | None = Field(None, ge=0, le=1)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0, lt=2**63)  # the sampler holds it in an int64
-    stream: bool = False
-    metadata: Metadata | None = None
 
     @field_validator("messages", mode="before")
     @classmethod
     def _messages_within_limits(cls, value):
         return cls.limits.check_messages(value)
-
-    @field_validator("stop_sequences", mode="before")
-    @classmethod
-    def _stop_within_limits(cls, value):
-        return cls.limits.check_stop(value)
 
     @property
     def prefilled(self) -> bool:
@@ -81,7 +73,7 @@ class MessagesRequest(StrictBody):
         return self.messages[-1].role == "assistant"
 
     @model_validator(mode="after")
-    def _prefill_without_trailing_whitespace(self) -> "MessagesRequest":
+    def _prefill_without_trailing_whitespace(self) -> "MessagesCountTokensRequest":
         if self.prefilled and self.messages[-1].text != self.messages[-1].text.rstrip():
             raise ValueError("final assistant content cannot end with trailing whitespace")
         return self
@@ -92,6 +84,33 @@ class MessagesRequest(StrictBody):
             system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system)
             turns.append({"role": "system", "content": system})
         return turns + [{"role": m.role, "content": m.text} for m in self.messages]
+
+
+class MessagesRequest(MessagesCountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[Text] | None = None
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0, lt=2**63)  # the sampler holds it in an int64
+    stream: bool = False
+    metadata: Metadata | None = None
+
+    @field_validator("stop_sequences", mode="before")
+    @classmethod
+    def _stop_within_limits(cls, value):
+        return cls.limits.check_stop(value)
+
+
+async def count_tokens(ctx: ServingContext, body: MessagesCountTokensRequest) -> dict:
+    """The prompt's tokens, rendered exactly as /v1/messages would render it."""
+    ctx.check_model(body.model)
+    try:
+        prompt = await ctx.engine.render_threads.tokenize_chat(
+            body.conversation(), fit_context=False, add_generation_prompt=not body.prefilled,
+            continue_final_message=body.prefilled)
+    except ValueError as error:
+        raise APIError(400, str(error), getattr(error, "param", None) or "messages") from error
+    return {"input_tokens": len(prompt.prompt_token_ids)}
 
 
 def _stop_reason(finish_reason: str | None, stop_reason) -> str:

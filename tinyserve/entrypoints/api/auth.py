@@ -1,22 +1,21 @@
 """`--api-key`: every /v1 route wants the key; /health, /metrics and the rest stay open.
 
 OpenAI clients send `Authorization: Bearer <key>`; Anthropic clients send
-`x-api-key: <key>` (accepted on /v1/messages). The comparison takes the same
-time whatever the key given, so timing says nothing about the right one.
+`x-api-key: <key>`. Either is accepted on every /v1 route (a client that lists
+models before it sends messages sends the same header to both). The comparison
+takes the same time whatever the key given, so timing says nothing about the right one.
 """
 
 import hmac
 
-from tinyserve.entrypoints.api.errors import error_response, is_anthropic_path
+from tinyserve.entrypoints.api.errors import error_response
 
 
-def _given_key(path: str, headers: dict[bytes, bytes]) -> bytes:
+def _given_key(headers: dict[bytes, bytes]) -> bytes:
     authorization = headers.get(b"authorization", b"")
     if authorization[:7].lower() == b"bearer ":
         return authorization[7:]
-    if is_anthropic_path(path):
-        return headers.get(b"x-api-key", b"")
-    return b""
+    return headers.get(b"x-api-key", b"")
 
 
 class ApiKeyMiddleware:
@@ -31,7 +30,7 @@ class ApiKeyMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "")
         if scope["type"] == "http" and path.startswith("/v1"):
-            given = _given_key(path, dict(scope.get("headers", [])))
+            given = _given_key(dict(scope.get("headers", [])))
             if not hmac.compare_digest(given, self.expected):
                 await error_response(path, 401, "invalid or missing API key")(scope, receive, send)
                 return

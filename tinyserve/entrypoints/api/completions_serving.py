@@ -6,6 +6,7 @@ interleaves the prompts' chunks as they come, indexed prompt × n + sample.
 """
 
 import asyncio
+import dataclasses
 import time
 import uuid
 
@@ -16,7 +17,13 @@ from tinyserve.frontend.request_stream import RequestStream
 from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError
 from tinyserve.entrypoints.api.openai_protocol import CompletionRequest
-from tinyserve.entrypoints.api.openai_serving import ServingContext, guard_stream, tokenize, usage
+from tinyserve.entrypoints.api.openai_serving import (
+    ServingContext,
+    guard_stream,
+    prompt_logprobs_json,
+    tokenize,
+    usage,
+)
 from tinyserve.entrypoints.api.sse import EventStreamResponse, close_all, final_outputs_unless_disconnected, sse_data
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import start_request_spans
@@ -79,11 +86,12 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
         try:
             with spans.stage(schema.RENDER) as render_span:
                 prompt = await tokenize(ctx, text_or_ids)
-                max_tokens = ctx.max_tokens_for(len(prompt.prompt_token_ids), body.max_tokens)
+                # Echo only (max_tokens 0): the engine computes the prompt and one token, which is dropped.
+                max_tokens = ctx.max_tokens_for(len(prompt.prompt_token_ids), 1 if body.echo_only else body.max_tokens)
                 try:
                     params = body.sampling_params(max_tokens, body.logprobs, ctx.sampling_defaults)
-                    if body.echo and body.logprobs is not None:  # the echoed prompt is scored too
-                        params = params.clone(prompt_logprobs=body.logprobs)
+                    if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
+                        params = params.clone(prompt_logprobs=body.logprobs)  # the echoed prompt is scored too
                 except ValueError as error:
                     raise APIError(400, str(error)) from error
                 params = spans.replayable(params)
@@ -112,6 +120,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
     choices, num_generated = [], 0
     for prompt_index, output in enumerate(outputs):
         for c in output.outputs:
+            c = _as_answered(c, body)
             num_generated += len(c.token_ids)
             echo = echo_texts[prompt_index]
             choices.append({
@@ -120,12 +129,22 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
                 "logprobs": completion_logprobs(c, 0, output if body.echo else None, tokenizer),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
+                **({"prompt_logprobs": prompt_logprobs_json(output)} if body.prompt_logprobs is not None else {}),
             })
     num_prompt = sum(len(p.prompt_token_ids) for p in processed)
+    num_cached = sum(output.num_cached_tokens for output in outputs)
     return JSONResponse({
         "id": request_id, "object": "text_completion", "created": created, "model": model,
-        "choices": choices, "usage": usage(num_prompt, num_generated),
+        "choices": choices, "usage": usage(num_prompt, num_generated, num_cached),
     })
+
+
+def _as_answered(output: CompletionOutput, body: CompletionRequest) -> CompletionOutput:
+    """What the client is shown of a sample: with echo and max_tokens 0, none of the token the engine made."""
+    if not body.echo_only:
+        return output
+    return dataclasses.replace(output, text="", token_ids=[], logprobs=None if output.logprobs is None else [],
+                               finish_reason="length" if output.finished() else None, stop_reason=None)
 
 
 async def _add_all(ctx, body, request_id, processed, params_list, spans_list) -> list[RequestStream]:
@@ -160,6 +179,7 @@ async def _completion_stream(body, streams, processed, request_id, created, mode
     echoed = set()
     next_offsets: dict[int, int] = {}  # per choice index, the next token's text_offset
     num_generated, remaining = 0, len(tasks)
+    num_cached = [0] * len(streams)
     try:
         while remaining:
             prompt_index, item = await queue.get()
@@ -168,14 +188,16 @@ async def _completion_stream(body, streams, processed, request_id, created, mode
                 continue
             if isinstance(item, BaseException):
                 raise item
+            num_cached[prompt_index] = item.num_cached_tokens
             for c in item.outputs:
+                c = _as_answered(c, body)
                 num_generated += len(c.token_ids)
                 index = prompt_index * body.n + c.index
                 prefix = ""
                 if body.echo and index not in echoed:
                     echoed.add(index)
                     prefix = echo_texts[prompt_index]
-                if not c.text and not prefix and not c.finished() and c.logprobs is None:
+                if not c.text and not prefix and not c.finished() and not c.logprobs:
                     continue
                 # The echoed prompt's tokens come first, in the chunk that carries the prompt text.
                 logprobs = completion_logprobs(c, next_offsets.get(index, 0), item if prefix else None, tokenizer)
@@ -192,7 +214,7 @@ async def _completion_stream(body, streams, processed, request_id, created, mode
         if body.include_usage:
             num_prompt = sum(len(p.prompt_token_ids) for p in processed)
             yield sse_data({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": usage(num_prompt, num_generated)})
+                            "choices": [], "usage": usage(num_prompt, num_generated, sum(num_cached))})
     finally:
         for task in tasks:
             task.cancel()

@@ -1,30 +1,65 @@
-"""Prometheus metrics with vLLM's names and definitions, under the `tinyserve:` prefix.
+"""Prometheus metrics with vLLM's names, definitions and buckets, under the `tinyserve:` prefix.
 
 Two clocks, never mixed (the API process and each engine have their own):
 - front-end clock (this process): arrival → each token received → finish gives
   TTFT, inter-token latency, time per output token and end-to-end latency;
 - engine clock (reported when a request finishes): queued → first scheduled →
-  first token → finished gives queue, prefill and decode time.
+  first token → finished gives queue, prefill, decode and inference (running) time.
+
+A request is counted as finished with the finish its client got. One that ended on a
+stop string is finished by the front end (the output processor marks the engine's
+output "stop"); the engine then reports it aborted, with its timestamps, and only those
+timestamps are taken from that report. An `n > 1` request is one parent of n engine
+requests: `request_params_n` and `request_max_num_generation_tokens` are observed once
+its last child finishes, the per-request token histograms once per child, as in vLLM.
 """
 
 import time
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
-from tinyserve.wire.messages import EngineCoreOutputs, EngineCoreRequest
+from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, RequestTimes
+from tinyserve.sampling_params import SamplingParams
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                         20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's buckets for token counts, up to max_model_len)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 @dataclass(slots=True)
 class _RequestClock:
+    parent_id: str
     arrival_time: float
     num_prompt_tokens: int
+    max_tokens: int | None
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_generated: int = 0
+
+
+@dataclass(slots=True)
+class _Parent:
+    n: int
+    num_unfinished: int
+    max_num_generated: int = 0
 
 
 @dataclass
@@ -35,10 +70,12 @@ class _EngineCounters:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, num_engines: int) -> None:
+    def __init__(self, model_name: str, num_engines: int, max_model_len: int) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self.model_name = model_name
         labels = ["model_name", "engine"]
+        token_buckets = build_1_2_5_buckets(max_model_len)
 
         def gauge(name, doc):
             return Gauge(f"tinyserve:{name}", doc, labels, registry=self.registry)
@@ -58,16 +95,38 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that reached their first token.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = counter("request_success", "Finished requests, by finish reason.", ["finished_reason"])
-        self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
-        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between two output tokens.", _LATENCY_BUCKETS)
-        self.time_per_output_token = histogram(
-            "request_time_per_output_token_seconds", "(e2e - TTFT) / (output tokens - 1), per request.", _LATENCY_BUCKETS
-        )
-        self.e2e_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Engine: queued to first scheduled.", _REQUEST_BUCKETS)
-        self.prefill_time = histogram("request_prefill_time_seconds", "Engine: first scheduled to first token.", _REQUEST_BUCKETS)
-        self.decode_time = histogram("request_decode_time_seconds", "Engine: first token to finish.", _REQUEST_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine step (prompt tokens of "
+                                          "requests reaching their first token, plus generated).",
+                                          ITERATION_TOKENS_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens, per finished request.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens, per finished "
+                                                   "request.", token_buckets)
+        self.request_params_n = histogram("request_params_n", "The n request parameter.", N_BUCKETS)
+        self.request_params_max_tokens = histogram("request_params_max_tokens", "The max_tokens request parameter.",
+                                                   token_buckets)
+        self.request_max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "Most tokens generated by one of a request's n samples.",
+            token_buckets)
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between two output tokens.",
+                                             TOKEN_LATENCY_BUCKETS)
+        self.time_per_output_token = histogram("request_time_per_output_token_seconds",
+                                               "(e2e - TTFT) / (output tokens - 1), per request.",
+                                               TOKEN_LATENCY_BUCKETS)
+        self.e2e_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Engine: queued to first scheduled (WAITING).",
+                                    REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "Engine: first scheduled to finish "
+                                        "(RUNNING).", REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "Engine: first scheduled to first token.",
+                                      REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "Engine: first token to finish.",
+                                     REQUEST_LATENCY_BUCKETS)
+        self.cache_config_info = None  # set once the engines report their KV pools (record_cache_config)
         self._clocks: dict[str, _RequestClock] = {}
+        self._parents: dict[str, _Parent] = {}
+        self._awaiting_engine_times: dict[str, tuple] = {}  # finished here on a stop string: id → labels
         self._counters = {i: _EngineCounters() for i in range(num_engines)}
         for engine in range(num_engines):  # make every series visible from the start
             for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc):
@@ -76,13 +135,27 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def record_cache_config(self, engine_args, num_kv_blocks: list[int]) -> None:
+        """vLLM's cache_config_info: a gauge at 1 whose labels are the KV cache's configuration, per engine."""
+        info = {"block_size": engine_args.block_size, "enable_prefix_caching": engine_args.enable_prefix_caching,
+                "gpu_memory_utilization": engine_args.gpu_memory_utilization, "cache_dtype": engine_args.dtype}
+        self.cache_config_info = Gauge("tinyserve:cache_config_info", "Information of the engine's KV cache config.",
+                                       [*info, "num_gpu_blocks", "engine"], registry=self.registry)
+        for engine, num_blocks in enumerate(num_kv_blocks):
+            values = {name: str(value) for name, value in info.items()}
+            self.cache_config_info.labels(**values, num_gpu_blocks=str(num_blocks), engine=str(engine)).set(1)
+
     def forget_engine_gauges(self) -> None:
         """The engines are gone: their gauges go too, rather than stand at the last values they reported."""
         for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc):
             metric.clear()
+        self._awaiting_engine_times.clear()  # their timestamps will never come
 
-    def on_request(self, request: EngineCoreRequest) -> None:
-        self._clocks[request.request_id] = _RequestClock(request.arrival_time, len(request.prompt_token_ids))
+    def on_request(self, request_id: str, children: list[EngineCoreRequest], params: SamplingParams) -> None:
+        self._parents[request_id] = _Parent(params.n, len(children))
+        for child in children:
+            self._clocks[child.request_id] = _RequestClock(request_id, child.arrival_time, len(child.prompt_token_ids),
+                                                           child.sampling_params.max_tokens)
 
     def on_outputs(self, outputs: EngineCoreOutputs, received_time: float | None = None) -> None:
         now = received_time or time.time()
@@ -100,14 +173,19 @@ class ServerMetrics:
             self.num_preemptions.labels(*labels).inc(stats.num_preemptions - seen.num_preemptions)
             seen.prefix_cache_queries, seen.prefix_cache_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
             seen.num_preemptions = stats.num_preemptions
+        iteration_tokens = 0
         for output in outputs.outputs:
             clock = self._clocks.get(output.request_id)
             if clock is None:
-                continue
+                if output.times is not None and output.request_id in self._awaiting_engine_times:
+                    self._observe_engine_times(output.times, self._awaiting_engine_times.pop(output.request_id))
+                continue  # a token the engine made before it heard of the stop string, say
             if output.new_token_ids:
+                iteration_tokens += len(output.new_token_ids)
                 self.generation_tokens.labels(*labels).inc(len(output.new_token_ids))
                 if clock.first_token_time is None:
                     clock.first_token_time = now
+                    iteration_tokens += clock.num_prompt_tokens
                     self.prompt_tokens.labels(*labels).inc(clock.num_prompt_tokens)
                     self.time_to_first_token.labels(*labels).observe(now - clock.arrival_time)
                 else:
@@ -116,18 +194,39 @@ class ServerMetrics:
                 clock.num_generated += len(output.new_token_ids)
             if output.finished:
                 self._finish(output, clock, now, labels)
+        if outputs.outputs:
+            self.iteration_tokens.labels(*labels).observe(iteration_tokens)
 
-    def _finish(self, output, clock: _RequestClock, now: float, labels) -> None:
+    def _finish(self, output: EngineCoreOutput, clock: _RequestClock, now: float, labels) -> None:
         del self._clocks[output.request_id]
         self.request_success.labels(*labels, output.finish_reason).inc()
         self.e2e_latency.labels(*labels).observe(now - clock.arrival_time)
+        self.request_prompt_tokens.labels(*labels).observe(clock.num_prompt_tokens)
+        self.request_generation_tokens.labels(*labels).observe(clock.num_generated)
+        if clock.max_tokens is not None:
+            self.request_params_max_tokens.labels(*labels).observe(clock.max_tokens)
         if clock.first_token_time is not None and clock.num_generated > 1:
             tpot = (now - clock.first_token_time) / (clock.num_generated - 1)
             self.time_per_output_token.labels(*labels).observe(tpot)
-        times = output.times
-        if times is None or times.first_scheduled_time is None:
+        parent = self._parents.get(clock.parent_id)
+        if parent is not None:
+            parent.num_unfinished -= 1
+            parent.max_num_generated = max(parent.max_num_generated, clock.num_generated)
+            if parent.num_unfinished == 0:
+                del self._parents[clock.parent_id]
+                self.request_params_n.labels(*labels).observe(parent.n)
+                self.request_max_num_generation_tokens.labels(*labels).observe(parent.max_num_generated)
+        if output.times is not None:
+            self._observe_engine_times(output.times, labels)
+        else:  # finished here, on a stop string: the engine's abort brings its timestamps
+            self._awaiting_engine_times[output.request_id] = labels
+
+    def _observe_engine_times(self, times: RequestTimes, labels) -> None:
+        if times.first_scheduled_time is None:
             return
         self.queue_time.labels(*labels).observe(times.first_scheduled_time - times.queued_time)
+        if times.finished_time is not None:
+            self.inference_time.labels(*labels).observe(times.finished_time - times.first_scheduled_time)
         if times.first_token_time is not None:
             self.prefill_time.labels(*labels).observe(times.first_token_time - times.first_scheduled_time)
             if times.finished_time is not None:

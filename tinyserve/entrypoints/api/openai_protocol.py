@@ -2,11 +2,12 @@
 
 Field names and ranges follow the OpenAI API, plus vLLM's extra sampling fields
 (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
-continue_final_message). Unknown fields are ignored, as OpenAI clients send fields
-a server may not use; but a known field that would change what is generated and
-that tinyserve does not implement (tools, response_format, best_of, suffix) is
-refused with a 400 naming it, rather than quietly giving other output
-than was asked for. Types are strict (no "2" for 2), numbers finite, and every
+prompt_logprobs, continue_final_message, chat_template_kwargs, priority). Unknown
+fields are ignored, as OpenAI clients send fields a server may not use; but a known
+field that would change what is generated and that tinyserve does not implement
+(tools, response_format, best_of, suffix, ...: the tables in request_fields.py) is
+refused with a 400 naming it, rather than quietly giving other output than was
+asked for. Types are strict (no "2" for 2), numbers finite, and every
 string valid Unicode: JSON can carry a lone surrogate ("\\ud800") that no
 tokenizer or UTF-8 encoder accepts.
 """
@@ -16,6 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tinyserve.entrypoints.api.field_limits import FieldLimits
+from tinyserve.entrypoints.api.request_fields import check_refused
 from tinyserve.sampling_params import SamplingParams
 
 INT64 = 2**63  # seeds, priorities and top_k cross to the engine as 64-bit integers
@@ -32,16 +34,6 @@ def _check_unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_check_unicode)]
 
 
-def _refuse(value):
-    if value:
-        raise ValueError("is not supported by this server")
-    return value
-
-
-# A known field for a feature this server does not implement: accepted only when it asks for nothing.
-Unsupported = Annotated[Any, AfterValidator(_refuse)]
-
-
 class StrictBody(BaseModel):
     """A request body or part of one: strict types, finite numbers, unknown fields ignored.
 
@@ -50,6 +42,15 @@ class StrictBody(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
     limits: ClassVar[FieldLimits] = FieldLimits()
+    # For a request body: its table in request_fields.py, of the fields refused when they ask for something.
+    refused_fields: ClassVar[str | None] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data):
+        if cls.refused_fields is not None:
+            check_refused(cls.refused_fields, data)
+        return data
 
 
 class StreamOptions(StrictBody):
@@ -106,10 +107,8 @@ class SamplingFields(StrictBody):
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=-INT64, lt=INT64)
     stop_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, lt=INT64)  # of every prompt token after the first
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # {"token id": bias}
-    # Known, but not implemented: refused when they ask for anything (see the module docstring).
-    response_format: Any = None
-    best_of: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -129,25 +128,18 @@ class SamplingFields(StrictBody):
                 raise ValueError(f"keys must be token ids, got {key!r}")
         return value
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, value):
-        if value is not None and value != {"type": "text"}:
-            raise ValueError('is not supported by this server beyond {"type": "text"}: it has no structured output')
-        return value
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, value):
-        if value is not None and value != 1:
-            raise ValueError("is not supported by this server (as in vLLM V1); use n")
-        return value
-
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be given with stream=true")
         return self
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, value, info: ValidationInfo):
+        if value is not None and info.data.get("stream"):  # as vLLM: they come with the whole answer
+            raise ValueError("is not available with stream=true")
+        return value
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
         """defaults: the value of each of temperature, top_p, top_k, min_p, repetition_penalty
@@ -175,6 +167,7 @@ class SamplingFields(StrictBody):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             stop_token_ids=self.stop_token_ids or None,
+            prompt_logprobs=self.prompt_logprobs,
             logit_bias={int(token_id): bias for token_id, bias in self.logit_bias.items()} if self.logit_bias else None,
         )
 
@@ -184,6 +177,7 @@ class SamplingFields(StrictBody):
 
 
 class ChatCompletionRequest(SamplingFields):
+    refused_fields: ClassVar[str] = "chat"
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -191,22 +185,12 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the reply continues the last message instead of opening a turn
-    # Tool calling is not implemented: tools are refused unless tool_choice is "none".
-    tool_choice: Any = None
-    tools: Any = None
-    functions: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking)
 
     @field_validator("messages", mode="before")
     @classmethod
     def _messages_within_limits(cls, value):
         return cls.limits.check_messages(value)
-
-    @field_validator("tools", "functions")
-    @classmethod
-    def _no_tool_calls(cls, value, info: ValidationInfo):
-        if value and info.data.get("tool_choice") != "none":
-            raise ValueError('tool calling is not supported by this server (only with tool_choice "none")')
-        return value
 
     @model_validator(mode="after")
     def _consistent_options(self) -> "ChatCompletionRequest":
@@ -226,11 +210,23 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    refused_fields: ClassVar[str] = "completions"
     prompt: Text | list[Text] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
+    max_tokens: int | None = Field(16, ge=0)  # 0 with echo: score the prompt, generate nothing (as vLLM)
     logprobs: int | None = Field(None, ge=0, le=20)
-    suffix: Unsupported = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_only_to_echo(cls, value, info: ValidationInfo):
+        if value == 0 and not info.data.get("echo"):
+            raise ValueError("can be 0 only with echo=true (to score the prompt)")
+        return value
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt (and its logprobs), nothing generated."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def prompts(self) -> list:

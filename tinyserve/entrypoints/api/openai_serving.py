@@ -29,7 +29,7 @@ from tinyserve.entrypoints.api.sse import (
 )
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import start_request_spans
-from tinyserve.outputs import CompletionOutput
+from tinyserve.outputs import CompletionOutput, RequestOutput
 
 
 @dataclass(slots=True)
@@ -75,8 +75,22 @@ class ServingContext:
         return min(requested, cap or requested)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens whose KV came from the prefix cache."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def prompt_logprobs_json(output: RequestOutput) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token, None for the first (nothing predicts it), then
+    {token id: {logprob, rank, decoded_token}} for the prompt's own token and the most likely ones."""
+    if output.prompt_logprobs is None:
+        return None
+    return [None if position is None else {
+        str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for token_id, lp in position.items()
+    } for position in output.prompt_logprobs]
 
 
 async def tokenize(ctx: ServingContext, prompt, *, add_special_tokens: bool = True) -> ProcessedPrompt:
@@ -122,13 +136,15 @@ def chat_logprobs(output: CompletionOutput, num_top: int) -> dict | None:
 
 
 async def render_and_tokenize(ctx: ServingContext, spans, messages: list[dict], add_generation_prompt: bool,
-                              requested_max_tokens: int | None, make_params, continue_final_message: bool = False):
+                              requested_max_tokens: int | None, make_params, continue_final_message: bool = False,
+                              template_kwargs: dict | None = None):
     """Stage ②: template, tokenize (both in a thread), check lengths, build SamplingParams — logged on the
     render span."""
     with spans.stage(schema.RENDER) as render_span:
         try:
             prompt = await ctx.engine.render_threads.tokenize_chat(
-                messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+                messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                template_kwargs=template_kwargs)
         except ValueError as error:  # the prompt's length (param "prompt"), or the messages themselves
             raise APIError(400, str(error), getattr(error, "param", None) or "messages") from error
         text = prompt.prompt
@@ -153,7 +169,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
             ctx, spans, [m.as_template_message() for m in body.messages], body.add_generation_prompt,
             body.requested_max_tokens,
             lambda max_tokens: body.sampling_params(max_tokens, body.num_logprobs, ctx.sampling_defaults),
-            continue_final_message=body.continue_final_message,
+            continue_final_message=body.continue_final_message, template_kwargs=body.chat_template_kwargs,
         )
         stream = await engine.add_request(prompt, params, request_id, priority=body.priority, spans=spans,
                                           output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
@@ -188,7 +204,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": usage(len(prompt.prompt_token_ids), num_generated),
+        "usage": usage(len(prompt.prompt_token_ids), num_generated, output.num_cached_tokens),
+        **({"prompt_logprobs": prompt_logprobs_json(output)} if body.prompt_logprobs is not None else {}),
     })
 
 
@@ -199,8 +216,9 @@ async def _chat_stream(ctx, body, stream, prompt, params, request_id, created, m
 
     for index in range(params.n):
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-    num_generated = 0
+    num_generated = num_cached = 0
     async for output in stream:
+        num_cached = output.num_cached_tokens
         for c in output.outputs:
             num_generated += len(c.token_ids)
             if not c.text and not c.finished() and c.logprobs is None:
@@ -209,4 +227,4 @@ async def _chat_stream(ctx, body, stream, prompt, params, request_id, created, m
             yield chunk([{"index": c.index, "delta": delta, "logprobs": chat_logprobs(c, num_top),
                           "finish_reason": c.finish_reason, **({"stop_reason": c.stop_reason} if c.finished() else {})}])
     if body.include_usage:
-        yield chunk([], usage=usage(len(prompt.prompt_token_ids), num_generated))
+        yield chunk([], usage=usage(len(prompt.prompt_token_ids), num_generated, num_cached))

@@ -41,7 +41,7 @@ SSE_EVENT = {  # one event of a stream=true answer
 }
 RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying, when the waiting queue is full",
                                "schema": {"type": "integer"}}}
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 BODY_ERRORS = {  # what any request with a body may be answered
     "400": "the body is malformed, or a field is invalid (named in the error's param)",
     "404": "the model is not one this server serves",
@@ -104,8 +104,7 @@ def _complete(document: dict, *, model_names: list[str], api_key: bool, field_li
                                           "down, or the engine died", path, RETRY_AFTER)
             if path.startswith("/v1") and api_key:
                 responses["401"] = _error("the API key is missing or wrong", path)
-                operation["security"] = [{"bearer": []}, {"x-api-key": []}] if is_anthropic_path(path) \
-                    else [{"bearer": []}]
+                operation["security"] = [{"bearer": []}, {"x-api-key": []}]
     document["paths"]["/health"]["get"]["responses"] = {
         "200": _json("the server and its engines are up", HEALTH_OK),
         "503": _json("an engine is not available", HEALTH_UNAVAILABLE),
@@ -113,9 +112,16 @@ def _complete(document: dict, *, model_names: list[str], api_key: bool, field_li
     document["paths"]["/metrics"]["get"]["responses"] = {
         "200": _text("Prometheus' text exposition format, version 0.0.4", {"type": "string"}),
     }
+    for path, what in (("/v1/models/{model_id}", "the model is not one this server serves"),
+                       ("/v1/responses/{response_id}", "no response with this id is kept (or was ever made)")):
+        document["paths"][path]["get"]["responses"]["404"] = _error(what, path)
+    document["paths"]["/v1/responses/{response_id}"]["get"]["responses"]["400"] = _error(
+        "the id is not of the form this server gives (resp_ and 32 hexadecimal digits)", "/v1/responses/{response_id}")
+    [model_id] = document["paths"]["/v1/models/{model_id}"]["get"]["parameters"]
+    model_id["schema"]["enum"] = list(model_names)  # any other name is a 404
     _write_limits(schemas, field_limits)
-    for name in ("ChatCompletionRequest", "CompletionRequest", "MessagesRequest", "TokenizeRequest",
-                 "DetokenizeRequest"):
+    for name in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest", "MessagesRequest",
+                 "MessagesCountTokensRequest", "TokenizeRequest", "DetokenizeRequest"):
         for variant in _variants(schemas[name]["properties"]["model"]):
             if variant.get("type") == "string":
                 variant["enum"] = list(model_names)  # any other name is a 404
@@ -136,7 +142,7 @@ def _write_limits(schemas: dict, limits: FieldLimits) -> None:
                 variant["items"]["maxLength"] = limits.max_stop_string_chars
             elif variant.get("type") == "string":
                 variant["maxLength"] = limits.max_stop_string_chars
-    for name in ("ChatCompletionRequest", "MessagesRequest", "TokenizeRequest"):
+    for name in ("ChatCompletionRequest", "MessagesRequest", "MessagesCountTokensRequest", "TokenizeRequest"):
         for variant in _variants(schemas[name]["properties"]["messages"]):
             if variant.get("type") == "array":
                 variant["maxItems"] = limits.max_messages

@@ -1,13 +1,14 @@
 """The FastAPI app: routes, authentication, error bodies, health and metrics.
 
 Handlers live in openai_serving.py (chat), completions_serving.py,
-anthropic_serving.py and tokenization_serving.py; this file wires
+responses_serving.py, anthropic_serving.py and tokenization_serving.py; this file wires
 them to URLs and makes sure that every failure, including a malformed body,
 answers in the endpoint's own error format with a 4xx/5xx status, and never
 with a traceback. A request passes, outermost first:
 
-    TracingMiddleware        the HTTP span, the root of the request's trace
+    RequestIdMiddleware      x-request-id on the response: the client's, or a new one
     ApiKeyMiddleware         401 on /v1 without the key (with --api-key)
+    TracingMiddleware        the HTTP span, the root of the request's trace
     RequestLimitsMiddleware  415 for non-JSON, 413 for bodies over the limit
     the route                pydantic validates the body (400), the handler runs
 """
@@ -17,8 +18,9 @@ import logging
 import re
 import sys
 from contextlib import asynccontextmanager
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,7 +29,12 @@ import tinyserve
 from tinyserve.frontend.async_llm import RequestRejectedError
 from tinyserve.frontend.engine_client import EngineDeadError
 from tinyserve.entrypoints.api import tokenization_serving
-from tinyserve.entrypoints.api.anthropic_serving import MessagesRequest, create_message
+from tinyserve.entrypoints.api.anthropic_serving import (
+    MessagesCountTokensRequest,
+    MessagesRequest,
+    count_tokens,
+    create_message,
+)
 from tinyserve.entrypoints.api.auth import ApiKeyMiddleware
 from tinyserve.entrypoints.api.completions_serving import create_completion
 from tinyserve.entrypoints.api.errors import APIError, error_response
@@ -42,6 +49,9 @@ from tinyserve.entrypoints.api.openai_protocol import (
     TokenizeRequest,
 )
 from tinyserve.entrypoints.api.openai_serving import ServingContext, create_chat_completion
+from tinyserve.entrypoints.api.request_ids import RequestIdMiddleware
+from tinyserve.entrypoints.api.responses_protocol import RESPONSE_ID_PATTERN, ResponsesRequest, ResponseStore
+from tinyserve.entrypoints.api.responses_serving import create_response
 from tinyserve.entrypoints.api.sse import engine_dead_message
 from tinyserve.lifecycle.http_spans import TracingMiddleware
 from tinyserve.lifecycle.tracing import shutdown_tracing
@@ -55,7 +65,8 @@ _UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|list|dict)$|\[|^function-
 
 
 def _location(error: dict) -> list[str]:
-    return [str(part) for part in error.get("loc", ()) if part != "body" and not _UNION_MEMBER.search(str(part))]
+    return [str(part) for part in error.get("loc", ())
+            if part not in ("body", "path", "query") and not _UNION_MEMBER.search(str(part))]
 
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
@@ -84,6 +95,7 @@ def build_app(
     async def lifespan(app: FastAPI):
         await ctx.engine.start()
         ctx.engine.stat_loggers.append(metrics)
+        metrics.record_cache_config(ctx.engine.engine_args, ctx.engine.client.num_kv_blocks)
         # What is loaded by now (torch, transformers, the app) lives as long as the server. Frozen,
         # it is no longer walked by every full garbage collection, each of which would stop the
         # event loop for a few hundred milliseconds (vLLM freezes its start-up heap too).
@@ -137,8 +149,10 @@ def build_app(
     # ---- routes ------------------------------------------------------------------
 
     # The body types, checked against this server's field limits (field_limits.py).
-    Chat, Completion, Messages, Tokenize = map(
-        field_limits.bind, (ChatCompletionRequest, CompletionRequest, MessagesRequest, TokenizeRequest))
+    Chat, Completion, Responses, Messages, CountTokens, Tokenize = map(field_limits.bind, (
+        ChatCompletionRequest, CompletionRequest, ResponsesRequest, MessagesRequest, MessagesCountTokensRequest,
+        TokenizeRequest))
+    responses = ResponseStore()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: Chat, request: Request):
@@ -148,18 +162,42 @@ def build_app(
     async def completions(body: Completion, request: Request):
         return await create_completion(ctx, body, request)
 
+    @app.post("/v1/responses")
+    async def create_responses(body: Responses, request: Request):
+        return await create_response(ctx, responses, body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: Annotated[str, Path(pattern=RESPONSE_ID_PATTERN)]):
+        stored = responses.response(response_id)
+        if stored is None:
+            raise APIError(404, f"no stored response has the id {response_id!r}", "response_id")
+        return stored
+
     @app.post("/v1/messages")
     async def messages(body: Messages, request: Request):
         return await create_message(ctx, body, request)
 
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(body: CountTokens):
+        return await count_tokens(ctx, body)
+
+    def model_card(name: str) -> dict:
+        info = ctx.engine.model_info
+        return {"id": name, "object": "model", "created": 0, "owned_by": "tinyserve", "root": str(info.path),
+                "max_model_len": info.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        info = ctx.engine.model_info
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "tinyserve", "root": str(info.path),
-             "max_model_len": info.max_model_len}
-            for name in ctx.model_names
-        ]}
+        return {"object": "list", "data": [model_card(name) for name in ctx.model_names]}
+
+    @app.get("/v1/models/{model_id:path}")  # :path: a name may hold slashes ("org/model")
+    async def model(model_id: str):
+        ctx.check_model(model_id)
+        return model_card(model_id)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return tokenization_serving.tokenizer_info(ctx)
 
     @app.get("/health")
     async def health():
@@ -189,11 +227,13 @@ def build_app(
 
     make_truthful(app, model_names=ctx.model_names, api_key=api_key is not None, field_limits=field_limits)
 
-    # Added innermost first. The API key is checked outermost, so a refused client costs no span; the
-    # HTTP span covers the rest, body limits included, for requests to a route that exists.
+    # Added innermost first. The API key is checked before the HTTP span, so a refused client costs no span;
+    # the span covers the rest, body limits included, for requests to a route that exists. The request id
+    # is outermost: every answer carries it, a 401 too.
     post_routes = frozenset(route.path for route in app.routes if "POST" in getattr(route, "methods", ()))
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=max_request_body_bytes, json_paths=post_routes)
     app.add_middleware(TracingMiddleware, routes=app.router.routes)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestIdMiddleware)
     return app

@@ -60,3 +60,18 @@ async def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> Response:
     text = await threads.decode(body.tokens)
     content = await threads.run(len(text), json.dumps, {"prompt": text}, ensure_ascii=False, separators=(",", ":"))
     return Response(content.encode(), media_type="application/json")
+
+
+def tokenizer_info(ctx: ServingContext) -> dict:
+    """GET /tokenizer_info, as vLLM's: the tokenizer's configuration (its init arguments, made JSON), its
+    class and the chat template. lm-eval's local-completions reads eos_token here, then tokenizes remotely."""
+    tokenizer = ctx.engine.tokenizer
+    config = {key: value for key, value in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+              if key not in ("tokenizer_object", "added_tokens_decoder", "name_or_path") and not key.endswith("_file")}
+    info = json.loads(json.dumps(config, default=str))  # AddedToken and the like, as their text
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        info[name] = getattr(tokenizer, name, None)
+    info["tokenizer_class"] = type(tokenizer).__name__
+    if tokenizer.chat_template is not None:
+        info["chat_template"] = tokenizer.chat_template
+    return info

@@ -1,0 +1,131 @@
+"""The Responses API (/v1/responses) with the real openai client: plain, streamed, continued, refused.
+
+The server serves the built-in model, which answers a chat turn with a line and ends it,
+so a reply can finish by itself ("completed") as well as be cut short ("incomplete").
+"""
+
+import httpx
+import openai
+import pytest
+
+from tinyserve.testing import ServerProcess
+
+pytestmark = pytest.mark.server
+
+MODEL = "tinyserve-default"
+EVENTS = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+          "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+          "response.output_item.done", "response.completed"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServerProcess(None, "--served-model-name", MODEL, "--num-kv-blocks", "128")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def chat_text(client, messages, max_tokens=64) -> tuple[str, int]:
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0)
+    return answer.choices[0].message.content, answer.usage.prompt_tokens
+
+
+def test_a_text_input_is_answered_as_the_same_chat_turn(client):
+    response = client.responses.create(model=MODEL, input="Readability counts.", temperature=0)
+    text, num_prompt = chat_text(client, [{"role": "user", "content": "Readability counts."}])
+    assert response.status == "completed" and response.output_text == text and text
+    assert response.usage.input_tokens == num_prompt and response.usage.output_tokens > 0
+    [message] = response.output
+    assert (message.type, message.role, message.content[0].type) == ("message", "assistant", "output_text")
+
+
+def test_instructions_and_a_message_list_are_rendered_in_order(client):
+    messages = [{"role": "user", "content": "Beautiful is better than ugly."},
+                {"role": "assistant", "content": [{"type": "output_text", "text": "Explicit is better."}]},
+                {"role": "user", "content": [{"type": "input_text", "text": "Simple is better."}]}]
+    response = client.responses.create(model=MODEL, instructions="Answer with the Zen.", input=messages,
+                                       temperature=0)
+    text, num_prompt = chat_text(client, [
+        {"role": "system", "content": "Answer with the Zen."},
+        {"role": "user", "content": "Beautiful is better than ugly."},
+        {"role": "assistant", "content": "Explicit is better."}, {"role": "user", "content": "Simple is better."}])
+    assert (response.output_text, response.usage.input_tokens) == (text, num_prompt)
+
+
+def test_max_output_tokens_cuts_the_reply_and_says_so(client):
+    response = client.responses.create(model=MODEL, input="Readability counts.", max_output_tokens=2, temperature=0)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 2
+
+
+def test_temperature_and_top_p_reach_the_sampler(client):
+    greedy = {client.responses.create(model=MODEL, input="Flat", temperature=0).output_text for _ in range(2)}
+    assert len(greedy) == 1
+    sampled = {client.responses.create(model=MODEL, input="Flat", temperature=2.0, top_p=1.0,
+                                       max_output_tokens=12).output_text for _ in range(4)}
+    assert len(sampled) > 1
+    # top_p so small that only the most likely token is left: greedy again, whatever the temperature.
+    narrowed = client.responses.create(model=MODEL, input="Flat", temperature=2.0, top_p=1e-9).output_text
+    assert {narrowed} == greedy
+
+
+def test_a_stream_has_the_documented_event_sequence_and_the_same_text(client):
+    plain = client.responses.create(model=MODEL, input="Errors should never pass silently.", temperature=0)
+    with client.responses.stream(model=MODEL, input="Errors should never pass silently.", temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [event.type for event in events]
+    deltas = [i for i, kind in enumerate(kinds) if kind == "response.output_text.delta"]
+    assert deltas and kinds[:deltas[0]] == EVENTS[:4] and kinds[deltas[-1] + 1:] == EVENTS[5:]
+    assert set(kinds[deltas[0]:deltas[-1] + 1]) == {"response.output_text.delta"}
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert "".join(events[i].delta for i in deltas) == final.output_text == plain.output_text
+    assert final.status == "completed" and final.usage.output_tokens == plain.usage.output_tokens
+
+
+def test_stream_true_through_create_gives_the_same_events(client):
+    kinds = [event.type for event in client.responses.create(model=MODEL, input="Hi", temperature=0, stream=True)]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+
+
+def test_previous_response_id_continues_the_conversation(client):
+    first = client.responses.create(model=MODEL, input="Now is better than never.", temperature=0)
+    second = client.responses.create(model=MODEL, input="Although never is often better.", temperature=0,
+                                     previous_response_id=first.id)
+    text, num_prompt = chat_text(client, [{"role": "user", "content": "Now is better than never."},
+                                          {"role": "assistant", "content": first.output_text},
+                                          {"role": "user", "content": "Although never is often better."}])
+    assert (second.output_text, second.usage.input_tokens) == (text, num_prompt)
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+
+
+def test_an_unknown_or_unstored_previous_response_is_404_naming_it(client):
+    unstored = client.responses.create(model=MODEL, input="hi", store=False, max_output_tokens=2)
+    for response_id in ("resp_unknown", unstored.id):
+        with pytest.raises(openai.NotFoundError) as refused:
+            client.responses.create(model=MODEL, input="again", previous_response_id=response_id)
+        assert refused.value.body["param"] == "previous_response_id"
+
+
+@pytest.mark.parametrize("change, param", [
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),
+    ({"text": {"format": {"type": "json_object"}}}, "text"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "4"}]}, "input.0.type"),
+])
+def test_what_is_not_implemented_is_400_naming_it(server, change, param):
+    body = {"model": MODEL, "input": "hi", **change}
+    response = httpx.post(f"{server.url}/v1/responses", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_retrieving_a_response_wants_an_id_of_the_servers_form(server):
+    response = httpx.get(f"{server.url}/v1/responses/not-an-id", timeout=10)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "response_id"
+    assert httpx.get(f"{server.url}/v1/responses/resp_{'0' * 32}", timeout=10).status_code == 404

@@ -1,0 +1,171 @@
+"""The request fields clients send that tinyserve does not implement, and what it does with each (stage ①).
+
+A field a client sends is one of three things:
+
+- implemented: a field of the body's pydantic model (openai_protocol.py, anthropic_serving.py,
+  responses_protocol.py), changing the output as the API documents;
+- refused: listed in REFUSED below. Sent with a value that asks for something, it is a 400
+  naming the field; sent with a value that asks for nothing (null, an empty list, the
+  API's default) it is accepted, since clients send defaults they did not choose;
+- without effect on the output: listed in NO_EFFECT, with why (billing, storage, routing,
+  caching hints of a hosted API). Accepted (some, `user` say, with their type checked by the
+  model) and not used.
+
+Anything else is ignored, as OpenAI clients send fields a server may not know. The
+tables are data on purpose: implementing a field means removing it from here and
+adding it to the body's model; tests/test_request_fields.py walks the field lists of
+the openai and anthropic clients and of vLLM's protocol and checks each is one of the
+three.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    reason: str
+    nothing: tuple = (None,)  # values that ask for nothing, and so are accepted
+    # Or a test on the value and the whole body, for a field whose harmless values depend on another.
+    asks_nothing: Callable[[Any, dict], bool] | None = None
+
+    def refuses(self, value, body: dict) -> bool:
+        if self.asks_nothing is not None:
+            return not self.asks_nothing(value, body)
+        return not any(value == harmless and type(value) is type(harmless) for harmless in self.nothing)
+
+
+def _tools_unused(value, body: dict) -> bool:
+    return value is None or value == [] or body.get("tool_choice") == "none"
+
+
+_NO_TOOLS = "tool calling is not implemented yet"
+_NO_STRUCTURED = "structured outputs are not implemented yet"
+_STRUCTURED = {name: Refused(_NO_STRUCTURED) for name in (
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag",
+    "guided_decoding_backend", "guided_whitespace_pattern")}
+# vLLM's extra fields that both of its OpenAI endpoints take, and tinyserve does not implement.
+_VLLM_EXTRAS = {
+    **_STRUCTURED,
+    "use_beam_search": Refused("no beam search", (None, False)),
+    "length_penalty": Refused("it applies to beam search, which there is none of", (None, 1.0, 1)),
+    "spaces_between_special_tokens": Refused("special tokens are detokenized without spaces added",
+                                             (None, True)),
+    "truncate_prompt_tokens": Refused("prompts are never truncated; a prompt that does not fit is a 400"),
+    "allowed_token_ids": Refused("use logit_bias"),
+    "bad_words": Refused("no bad-words filter; use logit_bias", (None, [])),
+    "logits_processors": Refused("no custom logits processors"),
+    "return_tokens_as_token_ids": Refused("logprobs always name tokens by their text", (None, False)),
+    "return_token_ids": Refused("the answer does not carry token ids", (None, False)),
+    "cache_salt": Refused("the prefix cache is shared by all requests: it has no salt to isolate them"),
+    "kv_transfer_params": Refused("no disaggregated serving"),
+    "vllm_xargs": Refused("no extension reads extra arguments"),
+    "mm_processor_kwargs": Refused("only text models are served"),
+    "prompt_embeds": Refused("prompts are text or token ids, not embeddings"),
+}
+_OPENAI_NO_EFFECT = {
+    "metadata": "tags for a hosted API's dashboard",
+    "store": "a hosted API keeps completions for later retrieval; this server keeps none",
+    "service_tier": "a hosted API's capacity tier",
+    "safety_identifier": "a hosted API's abuse monitoring",
+    "prompt_cache_key": "a routing hint for a hosted API's prompt cache; the prefix cache here needs none",
+    "prompt_cache_retention": "a hosted API's prompt-cache lifetime",
+    "prompt_cache_options": "a hosted API's prompt-cache options",
+    "request_id": "vLLM's name for the request in its logs; responses carry the server's own id",
+    "user": "an end user's id, for a hosted API's abuse monitoring",
+}
+
+REFUSED: dict[str, dict[str, Refused]] = {
+    "chat": {
+        **_VLLM_EXTRAS,
+        "response_format": Refused(_NO_STRUCTURED, (None, {"type": "text"})),
+        "tools": Refused(_NO_TOOLS, asks_nothing=_tools_unused),
+        "tool_choice": Refused(_NO_TOOLS, (None, "none")),
+        "functions": Refused(_NO_TOOLS, asks_nothing=_tools_unused),
+        "function_call": Refused(_NO_TOOLS, (None, "none")),
+        "parallel_tool_calls": Refused(_NO_TOOLS),
+        "best_of": Refused("as in vLLM V1; use n", (None, 1)),
+        "audio": Refused("no audio output"),
+        "modalities": Refused("text is the only output", (None, ["text"])),
+        "prediction": Refused("no predicted outputs"),
+        "web_search_options": Refused("no web search"),
+        "moderation": Refused("no moderation"),
+        "reasoning_effort": Refused("the model has no reasoning effort to set; a template's own switch "
+                                    "(enable_thinking, say) goes in chat_template_kwargs"),
+        "verbosity": Refused("the model has no verbosity to set"),
+        "include_reasoning": Refused("reasoning is not parsed out of the answer", (None, True)),
+        "echo": Refused("echo is a /v1/completions field", (None, False)),
+        "add_special_tokens": Refused("the chat template adds the special tokens", (None, False)),
+        "documents": Refused("no documents for a template's retrieval section"),
+        "chat_template": Refused("a chat template sent with the request is not accepted; the model's is used"),
+    },
+    "completions": {
+        **_VLLM_EXTRAS,
+        "response_format": Refused(_NO_STRUCTURED, (None, {"type": "text"})),
+        "best_of": Refused("as in vLLM V1; use n", (None, 1)),
+        "suffix": Refused("no fill-in-the-middle", (None, "")),
+        "add_special_tokens": Refused("a prompt is always tokenized with its special tokens", (None, True)),
+    },
+    "messages": {
+        "tools": Refused(_NO_TOOLS, (None, [])),
+        "tool_choice": Refused(_NO_TOOLS),
+        "thinking": Refused("no extended thinking", (None, {"type": "disabled"})),
+        "output_config": Refused(_NO_STRUCTURED),
+        "container": Refused("no code-execution containers"),
+        "mcp_servers": Refused("no MCP servers", (None, [])),
+    },
+    "responses": {
+        "tools": Refused("function tools are not implemented yet", (None, [])),
+        "tool_choice": Refused(_NO_TOOLS, (None, "none", "auto")),
+        "parallel_tool_calls": Refused(_NO_TOOLS),
+        "max_tool_calls": Refused(_NO_TOOLS),
+        "text": Refused(_NO_STRUCTURED, (None, {"format": {"type": "text"}})),
+        "reasoning": Refused("the model has no reasoning effort to set"),
+        "include": Refused("no extra output can be included", (None, [])),
+        "background": Refused("no background responses", (None, False)),
+        "conversation": Refused("conversations are not stored; use previous_response_id"),
+        "prompt": Refused("no stored prompt templates"),
+        "truncation": Refused("the context is never truncated; a prompt that does not fit is a 400",
+                              (None, "disabled")),
+        "top_logprobs": Refused("no logprobs in Responses answers", (None, 0)),
+        "context_management": Refused("no context management"),
+        "image": Refused("no image generation"),
+        "moderation": Refused("no moderation"),
+        "stream_options": Refused("no stream options for Responses"),
+        "background_options": Refused("no background responses"),
+        "access_programs": Refused("no access programs"),
+    },
+}
+
+NO_EFFECT: dict[str, dict[str, str]] = {
+    "chat": _OPENAI_NO_EFFECT,
+    "completions": _OPENAI_NO_EFFECT,
+    "messages": {
+        "metadata": "the caller's user id, for a hosted API's abuse monitoring",
+        "service_tier": "a hosted API's capacity tier",
+        "cache_control": "a hosted API's prompt-cache breakpoint; the prefix cache here needs none",
+        "inference_geo": "a hosted API's region",
+        "speed": "a hosted API's speed mode; the output is the same",
+        "diagnostics": "a hosted API's prompt-cache diagnostics",
+        "user_profile_id": "a hosted API's attribution",
+        "workspace_id": "a hosted API's workspace",
+    },
+    "responses": {name: why for name, why in _OPENAI_NO_EFFECT.items() if name != "store"},  # store: implemented
+}
+
+
+def check_refused(kind: str, body) -> None:
+    """Raise a ValidationError naming each refused field of `body` (a request's raw JSON) that asks for something."""
+    if not isinstance(body, dict):
+        return
+    errors = [
+        InitErrorDetails(type=PydanticCustomError("not_supported", "is not supported by this server: {reason}",
+                                                  {"reason": rule.reason}), loc=(name,), input=body[name])
+        for name, rule in REFUSED[kind].items() if name in body and rule.refuses(body[name], body)
+    ]
+    if errors:
+        raise ValidationError.from_exception_data(kind, errors)
