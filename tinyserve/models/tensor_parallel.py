@@ -39,6 +39,7 @@ class TensorParallel:
     rank: int
     size: int
     all_reduce: Callable[[torch.Tensor], torch.Tensor] = field(repr=False)
+    timer: object = field(default=None, repr=False)  # what times all_reduce, if anything (.seconds)
 
 
 @dataclass(frozen=True)

@@ -72,9 +72,7 @@ def join_group(rank: int, size: int, host: str, port: int, device: torch.device)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
     timer = GroupTimer()
-    tp = TensorParallel(rank, size, timer.all_reduce)
-    tp.timer = timer
-    return tp
+    return TensorParallel(rank, size, timer.all_reduce, timer)
 
 
 def rank_device(args: EngineArgs, engine_index: int, rank: int) -> torch.device:
@@ -135,8 +133,9 @@ class TensorParallelWorkers:
             with _sigint_ignored(), _may_have_children():
                 process.start()
             self.processes.append(process)
+        self._threads_before = torch.get_num_threads()
         if num_threads is not None:
-            torch.set_num_threads(num_threads)  # rank 0 shares the cores with the others
+            torch.set_num_threads(num_threads)  # rank 0 shares the cores with the others (until shutdown)
         self.tp = join_group(0, self.size, host, port, rank_device(args, engine_index, 0))
         self._encoder = msgspec.msgpack.Encoder()
 
@@ -173,6 +172,7 @@ class TensorParallelWorkers:
         self._context.destroy(linger=0)
         if dist.is_initialized():
             dist.destroy_process_group()
+        torch.set_num_threads(self._threads_before)
 
 
 class TensorParallelRunner:
