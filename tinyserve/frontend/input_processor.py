@@ -129,7 +129,7 @@ class InputProcessor:
 
     def tokenize_chat(self, messages: list[dict], *, fit_context: bool = True, add_generation_prompt: bool = True,
                       continue_final_message: bool = False, chat_template: str | None = None,
-                      template_kwargs: dict | None = None) -> ProcessedPrompt:
+                      template_kwargs: dict | None = None, tools: list[dict] | None = None) -> ProcessedPrompt:
         """Render a chat (as render_chat) and tokenize it, a control token typed in a message as plain text.
 
         An "<|im_start|>system" inside a user's message is encoded as the characters it is,
@@ -139,12 +139,15 @@ class InputProcessor:
         encoded whole and such a token is the token, as in vLLM.
 
         fit_context: first refuse, from their number and the text's length, chats that cannot
-        fit max_model_len (check_chat_fits, check_text_fits).
+        fit max_model_len (check_chat_fits, check_text_fits). tools: the functions the model may
+        call, in OpenAI's shape, for the template to show it.
         """
         if fit_context:
             self.check_chat_fits(messages)
         inputs = self._chat_inputs(messages, add_generation_prompt, continue_final_message, chat_template,
                                    template_kwargs)
+        if tools:
+            inputs["tools"] = tools
         text = self.tokenizer.apply_chat_template(**inputs, tokenize=False)
         if fit_context:
             self.check_text_fits(text)
@@ -162,7 +165,7 @@ class InputProcessor:
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         reserved = {"tokenize", "add_generation_prompt", "continue_final_message", "chat_template", "conversation",
-                    "sanitize_control_tokens", "return_dict"}
+                    "sanitize_control_tokens", "return_dict", "tools"}
         if template_kwargs and reserved & set(template_kwargs):
             raise InvalidInputError(f"chat_template_kwargs cannot set {sorted(reserved & set(template_kwargs))}",
                                     "chat_template_kwargs")
@@ -283,12 +286,13 @@ def _normalize_message(index: int, message) -> dict:
         content = "".join(parts)
     if not isinstance(content, str):
         raise ValueError(f"messages[{index}].content must be a string or a list of text parts")
-    name = message.get("name")
-    if name is None:
-        return {"role": role, "content": content}
-    if not isinstance(name, str):
-        raise ValueError(f"messages[{index}].name must be a string")
-    return {"role": role, "content": content, "name": name}
+    normalized = {"role": role, "content": content}
+    for key, kind in (("name", str), ("tool_call_id", str), ("tool_calls", list)):
+        if message.get(key) is not None:
+            if not isinstance(message[key], kind):
+                raise ValueError(f"messages[{index}].{key} must be a {'string' if kind is str else 'list'}")
+            normalized[key] = message[key]
+    return normalized
 
 
 def log_inputs(request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:

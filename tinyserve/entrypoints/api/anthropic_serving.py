@@ -21,7 +21,7 @@ from pydantic import Field, field_validator, model_validator
 
 from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError, anthropic_error_body
-from tinyserve.entrypoints.api.openai_protocol import StrictBody, Text
+from tinyserve.entrypoints.api.strict_body import StrictBody, Text
 from tinyserve.entrypoints.api.openai_serving import ServingContext, render_and_tokenize
 from tinyserve.entrypoints.api.sse import (
     EventStreamResponse,
