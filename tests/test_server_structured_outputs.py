@@ -9,6 +9,7 @@ import json
 import re
 from typing import Literal
 
+import anthropic
 import httpx
 import jsonschema
 import openai
@@ -226,3 +227,78 @@ def test_inconsistent_tool_requests_are_refused(client, body, message, param):
         chat(client, extra_body=body)
     if param is not None:
         assert error.value.body["param"] == param
+
+
+# ---- Anthropic ---------------------------------------------------------------
+
+ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "The forecast", "input_schema": WEATHER},
+                   {"name": "get_time", "input_schema": TIME}]
+
+
+@pytest.fixture(scope="module")
+def claude(tool_server):
+    return anthropic.Anthropic(base_url=tool_server.url, api_key="unused", max_retries=0)
+
+
+def claude_create(claude, **kwargs):
+    return claude.messages.create(**{"model": MODEL, "max_tokens": 200, "messages": MESSAGES,
+                                     "extra_body": {"temperature": 0}, **kwargs})
+
+
+def tool_uses(message) -> list[tuple[str, dict]]:
+    return [(block.name, block.input) for block in message.content if block.type == "tool_use"]
+
+
+def test_anthropic_tool_choice_any_returns_tool_use_blocks_that_validate(claude):
+    message = claude_create(claude, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"})
+    uses = tool_uses(message)
+    assert uses and message.stop_reason == "tool_use"
+    for name, arguments in uses:
+        jsonschema.validate(arguments, SCHEMAS[name])
+    assert all(block.id.startswith("toolu_") for block in message.content if block.type == "tool_use")
+
+
+def test_anthropic_streamed_tool_use_is_the_same(claude):
+    kwargs = {"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}
+    full = claude_create(claude, **kwargs)
+    with claude.messages.stream(model=MODEL, max_tokens=200, messages=MESSAGES, extra_body={"temperature": 0},
+                                **kwargs) as stream:
+        streamed = stream.get_final_message()
+    assert tool_uses(streamed) == tool_uses(full) and len(tool_uses(full)) == 1
+    assert streamed.stop_reason == "tool_use"
+
+
+def test_anthropic_named_tool_streamed_and_not(claude):
+    choice = {"type": "tool", "name": "get_weather"}
+    [(name, arguments)] = tool_uses(claude_create(claude, tools=ANTHROPIC_TOOLS, tool_choice=choice))
+    jsonschema.validate(arguments, WEATHER)
+    with claude.messages.stream(model=MODEL, max_tokens=200, messages=MESSAGES, extra_body={"temperature": 0},
+                                tools=ANTHROPIC_TOOLS, tool_choice=choice) as stream:
+        assert tool_uses(stream.get_final_message()) == [(name, arguments)]
+
+
+def test_anthropic_auto_without_a_call_is_one_text_block(claude):
+    message = claude_create(claude, max_tokens=6, tools=ANTHROPIC_TOOLS)
+    assert [block.type for block in message.content] == ["text"] and message.stop_reason == "max_tokens"
+
+
+def test_anthropic_tool_use_and_tool_result_blocks_render(claude):
+    messages = MESSAGES + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": {"city": "Paris", "days": 1}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny, 21 C"}]},
+    ]
+    short = claude_create(claude, max_tokens=2, tools=ANTHROPIC_TOOLS, tool_choice={"type": "none"})
+    longer = claude_create(claude, max_tokens=2, messages=messages, tools=ANTHROPIC_TOOLS, tool_choice={"type": "none"})
+    assert longer.usage.input_tokens > short.usage.input_tokens + 10
+    assert tool_uses(longer) == [] and longer.stop_reason == "max_tokens"
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"tool_choice": {"type": "any"}}, "tool_choice needs tools"),
+    ({"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "not among the tools"),
+    ({"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool"}}, "takes a name"),
+])
+def test_anthropic_inconsistent_tool_requests_are_refused(claude, body, message):
+    with pytest.raises(anthropic.BadRequestError, match=message):
+        claude_create(claude, **body)
