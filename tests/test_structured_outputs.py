@@ -138,3 +138,30 @@ def test_grammars_survive_preemption_and_chunked_prefill(folder):
     assert tight.engine_core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == alone
     assert all(re.fullmatch(pattern, o.outputs[0].text) for o in outputs)
+
+
+def test_traces_show_the_grammar_stage_and_the_constrained_steps(folder, tmp_path):
+    """A tinyserve.structured_output span per constrained request (a cache hit for the second with the same
+    schema), and each step says how many requests its bitmask constrained and how long filling it took."""
+    from tinyserve.lifecycle import schema
+    from tinyserve.lifecycle.otlp_json import read_spans
+    from tinyserve.lifecycle.tracing import shutdown_tracing
+
+    try:
+        llm = LLM(folder, trace_dir=str(tmp_path), num_kv_blocks=64)
+        llm.generate(PROMPTS[0], constrained(json=SCHEMA), use_tqdm=False)
+        llm.generate(PROMPTS[1:3], [constrained(json=SCHEMA), SamplingParams(temperature=0, max_tokens=4)],
+                     use_tqdm=False)
+        [run] = list(tmp_path.iterdir())
+        spans = read_spans(run / schema.OFFLINE_TRACE_FILE)
+    finally:
+        shutdown_tracing()
+    grammar_spans = sorted((s for s in spans if s.name == schema.STRUCTURED_OUTPUT), key=lambda s: s.start_ns)
+    assert [s.attributes[schema.STRUCTURED_OUTPUT_CACHE_HIT] for s in grammar_spans] == [False, True]
+    assert {s.attributes[schema.STRUCTURED_OUTPUT_KIND] for s in grammar_spans} == {"json"}
+    assert {s.attributes[schema.STRUCTURED_OUTPUT_BACKEND] for s in grammar_spans} == {"xgrammar"}
+    steps = [s for s in spans if s.name == schema.STEP]
+    constrained_counts = {s.attributes[schema.STEP_NUM_CONSTRAINED_REQUESTS] for s in steps}
+    assert constrained_counts >= {1}  # and 0 for steps only the free request sampled in
+    assert all((s.attributes[schema.STEP_GRAMMAR_BITMASK_TIME] > 0) == (s.attributes[schema.STEP_NUM_CONSTRAINED_REQUESTS] > 0)
+               for s in steps)

@@ -90,7 +90,9 @@ class EngineCore:
         self.last_step_times: StepTimes | None = None
         # Tracing: spans are built from what each step recorded, on the builder's own thread,
         # or in batches in this thread (spans_inline: the offline LLM, see engine_spans.py).
-        self.span_builder = EngineSpanBuilder(engine_index, inline=spans_inline) if tracing_enabled() else None
+        self.span_builder = EngineSpanBuilder(engine_index, inline=spans_inline,
+                                              structured_outputs_backend=args.structured_outputs_backend,
+                                              ) if tracing_enabled() else None
         # Everything allocated so far (model, tokenizer, libraries) lives as long as the
         # engine: move it out of the garbage collector's sight, as vLLM does after start-up.
         # Otherwise every full collection walks those millions of objects again: a
@@ -125,8 +127,9 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request the front end has validated (its input processor checks every field)."""
         if self.span_builder is not None:
+            constraint = request.sampling_params.structured_outputs
             self.span_builder.on_request(request.request_id, request.trace_context, len(request.prompt_token_ids),
-                                         len(self.scheduler.waiting))
+                                         len(self.scheduler.waiting), constraint.kind if constraint else None)
         engine_request = Request.from_engine_core_request(request)
         if request.sampling_params.structured_outputs is not None:
             self.structured_output.add_request(engine_request)
