@@ -96,8 +96,9 @@ class Request:
         return self.grammar is not None and not self.grammar.done()
 
     def append_output_token(self, token_id: int, now: float) -> None:
-        if self.grammar is not None:  # the sampler kept to the grammar's bitmask, so the grammar accepts it
-            self.grammar.result().accept(token_id)
+        grammar = self.grammar.result() if self.grammar is not None else None
+        if grammar is not None and not grammar.is_terminated:  # the sampler kept to its bitmask: it accepts
+            grammar.accept(token_id)  # (once ended, only EOS was allowed: ignore_eos goes on with EOS)
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if self.times.first_token_time is None:
