@@ -37,7 +37,8 @@ def llm(request, folder):
 
 
 def constrained(max_tokens: int = 200, **constraint) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(**constraint))
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                          structured_outputs=StructuredOutputsParams(**constraint))
 
 
 def generate_one(llm, params, prompt: str = PROMPTS[0]):
@@ -52,7 +53,8 @@ def test_json_schema_output_validates_and_stops(llm):
 
 
 def test_json_schema_given_as_text_is_the_same_constraint(llm):
-    assert generate_one(llm, constrained(json=json.dumps(SCHEMA))).text == generate_one(llm, constrained(json=SCHEMA)).text
+    as_text = generate_one(llm, constrained(json=json.dumps(SCHEMA)))
+    assert as_text.text == generate_one(llm, constrained(json=SCHEMA)).text
 
 
 def test_regex_output_matches_in_full(llm):
@@ -87,14 +89,16 @@ def test_unconstrained_output_is_not_json(llm):
 
 
 def test_sampled_constrained_requests_stay_in_the_grammar(llm):
-    params = SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=200, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    params = SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=200,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
     [output] = llm.generate(PROMPTS[1], params, use_tqdm=False)
     for sample in output.outputs:
         jsonschema.validate(json.loads(sample.text), SCHEMA)
 
 
 def test_constrained_and_free_requests_share_a_batch(llm):
-    params = [constrained(regex="[0-9]{4}"), SamplingParams(temperature=0.0, max_tokens=8), constrained(choice=["on", "off"])]
+    params = [constrained(regex="[0-9]{4}"), SamplingParams(temperature=0.0, max_tokens=8),
+              constrained(choice=["on", "off"])]
     outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
     alone = generate_one(llm, params[1], PROMPTS[1])
     assert re.fullmatch("[0-9]{4}", outputs[0].outputs[0].text)
@@ -163,5 +167,15 @@ def test_traces_show_the_grammar_stage_and_the_constrained_steps(folder, tmp_pat
     steps = [s for s in spans if s.name == schema.STEP]
     constrained_counts = {s.attributes[schema.STEP_NUM_CONSTRAINED_REQUESTS] for s in steps}
     assert constrained_counts >= {1}  # and 0 for steps only the free request sampled in
-    assert all((s.attributes[schema.STEP_GRAMMAR_BITMASK_TIME] > 0) == (s.attributes[schema.STEP_NUM_CONSTRAINED_REQUESTS] > 0)
-               for s in steps)
+    for step in steps:
+        constrained_requests = step.attributes[schema.STEP_NUM_CONSTRAINED_REQUESTS]
+        assert (step.attributes[schema.STEP_GRAMMAR_BITMASK_TIME] > 0) == (constrained_requests > 0)
+
+
+def test_llm_chat_shows_the_tools_to_the_template(llm):
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "What time is it?"}]
+    [plain] = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)
+    [with_tool] = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, tools=[tool])
+    assert len(with_tool.prompt_token_ids) > len(plain.prompt_token_ids)
+    assert "get_time" in llm.get_tokenizer().decode(with_tool.prompt_token_ids)
