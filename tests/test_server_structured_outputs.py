@@ -27,7 +27,8 @@ WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
            "required": ["city", "days"], "additionalProperties": False}
 TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
         "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The forecast", "parameters": WEATHER}},
+TOOLS = [{"type": "function",
+          "function": {"name": "get_weather", "description": "The forecast", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -96,7 +97,8 @@ def test_parse_with_a_pydantic_model_returns_the_parsed_object(client):
 def test_json_object_answer_parses(client, tool_server):
     """Any object is allowed, so a random model may write one string for ever; a bias towards "}" ends it.
     The bias alone would give "}}}}...": the grammar puts the "{" first and then allows only EOS."""
-    [brace] = httpx.post(f"{tool_server.url}/tokenize", json={"prompt": "}", "add_special_tokens": False}).json()["tokens"]
+    tokenized = httpx.post(f"{tool_server.url}/tokenize", json={"prompt": "}", "add_special_tokens": False})
+    [brace] = tokenized.json()["tokens"]
     response = chat(client, response_format={"type": "json_object"}, logit_bias={str(brace): 100})
     assert json.loads(response.choices[0].message.content) == {}
     assert response.choices[0].finish_reason == "stop"
@@ -144,6 +146,19 @@ def test_a_schema_the_grammar_library_cannot_compile_is_a_400_naming_it(client):
 def test_conflicting_or_empty_constraints_are_refused(client, body, message):
     with pytest.raises(openai.BadRequestError, match=message):
         chat(client, extra_body=body)
+
+
+def test_a_server_on_the_llguidance_backend_constrains_the_same_way():
+    proc = ServerProcess(shared_server.model_folder(), *shared_server.FLAGS, "--structured-outputs-backend",
+                         "llguidance")
+    try:
+        other = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0)
+        response = chat(other, response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}})
+        jsonschema.validate(json.loads(response.choices[0].message.content), WEATHER)
+        with pytest.raises(openai.BadRequestError, match="cannot be compiled by llguidance"):
+            chat(other, extra_body={"structured_outputs": {"regex": "(unclosed"}})
+    finally:
+        proc.stop()
 
 
 # ---- tools -------------------------------------------------------------------
@@ -207,18 +222,20 @@ def test_tool_choice_none_answers_text_with_the_tools_in_the_prompt(client):
 def test_a_conversation_with_calls_and_their_results_renders(client):
     messages = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
     ]
-    short = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, tools=TOOLS, tool_choice="none")
-    longer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, tools=TOOLS, tool_choice="none")
+    short = chat(client, max_tokens=3, tools=TOOLS, tool_choice="none")
+    longer = chat(client, messages=messages, max_tokens=3, tools=TOOLS, tool_choice="none")
     assert longer.usage.prompt_tokens > short.usage.prompt_tokens + 10
 
 
 @pytest.mark.parametrize("body, message, param", [
     ({"tool_choice": "required"}, "tool_choice needs tools", None),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools", None),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined", None),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined",
+     None),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "distinct names", None),
     ({"functions": [{"name": "f"}]}, "not supported", "functions"),
 ])
@@ -302,3 +319,25 @@ def test_anthropic_tool_use_and_tool_result_blocks_render(claude):
 def test_anthropic_inconsistent_tool_requests_are_refused(claude, body, message):
     with pytest.raises(anthropic.BadRequestError, match=message):
         claude_create(claude, **body)
+
+
+# ---- LangChain ---------------------------------------------------------------
+
+
+def langchain_chat(tool_server):
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(model=MODEL, base_url=f"{tool_server.url}/v1", api_key="unused", temperature=0, max_tokens=200,
+                      max_retries=0)
+
+
+def test_langchain_with_structured_output_returns_the_model(tool_server):
+    verdict = langchain_chat(tool_server).with_structured_output(Verdict).invoke("Is flat better than nested?")
+    assert isinstance(verdict, Verdict)
+
+
+def test_langchain_bind_tools_with_tool_choice_required_returns_calls(tool_server):
+    message = langchain_chat(tool_server).bind_tools(TOOLS, tool_choice="required").invoke("Weather in Oslo?")
+    assert message.tool_calls
+    for call in message.tool_calls:
+        jsonschema.validate(call["args"], SCHEMAS[call["name"]])
