@@ -7,7 +7,8 @@ import pytest
 from tinyserve.entrypoints.api.anthropic_tools import BlockEvents, content_blocks
 from tinyserve.entrypoints.api.tool_calls import ToolCallDeltas, ToolCallParser, required_calls_schema
 
-HERMES = 'Let me look. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call> and <tool_call>{"name": "g"}</tool_call>'
+HERMES = ('Let me look. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call> and '
+          '<tool_call>{"name": "g"}</tool_call>')
 
 
 def fed(parser: ToolCallParser, text: str, step: int = 1):
@@ -69,6 +70,7 @@ def test_anthropic_stream_opens_a_block_per_kind_and_closes_each():
     events = [e for ch in HERMES for e in blocks.events(deltas.feed(ch, finished=False))]
     events += blocks.events(deltas.feed("", finished=True)) + blocks.close()
     kinds = [json.loads(e.split("data: ", 1)[1])["type"] for e in events]
-    starts = [json.loads(e.split("data: ", 1)[1])["content_block"]["type"] for e in events if "content_block_start" in e]
+    starts = [json.loads(e.split("data: ", 1)[1])["content_block"]["type"]
+              for e in events if "content_block_start" in e]
     assert starts == ["text", "tool_use", "text", "tool_use"]
     assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 4

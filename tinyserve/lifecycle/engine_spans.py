@@ -167,11 +167,12 @@ class EngineSpanBuilder:
                                             attributes={**common, schema.QUEUE_DEPTH_AT_ARRIVAL: request.queue_depth_at_arrival})
         queue_span.end(end_time=_ns(scheduled))
         if request.structured_output_kind is not None and times.structured_output_start is not None:
-            self.tracer.start_span(schema.STRUCTURED_OUTPUT, context=parent, start_time=_ns(times.structured_output_start),
-                                   attributes={**common, schema.STRUCTURED_OUTPUT_KIND: request.structured_output_kind,
-                                               schema.STRUCTURED_OUTPUT_CACHE_HIT: times.structured_output_cache_hit,
-                                               schema.STRUCTURED_OUTPUT_BACKEND: self.structured_outputs_backend},
-                                   ).end(end_time=_ns(times.structured_output_end or end))
+            grammar = self.tracer.start_span(schema.STRUCTURED_OUTPUT, context=parent, attributes={
+                **common, schema.STRUCTURED_OUTPUT_KIND: request.structured_output_kind,
+                schema.STRUCTURED_OUTPUT_CACHE_HIT: times.structured_output_cache_hit,
+                schema.STRUCTURED_OUTPUT_BACKEND: self.structured_outputs_backend,
+            }, start_time=_ns(times.structured_output_start))
+            grammar.end(end_time=_ns(times.structured_output_end or end))
         if times.first_scheduled_time is None:  # aborted while waiting: nothing else happened
             return
         first_token = times.first_token_time or end

@@ -9,7 +9,10 @@ the forbidden ids to -inf, so whatever the model prefers, the output stays in th
 language; when the language allows the output to end, the EOS token is allowed, and
 when nothing else may follow, it is the only one allowed.
 
-Two libraries, one interface (`Backend`), chosen with --structured-outputs-backend:
+Two libraries, chosen with --structured-outputs-backend, behind one interface: each
+backend module has `check(params)`, a `Compiler(tokenizer, vocab_size, eos_token_ids)`
+whose `compile(params)` result is cached and whose `matcher(compiled)` is one request's
+`Grammar` (`accept(token_id)`, `fill_bitmask(bitmask, row)`, `is_terminated`).
 
     xgrammar     (default)  precomputes, per grammar, the tokens that are valid whatever
                             the stack holds, so most of a step's mask is a table lookup
@@ -18,7 +21,7 @@ Two libraries, one interface (`Backend`), chosen with --structured-outputs-backe
 
 Both are imported only when used. The API process calls `check` (no vocabulary needed)
 to refuse a schema the library cannot handle with a 400 before the request is sent;
-the engine compiles (`Backend.compile`) in its own threads (engine/structured_output.py).
+the engine compiles (`Compiler.compile`) in its own threads (engine/structured_output.py).
 """
 
 import importlib

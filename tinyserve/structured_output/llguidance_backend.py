@@ -42,7 +42,8 @@ def check(params) -> None:
 
 class Compiler:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids[:1] or None)
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                      eos_token=eos_token_ids[:1] or None)
 
     def compile(self, params) -> str:
         check(params)
