@@ -150,9 +150,10 @@ def test_anthropic_errors_use_the_anthropic_format(server):
 @pytest.mark.parametrize("change, words", [
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well, "}]},
      "trailing whitespace"),
-    ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools: is not supported"),
+    # tool_choice "auto" is the default with tools, and this server has no tool-call parser for it
+    ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "--enable-auto-tool-choice"),
 ])
-def test_anthropic_refuses_a_prefill_ending_in_whitespace_and_tools(server, change, words):
+def test_anthropic_refuses_a_prefill_ending_in_whitespace_and_auto_tools_without_a_parser(server, change, words):
     client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
     with pytest.raises(anthropic.BadRequestError, match=words):
         client.messages.create(**{"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],

@@ -179,3 +179,12 @@ def test_llm_chat_shows_the_tools_to_the_template(llm):
     [with_tool] = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, tools=[tool])
     assert len(with_tool.prompt_token_ids) > len(plain.prompt_token_ids)
     assert "get_time" in llm.get_tokenizer().decode(with_tool.prompt_token_ids)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_apply_the_same_bitmask(folder):
+    """The bitmask crosses to the other ranks inside the SchedulerOutput: the same constrained tokens as one rank."""
+    params = constrained(regex="[0-9]{5}-[ab]+", max_tokens=30)
+    alone = generate_one(LLM(folder, num_kv_blocks=64), params)
+    split = generate_one(LLM(folder, num_kv_blocks=64, tensor_parallel_size=2), params)
+    assert split.token_ids == alone.token_ids and re.fullmatch("[0-9]{5}-[ab]+", split.text)

@@ -112,7 +112,7 @@ class StructuredOutputManager:
                 continue
             grammar.fill_bitmask(bitmask, row)
         scheduler_output.structured_output_request_ids = rows
-        scheduler_output.grammar_bitmask = bitmask
+        scheduler_output.grammar_bitmask = bitmask.numpy().tobytes()
         scheduler_output.grammar_bitmask_time = time.perf_counter() - start
 
     # ---- compiling (in the threads) -------------------------------------------------

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from tinyserve.config import InvalidInputError, ModelInfo, check_kv_fit
 from tinyserve.wire.messages import EngineCoreRequest
 from tinyserve.sampling_params import SamplingParams
-from tinyserve.structured_output import GrammarError, check_structured_outputs
+from tinyserve.structured_output import check_structured_outputs
 
 logger = logging.getLogger("tinyserve.requests")
 _LOG_PROMPT_CHARS = 200
@@ -37,14 +37,13 @@ class ProcessedPrompt:
 class InputProcessor:
     @classmethod
     def from_engine_args(cls, model_info: ModelInfo, tokenizer, args) -> "InputProcessor":
-        return cls(model_info, tokenizer, args.block_size, args.max_logprobs, args.scheduling_policy,
-                   args.structured_outputs_backend)
+        return cls(model_info, tokenizer, args.block_size, args.max_logprobs, args.scheduling_policy, args.structured_outputs_backend)
 
     def __init__(self, model_info: ModelInfo, tokenizer, block_size: int, max_logprobs: int = 20,
                  scheduling_policy: str = "fcfs", structured_outputs_backend: str = "xgrammar") -> None:
         """max_logprobs: the most logprobs or prompt_logprobs a request may ask for (vLLM's flag, default 20).
         scheduling_policy: the engine's; a request's priority means something only under "priority".
-        structured_outputs_backend: the engine's grammar library, which must be able to compile a request's."""
+        structured_outputs_backend: the engine's grammar library (it must compile a request's constraint)."""
         self.structured_outputs_backend = structured_outputs_backend
         self.model_info = model_info
         self.scheduling_policy = scheduling_policy
@@ -234,11 +233,8 @@ class InputProcessor:
             if value is not None and value > limit:
                 raise InvalidInputError(f"{name}={value} is more than the most this engine returns, {limit} "
                                         f"(max_logprobs={self.max_logprobs}, vocabulary {vocab_size})", name)
-        if sampling_params.structured_outputs is not None:
-            try:
-                check_structured_outputs(sampling_params.structured_outputs, self.structured_outputs_backend)
-            except GrammarError as error:
-                raise InvalidInputError(str(error), "structured_outputs") from None
+        if sampling_params.structured_outputs is not None:  # one the grammar library cannot compile: a 400
+            check_structured_outputs(sampling_params.structured_outputs, self.structured_outputs_backend)
         check_kv_fit(len(prompt.prompt_token_ids), sampling_params.max_tokens, self.model_info.max_model_len,
                      self.block_size, num_kv_blocks)
         arrival_time = arrival_time if arrival_time is not None else time.time()

@@ -26,11 +26,16 @@ the engine compiles (`Compiler.compile`) in its own threads (engine/structured_o
 
 import importlib
 
+from tinyserve.config import InvalidInputError
+
 STRUCTURED_OUTPUT_BACKENDS = ("xgrammar", "llguidance")
 
 
-class GrammarError(ValueError):
-    """A constraint the grammar library cannot compile; the message names the problem."""
+class GrammarError(InvalidInputError):
+    """A constraint the grammar library cannot compile; the message names the problem (a 400 at the API)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "structured_outputs")
 
 
 def get_backend_module(name: str):

@@ -31,7 +31,7 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)  # shared by unseeded requests
 
     def sample(self, logits: torch.Tensor, requests: list[CachedRequestState],
-               grammar_bitmask: torch.Tensor | None = None,
+               grammar_bitmask: bytes | None = None,
                grammar_rows: list[int] = ()) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [len(requests), vocab] float32, one row per request that samples this step;
         grammar_bitmask row i constrains logits row grammar_rows[i]."""
@@ -93,13 +93,16 @@ class Sampler:
         return request.generator
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: bytes, rows: list[int]) -> torch.Tensor:
     """-inf for every token a grammar forbids. Bit j of word w of a bitmask row is token 32 * w + j:
 
         word 0 = 0b...0110   tokens 1 and 2 allowed, 0 and 3..31 forbidden
+
+    bitmask: len(rows) rows of int32 words, as raw bytes (SchedulerOutput.grammar_bitmask).
     """
+    words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32).view(len(rows), -1).to(logits.device)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask.to(logits.device)[:, :, None] >> shifts) & 1).bool().flatten(1)[:, : logits.shape[-1]]
+    allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, : logits.shape[-1]]
     index = torch.tensor(list(rows), device=logits.device)
     logits = logits.clone()
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
