@@ -407,6 +407,55 @@ def check_count_messages(server, kind):
     assert ok(server, kind, messages=other)["input_tokens"] != ok(server, kind)["input_tokens"]
 
 
+ZONE = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": ZONE}}
+OTHER_TOOL = {"type": "function", "function": {"name": "get_date", "parameters": ZONE}}
+ANTHROPIC_TOOL = {"name": "get_time", "input_schema": ZONE}
+
+
+def check_tools(server, kind):
+    """Tools are shown to the chat template: a longer prompt (tool_choice "none": the reply is text)."""
+    if kind == "chat":
+        assert num_prompt(ok(server, kind, tools=[TOOL], tool_choice="none")) > num_prompt(ok(server, kind))
+    elif kind == "messages":
+        given = ok(server, kind, tools=[ANTHROPIC_TOOL], tool_choice={"type": "none"})
+        assert num_prompt(given) > num_prompt(ok(server, kind))
+    else:
+        assert ok(server, kind, tools=[ANTHROPIC_TOOL])["input_tokens"] > ok(server, kind)["input_tokens"]
+
+
+def check_tool_choice(server, kind):
+    """A required call is constrained to the tools' schemas, so even this model makes one."""
+    if kind == "chat":
+        choice = ok(server, kind, tools=[TOOL], tool_choice="required", max_tokens=100)["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"][0]["function"]["name"] \
+            == "get_time"
+    elif kind == "messages":
+        answer = ok(server, kind, tools=[ANTHROPIC_TOOL], tool_choice={"type": "any"}, max_tokens=100)
+        assert answer["stop_reason"] == "tool_use" and answer["content"][0]["name"] == "get_time"
+    else:  # the prompt is the same whichever tool is chosen; one that is not there is refused
+        counted = ok(server, kind, tools=[ANTHROPIC_TOOL])["input_tokens"]
+        assert ok(server, kind, tools=[ANTHROPIC_TOOL], tool_choice={"type": "any"})["input_tokens"] == counted
+        assert post(server, kind, tools=[ANTHROPIC_TOOL], tool_choice={"type": "tool", "name": "nope"}).status_code \
+            == 400
+
+
+def check_parallel_tool_calls(server, kind):
+    answer = ok(server, kind, tools=[TOOL, OTHER_TOOL], tool_choice="required", parallel_tool_calls=False,
+                max_tokens=100)
+    assert len(answer["choices"][0]["message"]["tool_calls"]) == 1
+
+
+def check_response_format(server, kind):
+    schema = {"type": "json_schema", "json_schema": {"name": "zone", "schema": ZONE}}
+    assert json.loads(text(server, kind, response_format=schema, max_tokens=60)) in ({"zone": "UTC"}, {"zone": "CET"})
+
+
+def check_structured_outputs(server, kind):
+    assert text(server, kind, structured_outputs={"choice": ["alpha", "beta"]}) in ("alpha", "beta")
+
+
 OPENAI_SHARED = {
     "temperature": check_differs(temperature=2.0, seed=0), "seed": check_seed,
     "top_p": check_greedy_again(top_p=1e-9), "top_k": check_greedy_again(top_k=1),
@@ -418,14 +467,16 @@ OPENAI_SHARED = {
     "stream": check_stream, "stream_options": check_stream_options, "model": check_model,
     "ignore_eos": check_ignore_eos, "min_tokens": check_min_tokens, "stop_token_ids": check_stop_token_ids,
     "skip_special_tokens": check_skip_special_tokens, "prompt_logprobs": check_prompt_logprobs,
-    "priority": check_priority,
+    "priority": check_priority, "response_format": check_response_format,
+    "structured_outputs": check_structured_outputs,
 }
 IMPLEMENTED = {
     "chat": {**OPENAI_SHARED, "messages": check_prompt_changes_prompt_tokens("messages", [
         {"role": "user", "content": "Flat is better than nested, sparse is better than dense"}]),
         "max_completion_tokens": check_max_tokens("max_completion_tokens"), "top_logprobs": check_top_logprobs,
         "add_generation_prompt": check_add_generation_prompt, "continue_final_message": check_continue_final_message,
-        "chat_template_kwargs": check_chat_template_kwargs},
+        "chat_template_kwargs": check_chat_template_kwargs, "tools": check_tools, "tool_choice": check_tool_choice,
+        "parallel_tool_calls": check_parallel_tool_calls},
     "completions": {**OPENAI_SHARED, "echo": check_echo,
                     "prompt": check_prompt_changes_prompt_tokens("prompt", "Flat is better than nested")},
     "messages": {"model": check_model, "max_tokens": check_max_tokens("max_tokens"),
@@ -433,9 +484,11 @@ IMPLEMENTED = {
                      {"role": "user", "content": "Flat is better than nested, sparse is better than dense"}]),
                  "system": check_more_prompt("system", "Be terse."), "stop_sequences": check_messages_stop,
                  "temperature": check_sampling_varies, "top_p": check_greedy_again(top_p=1e-9),
-                 "top_k": check_greedy_again(top_k=1), "stream": check_stream},
+                 "top_k": check_greedy_again(top_k=1), "stream": check_stream, "tools": check_tools,
+                 "tool_choice": check_tool_choice},
     "count_tokens": {"model": check_model, "messages": check_count_messages,
-                     "system": check_more_prompt("system", "Be terse.")},
+                     "system": check_more_prompt("system", "Be terse."), "tools": check_tools,
+                     "tool_choice": check_tool_choice},
     "responses": {"model": check_model, "input": check_prompt_changes_prompt_tokens("input", "Flat is better"),
                   "instructions": check_more_prompt("instructions", "Be terse."),
                   "max_output_tokens": check_max_tokens("max_output_tokens"), "temperature": check_sampling_varies,

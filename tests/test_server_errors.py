@@ -71,10 +71,8 @@ def test_invalid_chat_fields_are_400_not_422(server, change, words):
 @pytest.mark.parametrize(
     "change, param",
     [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
         ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
         ({"best_of": 2}, "best_of"),
     ],
 )
@@ -84,14 +82,20 @@ def test_chat_fields_asking_for_what_is_not_implemented_are_400_naming_them(serv
     assert response.json()["error"]["param"] == param
 
 
+def test_auto_tool_choice_without_a_tool_call_parser_is_400_naming_the_flags(server):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for body in ({"tools": tools}, {"tools": tools, "tool_choice": "auto"}):  # "auto" is the default with tools
+        response = post(server, "/v1/chat/completions", {**CHAT, **body})
+        assert_openai_error(response, 400, "tool_choice", "--enable-auto-tool-choice")
+
+
 def test_completion_suffix_is_400_naming_it(server):
     response = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "suffix": "end"})
     assert_openai_error(response, 400, "suffix", "not supported")
 
 
 def test_fields_that_ask_for_nothing_unusual_are_accepted(server):
-    nothing = {"logit_bias": {}, "response_format": {"type": "text"}, "best_of": 1, "tool_choice": "none",
-               "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
+    nothing = {"logit_bias": {}, "response_format": {"type": "text"}, "best_of": 1, "tool_choice": "none"}
     response = post(server, "/v1/chat/completions", {**CHAT, **nothing})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
 
@@ -146,9 +150,10 @@ def test_anthropic_errors_use_the_anthropic_format(server):
 @pytest.mark.parametrize("change, words", [
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well, "}]},
      "trailing whitespace"),
-    ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools: is not supported"),
+    # tool_choice "auto" is the default with tools, and this server has no tool-call parser for it
+    ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "--enable-auto-tool-choice"),
 ])
-def test_anthropic_refuses_a_prefill_ending_in_whitespace_and_tools(server, change, words):
+def test_anthropic_refuses_a_prefill_ending_in_whitespace_and_auto_tools_without_a_parser(server, change, words):
     client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
     with pytest.raises(anthropic.BadRequestError, match=words):
         client.messages.create(**{"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],

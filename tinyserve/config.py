@@ -48,6 +48,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs one request may ask for (vLLM's default)
     tensor_parallel_size: int = 1  # ranks each engine's model is split over (worker/tensor_parallel_workers.py)
+    structured_outputs_backend: str = "xgrammar"  # the grammar library: xgrammar or llguidance
     # Tracing of the engine process(es): the run folder for engine-<i>.jsonl, and/or an OTLP/HTTP endpoint.
     trace_run_dir: str | None = None
     otlp_endpoint: str | None = None
@@ -76,6 +77,9 @@ class EngineArgs:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        from tinyserve.structured_output import get_backend_module
+
+        get_backend_module(self.structured_outputs_backend)  # a clear error if unknown or not installed
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
 

@@ -5,9 +5,61 @@ engine unchanged. Validation runs on construction, before anything is
 scheduled, and every error names the parameter and the allowed range.
 """
 
+import json
+
 import msgspec
 
 _GREEDY_EPS = 1e-5  # temperatures below this mean greedy, as in vLLM
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
+    """Constrain the output to a language (vLLM's names): exactly one of
+
+    json          a JSON schema (a dict, or its text): the output is a JSON value it validates
+    regex         a regular expression the whole output matches
+    choice        a list of strings: the output is one of them
+    grammar       a context-free grammar in EBNF (GBNF) notation
+    json_object   True: the output is some JSON object
+
+    The engine's grammar library (structured_output/) compiles it into a grammar whose
+    token bitmask the sampler applies at every step; see engine/structured_output.py.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False)]
+        _check(len(given) == 1, "structured_outputs",
+               f"must set exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, got {given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except ValueError as error:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {error}") from None
+            _check(isinstance(schema, (dict, bool)), "structured_outputs.json", "must be a JSON schema object")
+        _check(self.choice is None or (isinstance(self.choice, list) and self.choice
+                                       and all(isinstance(c, str) and c for c in self.choice)),
+               "structured_outputs.choice", f"must be a non-empty list of non-empty strings, got {self.choice!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value), f"structured_outputs.{name}",
+                   "must be a non-empty string")
+        _check(isinstance(self.json_object, bool), "structured_outputs.json_object", "must be true or false")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as one string, the key of the compiled-grammar cache."""
+        value = getattr(self, self.kind)
+        return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
@@ -30,6 +82,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

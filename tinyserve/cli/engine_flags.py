@@ -5,6 +5,7 @@ from pathlib import Path
 
 from tinyserve.config import DTYPES, EngineArgs
 from tinyserve.kernels.backend import ATTENTION_BACKENDS
+from tinyserve.structured_output import STRUCTURED_OUTPUT_BACKENDS
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +39,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     group.add_argument("--max-logprobs", type=int, default=20,
                        help="the most logprobs (or prompt logprobs) one request may ask for (default 20)")
+    group.add_argument("--structured-outputs-backend", choices=STRUCTURED_OUTPUT_BACKENDS, default="xgrammar",
+                       help="the grammar library that constrains structured outputs (default xgrammar)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="on CUDA: run decode steps eagerly instead of replaying CUDA graphs")
 
@@ -74,6 +77,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         enforce_eager=args.enforce_eager,
         max_logprobs=args.max_logprobs,
         tensor_parallel_size=args.tensor_parallel_size,
+        structured_outputs_backend=args.structured_outputs_backend,
     )
     engine_args.validate()
     return engine_args

@@ -25,6 +25,7 @@ from tinyserve.entrypoints.api.field_limits import (
     FieldLimits,
 )
 from tinyserve.entrypoints.api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from tinyserve.entrypoints.api.tool_calls import TOOL_CALL_PARSERS
 from tinyserve.entrypoints.api.slow_clients import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 
 # Room for a few seconds of arrivals at a busy server's rate, a few MiB of prompts at most.
@@ -52,6 +53,13 @@ def add_parser(commands) -> None:
     group.add_argument("--log-requests", action="store_true",
                        help="log each request's inputs and one access line per request "
                             "(the log holds prompt text and token ids, --trace-redact-inputs or not)")
+    tools = parser.add_argument_group("tool calling")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let requests use tool_choice "auto" (the default with tools): the model decides, '
+                            "and --tool-call-parser reads its calls from the text")
+    tools.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                       help="how the model writes tool calls: hermes = <tool_call>{json}</tool_call> "
+                            "(Qwen2.5, Qwen3, Hermes)")
     limits = parser.add_argument_group("limits and shutdown")
     limits.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                         help="requests (each of n counts) that may wait for a seat in the engines; "
@@ -126,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
         listener.close()
         print(f"error: {error}", file=sys.stderr)
         return 2
-    ctx = ServingContext(engine, names, redact_inputs=args.trace_redact_inputs)
+    ctx = ServingContext(engine, names, redact_inputs=args.trace_redact_inputs,
+                         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     if run_dir is not None:
         print(f"tinyserve: tracing to {run_dir}", flush=True)
     field_limits = FieldLimits(max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
@@ -164,6 +173,8 @@ def _check_server_flags(args: argparse.Namespace) -> str | None:
         return f"--port must be in [0, 65535], got {args.port}"
     if args.data_parallel_size < 1:
         return "--data-parallel-size must be at least 1"
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        return "--enable-auto-tool-choice needs --tool-call-parser"
     if args.max_waiting_requests < 1:
         return f"--max-waiting-requests must be at least 1, got {args.max_waiting_requests}"
     if args.max_request_body_bytes < 1:

@@ -16,6 +16,7 @@ from tinyserve.engine.core.kv_cache_manager import KVCacheManager
 from tinyserve.engine.core.request import Request
 from tinyserve.engine.core.scheduler import Scheduler
 from tinyserve.engine.core.scheduler_output import SchedulerOutput
+from tinyserve.engine.structured_output import StructuredOutputManager
 from tinyserve.engine.worker.gpu_memory import MemorySnapshot, kv_cache_budget
 from tinyserve.engine.worker.model_runner import ModelRunner
 from tinyserve.engine.worker.tensor_parallel_workers import TensorParallelRunner, TensorParallelWorkers
@@ -81,12 +82,17 @@ class EngineCore:
         if self.tp_workers is not None:
             self.model_runner = TensorParallelRunner(self.model_runner, self.tp_workers)
         self.model_runner.warm_up()
+        # Grammars for structured outputs, compiled in threads of their own (structured_output.py).
+        self.structured_output = StructuredOutputManager(args.structured_outputs_backend, self.model_info.path,
+                                                         self.model_info.vocab_size, self.model_info.eos_token_ids)
         # The latest step's decisions and clock, for a notebook or a benchmark to look at.
         self.last_scheduler_output: SchedulerOutput | None = None
         self.last_step_times: StepTimes | None = None
         # Tracing: spans are built from what each step recorded, on the builder's own thread,
         # or in batches in this thread (spans_inline: the offline LLM, see engine_spans.py).
-        self.span_builder = EngineSpanBuilder(engine_index, inline=spans_inline) if tracing_enabled() else None
+        self.span_builder = EngineSpanBuilder(engine_index, inline=spans_inline,
+                                              structured_outputs_backend=args.structured_outputs_backend,
+                                              ) if tracing_enabled() else None
         # Everything allocated so far (model, tokenizer, libraries) lives as long as the
         # engine: move it out of the garbage collector's sight, as vLLM does after start-up.
         # Otherwise every full collection walks those millions of objects again: a
@@ -121,9 +127,13 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request the front end has validated (its input processor checks every field)."""
         if self.span_builder is not None:
+            constraint = request.sampling_params.structured_outputs
             self.span_builder.on_request(request.request_id, request.trace_context, len(request.prompt_token_ids),
-                                         len(self.scheduler.waiting))
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+                                         len(self.scheduler.waiting), constraint.kind if constraint else None)
+        engine_request = Request.from_engine_core_request(request)
+        if request.sampling_params.structured_outputs is not None:
+            self.structured_output.add_request(engine_request)
+        self.scheduler.add_request(engine_request)
 
     def check_request(self, request: EngineCoreRequest) -> None:
         """Raise ValueError if this request could never be served by this engine.
@@ -165,11 +175,13 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """One iteration of the engine loop: schedule → execute → update."""
         start = time.time()
+        failed = self._wait_for_grammars()
         scheduler_output = self.scheduler.schedule()
+        self.structured_output.grammar_bitmask(scheduler_output, self.scheduler.requests)
         scheduled = time.time()
         runner_output = self.model_runner.execute_model(scheduler_output)
         executed = time.time()
-        outputs = self.scheduler.update_from_output(
+        outputs = failed + self.scheduler.update_from_output(
             scheduler_output, runner_output.sampled_token_ids, runner_output.logprobs, runner_output.prompt_logprobs
         )
         end = time.time()
@@ -181,12 +193,24 @@ class EngineCore:
             self.span_builder.record_step(scheduler_output, self.last_step_times, stats, outputs)
         return EngineCoreOutputs(engine_index=self.engine_index, timestamp=end, outputs=outputs, scheduler_stats=stats)
 
+    def _wait_for_grammars(self) -> list[EngineCoreOutput]:
+        """With nothing to run but requests whose grammar is compiling, wait for one rather than spin.
+
+        Returns the outputs of requests aborted because their grammar could not be compiled.
+        """
+        scheduler = self.scheduler
+        if not scheduler.running and scheduler.waiting and all(r.waiting_for_grammar for r in scheduler.waiting):
+            self.structured_output.wait_for_a_grammar(timeout=0.05)
+        failed = self.structured_output.failed_request_ids()
+        return self.abort_requests(failed) if failed else []
+
     def flush_spans(self) -> None:
         if self.span_builder is not None:
             self.span_builder.flush()
 
     def shutdown(self) -> None:
         """Finish building spans (the caller then flushes the tracer); stop the other TP ranks."""
+        self.structured_output.shutdown()
         if self.span_builder is not None:
             self.span_builder.close()
             self.span_builder = None

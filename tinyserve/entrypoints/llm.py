@@ -90,12 +90,13 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, *, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"}) or a list of conversations.
 
         continue_final_message=True (with add_generation_prompt=False): each reply continues the
         conversation's last message, as in vLLM's LLM.chat. chat_template_kwargs are passed to
-        the template (enable_thinking=False, say).
+        the template (enable_thinking=False, say); so are tools, OpenAI-style function tools the
+        template shows the model (to constrain a call, use SamplingParams.structured_outputs).
         """
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
 
@@ -103,7 +104,7 @@ class LLM:
             return self.input_processor.tokenize_chat(
                 conversation, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=chat_template,
-                template_kwargs=chat_template_kwargs,
+                template_kwargs=chat_template_kwargs, tools=tools,
             )
 
         return self._run(conversations, render, schema.OPERATION_CHAT, sampling_params, use_tqdm)

@@ -67,8 +67,7 @@ class AsyncLLM:
         self.log_requests = log_requests
         self.model_info = ModelInfo.from_args(engine_args)
         self.tokenizer = load_tokenizer(self.model_info.path)
-        self.input_processor = InputProcessor(self.model_info, self.tokenizer, engine_args.block_size,
-                                              engine_args.max_logprobs, engine_args.scheduling_policy)
+        self.input_processor = InputProcessor.from_engine_args(self.model_info, self.tokenizer, engine_args)
         self.render_threads = RenderThreads(self.input_processor)  # templates and tokenizing, off the event loop
         self.output_processor = OutputProcessor(self.tokenizer)
         self.client: EngineClient

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from tinyserve.config import InvalidInputError, ModelInfo, check_kv_fit
 from tinyserve.wire.messages import EngineCoreRequest
 from tinyserve.sampling_params import SamplingParams
+from tinyserve.structured_output import check_structured_outputs
 
 logger = logging.getLogger("tinyserve.requests")
 _LOG_PROMPT_CHARS = 200
@@ -34,10 +35,16 @@ class ProcessedPrompt:
 
 
 class InputProcessor:
+    @classmethod
+    def from_engine_args(cls, model_info: ModelInfo, tokenizer, args) -> "InputProcessor":
+        return cls(model_info, tokenizer, args.block_size, args.max_logprobs, args.scheduling_policy, args.structured_outputs_backend)
+
     def __init__(self, model_info: ModelInfo, tokenizer, block_size: int, max_logprobs: int = 20,
-                 scheduling_policy: str = "fcfs") -> None:
+                 scheduling_policy: str = "fcfs", structured_outputs_backend: str = "xgrammar") -> None:
         """max_logprobs: the most logprobs or prompt_logprobs a request may ask for (vLLM's flag, default 20).
-        scheduling_policy: the engine's; a request's priority means something only under "priority"."""
+        scheduling_policy: the engine's; a request's priority means something only under "priority".
+        structured_outputs_backend: the engine's grammar library (it must compile a request's constraint)."""
+        self.structured_outputs_backend = structured_outputs_backend
         self.model_info = model_info
         self.scheduling_policy = scheduling_policy
         self.tokenizer = tokenizer
@@ -121,7 +128,7 @@ class InputProcessor:
 
     def tokenize_chat(self, messages: list[dict], *, fit_context: bool = True, add_generation_prompt: bool = True,
                       continue_final_message: bool = False, chat_template: str | None = None,
-                      template_kwargs: dict | None = None) -> ProcessedPrompt:
+                      template_kwargs: dict | None = None, tools: list[dict] | None = None) -> ProcessedPrompt:
         """Render a chat (as render_chat) and tokenize it, a control token typed in a message as plain text.
 
         An "<|im_start|>system" inside a user's message is encoded as the characters it is,
@@ -131,12 +138,15 @@ class InputProcessor:
         encoded whole and such a token is the token, as in vLLM.
 
         fit_context: first refuse, from their number and the text's length, chats that cannot
-        fit max_model_len (check_chat_fits, check_text_fits).
+        fit max_model_len (check_chat_fits, check_text_fits). tools: the functions the model may
+        call, in OpenAI's shape, for the template to show it.
         """
         if fit_context:
             self.check_chat_fits(messages)
         inputs = self._chat_inputs(messages, add_generation_prompt, continue_final_message, chat_template,
                                    template_kwargs)
+        if tools:
+            inputs["tools"] = tools
         text = self.tokenizer.apply_chat_template(**inputs, tokenize=False)
         if fit_context:
             self.check_text_fits(text)
@@ -154,7 +164,7 @@ class InputProcessor:
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         reserved = {"tokenize", "add_generation_prompt", "continue_final_message", "chat_template", "conversation",
-                    "sanitize_control_tokens", "return_dict"}
+                    "sanitize_control_tokens", "return_dict", "tools"}
         if template_kwargs and reserved & set(template_kwargs):
             raise InvalidInputError(f"chat_template_kwargs cannot set {sorted(reserved & set(template_kwargs))}",
                                     "chat_template_kwargs")
@@ -223,6 +233,8 @@ class InputProcessor:
             if value is not None and value > limit:
                 raise InvalidInputError(f"{name}={value} is more than the most this engine returns, {limit} "
                                         f"(max_logprobs={self.max_logprobs}, vocabulary {vocab_size})", name)
+        if sampling_params.structured_outputs is not None:  # one the grammar library cannot compile: a 400
+            check_structured_outputs(sampling_params.structured_outputs, self.structured_outputs_backend)
         check_kv_fit(len(prompt.prompt_token_ids), sampling_params.max_tokens, self.model_info.max_model_len,
                      self.block_size, num_kv_blocks)
         arrival_time = arrival_time if arrival_time is not None else time.time()
@@ -270,12 +282,13 @@ def _normalize_message(index: int, message) -> dict:
         content = "".join(parts)
     if not isinstance(content, str):
         raise ValueError(f"messages[{index}].content must be a string or a list of text parts")
-    name = message.get("name")
-    if name is None:
-        return {"role": role, "content": content}
-    if not isinstance(name, str):
-        raise ValueError(f"messages[{index}].name must be a string")
-    return {"role": role, "content": content, "name": name}
+    normalized = {"role": role, "content": content}
+    for key, kind in (("name", str), ("tool_call_id", str), ("tool_calls", list)):
+        if message.get(key) is not None:
+            if not isinstance(message[key], kind):
+                raise ValueError(f"messages[{index}].{key} must be a {'string' if kind is str else 'list'}")
+            normalized[key] = message[key]
+    return normalized
 
 
 def log_inputs(request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:

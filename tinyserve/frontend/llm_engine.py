@@ -29,8 +29,7 @@ class LLMEngine:
     def __init__(self, engine_args: EngineArgs, model_info: ModelInfo, tokenizer) -> None:
         self.engine_args = engine_args
         self.model_info = model_info
-        self.input_processor = InputProcessor(model_info, tokenizer, engine_args.block_size, engine_args.max_logprobs,
-                                              engine_args.scheduling_policy)
+        self.input_processor = InputProcessor.from_engine_args(model_info, tokenizer, engine_args)
         self.output_processor = OutputProcessor(tokenizer)
         self.client = InprocClient(engine_args, model_info, spans_inline=True)
 

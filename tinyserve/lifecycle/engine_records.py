@@ -49,6 +49,7 @@ class TracedRequest:
     trace_context: dict[str, str]
     num_prompt_tokens: int
     queue_depth_at_arrival: int
+    structured_output_kind: str | None = None  # json, regex, ...: the request is constrained
 
 
 @dataclass(slots=True)
@@ -61,6 +62,7 @@ class FinishedRequest:
     num_prompt_tokens: int
     num_output_tokens: int
     queue_depth_at_arrival: int
+    structured_output_kind: str | None = None
 
 
 def block_changes(scheduled: list) -> dict:

@@ -46,8 +46,9 @@ def _ns(seconds: float) -> int:
 
 
 class EngineSpanBuilder:
-    def __init__(self, engine_index: int, *, inline: bool = False) -> None:
+    def __init__(self, engine_index: int, *, inline: bool = False, structured_outputs_backend: str = "") -> None:
         self.engine_index = engine_index
+        self.structured_outputs_backend = structured_outputs_backend
         self.tracer = get_tracer()
         self.inline = inline
         self._pending: list[tuple] = []  # inline: records not built yet
@@ -67,9 +68,9 @@ class EngineSpanBuilder:
     # ---- called from the engine loop: cheap -------------------------------------
 
     def on_request(self, request_id: str, trace_context: dict[str, str], num_prompt_tokens: int,
-                   queue_depth: int) -> None:
+                   queue_depth: int, structured_output_kind: str | None = None) -> None:
         """A request was queued: remember what its spans will need."""
-        self._traced[request_id] = TracedRequest(trace_context, num_prompt_tokens, queue_depth)
+        self._traced[request_id] = TracedRequest(trace_context, num_prompt_tokens, queue_depth, structured_output_kind)
 
     def record_step(self, scheduler_output, times: StepTimes, stats, outputs: list) -> None:
         """After a step: its SchedulerOutput, clock, SchedulerStats and EngineCoreOutputs' outputs."""
@@ -102,7 +103,7 @@ class EngineSpanBuilder:
                 finished.append(FinishedRequest(
                     output.request_id, traced.trace_context, output.times, output.finish_reason,
                     output.num_cached_tokens, traced.num_prompt_tokens, len(output.times.token_times),
-                    traced.queue_depth_at_arrival,
+                    traced.queue_depth_at_arrival, traced.structured_output_kind,
                 ))
         return finished
 
@@ -165,6 +166,13 @@ class EngineSpanBuilder:
         queue_span = self.tracer.start_span(schema.QUEUE, context=parent, start_time=_ns(times.queued_time),
                                             attributes={**common, schema.QUEUE_DEPTH_AT_ARRIVAL: request.queue_depth_at_arrival})
         queue_span.end(end_time=_ns(scheduled))
+        if request.structured_output_kind is not None and times.structured_output_start is not None:
+            grammar = self.tracer.start_span(schema.STRUCTURED_OUTPUT, context=parent, attributes={
+                **common, schema.STRUCTURED_OUTPUT_KIND: request.structured_output_kind,
+                schema.STRUCTURED_OUTPUT_CACHE_HIT: times.structured_output_cache_hit,
+                schema.STRUCTURED_OUTPUT_BACKEND: self.structured_outputs_backend,
+            }, start_time=_ns(times.structured_output_start))
+            grammar.end(end_time=_ns(times.structured_output_end or end))
         if times.first_scheduled_time is None:  # aborted while waiting: nothing else happened
             return
         first_token = times.first_token_time or end
@@ -232,6 +240,8 @@ class EngineSpanBuilder:
             schema.STEP_TOKEN_BUDGET: out.token_budget,
             schema.STEP_PREEMPTED_REQUEST_IDS: out.preempted_request_ids,
             schema.STEP_FINISHED_REQUEST_IDS: record.finished_request_ids,
+            schema.STEP_NUM_CONSTRAINED_REQUESTS: len(out.structured_output_request_ids),
+            schema.STEP_GRAMMAR_BITMASK_TIME: out.grammar_bitmask_time,
             schema.STEP_RELEASED_REQUEST_IDS: record.released_request_ids,
             **block_changes(out.scheduled),
             schema.KV_BLOCKS_USED: stats.num_kv_blocks_used,

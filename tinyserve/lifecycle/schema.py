@@ -9,6 +9,7 @@ here, and so do the readers (load_run, exporters, plots). A request's trace:
         ├── tinyserve.enqueue                    api      (add_request, engine chosen)
         ├── tinyserve.ipc.send                   api      (encode + send over ZeroMQ)
         ├── tinyserve.queue                      engine   (arrival → first scheduled)
+        ├── tinyserve.structured_output          engine   (grammar asked for → ready; constrained requests)
         ├── tinyserve.prefill                    engine   (first scheduled → first token)
         ├── tinyserve.decode                     engine   (first token → finish)
         └── tinyserve.detokenize                 api      (incremental detokenization)
@@ -52,6 +53,7 @@ STEP = "tinyserve.step"
 SCHEDULE = "tinyserve.schedule"
 EXECUTE = "tinyserve.execute"
 UPDATE = "tinyserve.update"
+STRUCTURED_OUTPUT = "tinyserve.structured_output"  # only for requests with structured_outputs
 
 API_STAGES = (RENDER, ENQUEUE, IPC_SEND, DETOKENIZE)
 ENGINE_STAGES = (QUEUE, PREFILL, DECODE)
@@ -101,6 +103,11 @@ NUM_OUTPUT_TOKENS = "tinyserve.num_output_tokens"
 TOKEN_TIMES = "tinyserve.token_times_unix_nano"  # one timestamp per output token
 NUM_PREEMPTIONS = "tinyserve.num_preemptions"
 FINISH_REASON = "tinyserve.finish_reason"
+# structured_output: the constraint's kind (json, regex, choice, grammar, json_object), whether its
+# grammar was already compiled (or compiling) for an earlier request, and the backend's library
+STRUCTURED_OUTPUT_KIND = "tinyserve.structured_output.kind"
+STRUCTURED_OUTPUT_CACHE_HIT = "tinyserve.structured_output.cache_hit"
+STRUCTURED_OUTPUT_BACKEND = "tinyserve.structured_output.backend"
 # detokenize
 DETOKENIZE_CALLS = "tinyserve.detokenize.calls"
 DETOKENIZE_TIME = "tinyserve.detokenize.time_s"  # time actually spent detokenizing
@@ -121,6 +128,10 @@ STEP_NUM_SCHEDULED_TOKENS = "tinyserve.step.num_scheduled_tokens"
 STEP_TOKEN_BUDGET = "tinyserve.step.token_budget"
 STEP_PREEMPTED_REQUEST_IDS = "tinyserve.step.preempted_request_ids"
 STEP_FINISHED_REQUEST_IDS = "tinyserve.step.finished_request_ids"
+# Structured outputs: the scheduled requests whose next token a grammar bitmask constrained, and
+# the time spent filling that bitmask (StructuredOutputManager.grammar_bitmask, in the schedule span).
+STEP_NUM_CONSTRAINED_REQUESTS = "tinyserve.step.num_constrained_requests"
+STEP_GRAMMAR_BITMASK_TIME = "tinyserve.step.grammar_bitmask_time_s"
 # The KV blocks each scheduled request gained this step, aligned with request_ids: a count
 # per request, the ids flat in one list. A full table (new or resumed request) replaces the
 # request's table; otherwise the ids are appended. Released: finished or aborted since the

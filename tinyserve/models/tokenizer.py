@@ -45,9 +45,33 @@ PRETOKENIZE_REGEX = (
 
 # ChatML. Each message becomes "<|im_start|>{role}\n{content}<|im_end|>\n"; with
 # add_generation_prompt the prompt ends with an open assistant turn for the model to fill.
+# With tools (Qwen2.5's way, which the hermes tool-call parser reads back): a system turn
+# lists them as JSON in <tools>, an assistant's calls are <tool_call>{"name", "arguments"}
+# </tool_call> blocks, and a tool's answer is a user turn in <tool_response>.
 DEFAULT_CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\\n\\n' -}}{%- endif -%}"
+    "{{- '# Tools\\n\\nYou may call one or more functions. Their signatures are in <tools></tools>:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nFor each call, return a JSON object with the function name and arguments in "
+    "<tool_call></tool_call>:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    "\\n</tool_call><|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
+    "{%- if tools and loop.first and message['role'] == 'system' -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' -}}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] -%}"
+    "{{- '<|im_start|>assistant\\n' + message['content'] -}}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{{- '\\n<tool_call>\\n' + ({'name': call['function']['name'], 'arguments': call['function']['arguments']}"
+    " | tojson) + '\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
     "{{- '<|im_start|>assistant\\n' -}}"

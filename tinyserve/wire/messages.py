@@ -45,6 +45,10 @@ class RequestTimes(msgspec.Struct, array_like=True, omit_defaults=True):
     token_times: list[float] = []
     prefill_chunks: list[tuple[float, int]] = []  # (time, tokens) per prefill step
     preemption_times: list[float] = []
+    # Structured outputs: when the request's grammar was asked for and ready, and whether it was cached.
+    structured_output_start: float | None = None
+    structured_output_end: float | None = None
+    structured_output_cache_hit: bool = False
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

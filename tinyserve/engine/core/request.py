@@ -14,6 +14,7 @@ computes the newest token and samples the next one ("decode").
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import msgspec
@@ -57,6 +58,9 @@ class Request:
     times: RequestTimes = field(init=False)  # the engine's timestamps, from arrival on
     # sampling_params.prompt_logprobs: those computed so far, prompt positions 1, 2, ...
     prompt_logprobs: list = field(default_factory=list)
+    # Structured outputs: a Future of the request's grammar, compiled by the StructuredOutputManager
+    # (engine/structured_output.py) in its threads. The scheduler admits the request once it is done.
+    grammar: Future | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -87,7 +91,14 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def waiting_for_grammar(self) -> bool:
+        return self.grammar is not None and not self.grammar.done()
+
     def append_output_token(self, token_id: int, now: float) -> None:
+        grammar = self.grammar.result() if self.grammar is not None else None
+        if grammar is not None and not grammar.is_terminated:  # the sampler kept to its bitmask: it accepts
+            grammar.accept(token_id)  # (once ended, only EOS was allowed: ignore_eos goes on with EOS)
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if self.times.first_token_time is None:

@@ -129,14 +129,20 @@ class Scheduler:
                 token_budget -= num_new_tokens
                 index += 1
 
-        # 2. Waiting requests, while budget, seats and KV blocks allow.
-        while not preempted and self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        # 2. Waiting requests, while budget, seats and KV blocks allow; those whose grammar is still
+        #    being compiled (structured outputs) keep their place and wait.
+        position = 0
+        while not preempted and position < len(self.waiting) and token_budget > 0 \
+                and len(self.running) < self.max_num_seqs:
+            request = self.waiting[position]
+            if request.waiting_for_grammar:
+                position += 1
+                continue
             cached_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_cached, token_budget)
             if not self.kv.allocate_slots(request, num_new_tokens, cached_blocks):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(position)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:

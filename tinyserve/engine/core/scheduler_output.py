@@ -86,6 +86,12 @@ class SchedulerOutput:
     num_kv_blocks_used: int = 0
     num_kv_blocks_total: int = 0
     token_budget: int = 0
+    # Structured outputs (engine/structured_output.py): row i of grammar_bitmask, ceil(vocab_size / 32)
+    # int32 words, is the tokens structured_output_request_ids[i] may sample. Raw bytes (native byte
+    # order), so that the step still encodes with msgspec for the tensor-parallel ranks.
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: bytes | None = None
+    grammar_bitmask_time: float = 0.0  # seconds spent filling it
 
     @property
     def scheduled(self) -> list[ScheduledRequest]:

@@ -167,7 +167,10 @@ class ModelRunner:
         if inputs.sampling_request_ids:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             sampling_states = [self.requests[request_id] for request_id in inputs.sampling_request_ids]
-            token_ids, token_logprobs = self.sampler.sample(logits, sampling_states)
+            rows = {request_id: row for row, request_id in enumerate(inputs.sampling_request_ids)}
+            grammar_rows = [rows[request_id] for request_id in scheduler_output.structured_output_request_ids]
+            token_ids, token_logprobs = self.sampler.sample(logits, sampling_states,
+                                                            scheduler_output.grammar_bitmask, grammar_rows)
             for state, token_id in zip(sampling_states, token_ids):
                 state.output_token_ids.append(token_id)  # the scheduler appends the same token to its Request
             sampled = dict(zip(inputs.sampling_request_ids, token_ids))

@@ -2,7 +2,8 @@
 
 The order of operations follows vLLM's (v1) sampler:
 
-    raw logits ─► logprobs reported to the user (before any processing)
+    raw logits ─► grammar bitmask (structured outputs): tokens the grammar forbids get -inf
+        ├─► logprobs reported to the user (before any further processing)
         │
         ├─► min_tokens: stop tokens (EOS included) masked until enough tokens were generated
         ├─► logit_bias: added to the chosen tokens' logits
@@ -29,9 +30,13 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)  # shared by unseeded requests
 
-    def sample(self, logits: torch.Tensor,
-               requests: list[CachedRequestState]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: [len(requests), vocab] float32, one row per request that samples this step."""
+    def sample(self, logits: torch.Tensor, requests: list[CachedRequestState],
+               grammar_bitmask: bytes | None = None,
+               grammar_rows: list[int] = ()) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [len(requests), vocab] float32, one row per request that samples this step;
+        grammar_bitmask row i constrains logits row grammar_rows[i]."""
+        if grammar_bitmask is not None:
+            logits = apply_grammar_bitmask(logits, grammar_bitmask, grammar_rows)
         params = [r.sampling_params for r in requests]
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
@@ -86,6 +91,22 @@ class Sampler:
         if request.generator is None:
             request.generator = torch.Generator(device=self.device).manual_seed(seed)
         return request.generator
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: bytes, rows: list[int]) -> torch.Tensor:
+    """-inf for every token a grammar forbids. Bit j of word w of a bitmask row is token 32 * w + j:
+
+        word 0 = 0b...0110   tokens 1 and 2 allowed, 0 and 3..31 forbidden
+
+    bitmask: len(rows) rows of int32 words, as raw bytes (SchedulerOutput.grammar_bitmask).
+    """
+    words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32).view(len(rows), -1).to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, : logits.shape[-1]]
+    index = torch.tensor(list(rows), device=logits.device)
+    logits = logits.clone()
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, request: CachedRequestState) -> None:

@@ -7,9 +7,10 @@ content_block_stop, message_delta (stop reason, usage), message_stop.
 A stream that cannot finish (the engine died, the server shut down and aborted
 it) ends with an `error` event instead, as Anthropic's own API does. A final
 assistant message is a prefill: the reply continues it rather than opening a new
-turn. Tools and extended thinking are not implemented: a request that asks for
-them is refused (request_fields.py). /v1/messages/count_tokens counts the prompt as
-/v1/messages would render it.
+turn. Tools, tool_choice and tool_use / tool_result blocks are anthropic_tools.py's;
+extended thinking is not implemented, and a request that asks for it is refused
+(request_fields.py). /v1/messages/count_tokens counts the prompt as /v1/messages
+would render it, tools included.
 """
 
 import uuid
@@ -21,8 +22,20 @@ from pydantic import Field, field_validator, model_validator
 
 from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError, anthropic_error_body
-from tinyserve.entrypoints.api.openai_protocol import StrictBody, Text
-from tinyserve.entrypoints.api.openai_serving import ServingContext, render_and_tokenize
+from tinyserve.entrypoints.api.anthropic_tools import (
+    AnthropicTool,
+    AnthropicToolChoice,
+    BlockEvents,
+    ContentBlock,
+    TextBlock,
+    check_tools,
+    content_blocks,
+    template_messages,
+    template_tools,
+    tool_plan,
+)
+from tinyserve.entrypoints.api.openai_serving import ServingContext, add_constrained_request, render_and_tokenize
+from tinyserve.entrypoints.api.strict_body import StrictBody, Text
 from tinyserve.entrypoints.api.sse import (
     EventStreamResponse,
     final_outputs_unless_disconnected,
@@ -36,18 +49,15 @@ from tinyserve.sampling_params import SamplingParams
 ABORTED = "the request was aborted before it finished: the server is shutting down"
 
 
-class TextBlock(StrictBody):
-    type: Literal["text"]
-    text: Text
-
-
 class Message(StrictBody):
     role: Literal["user", "assistant"]
-    content: Text | list[TextBlock]
+    content: Text | list[ContentBlock]
 
     @property
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(block.text for block in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(block.text for block in self.content if isinstance(block, TextBlock))
 
 
 class Metadata(StrictBody):
@@ -61,6 +71,8 @@ class MessagesCountTokensRequest(StrictBody):
     model: Text
     messages: list[Message] = Field(min_length=1)
     system: Text | list[TextBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -76,6 +88,7 @@ class MessagesCountTokensRequest(StrictBody):
     def _prefill_without_trailing_whitespace(self) -> "MessagesCountTokensRequest":
         if self.prefilled and self.messages[-1].text != self.messages[-1].text.rstrip():
             raise ValueError("final assistant content cannot end with trailing whitespace")
+        check_tools(self.tools, self.tool_choice)
         return self
 
     def conversation(self) -> list[dict]:
@@ -83,7 +96,7 @@ class MessagesCountTokensRequest(StrictBody):
         if self.system:
             system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system)
             turns.append({"role": "system", "content": system})
-        return turns + [{"role": m.role, "content": m.text} for m in self.messages]
+        return turns + [turn for m in self.messages for turn in template_messages(m.role, m.content)]
 
 
 class MessagesRequest(MessagesCountTokensRequest):
@@ -107,13 +120,15 @@ async def count_tokens(ctx: ServingContext, body: MessagesCountTokensRequest) ->
     try:
         prompt = await ctx.engine.render_threads.tokenize_chat(
             body.conversation(), fit_context=False, add_generation_prompt=not body.prefilled,
-            continue_final_message=body.prefilled)
+            continue_final_message=body.prefilled, tools=template_tools(body.tools))
     except ValueError as error:
         raise APIError(400, str(error), getattr(error, "param", None) or "messages") from error
     return {"input_tokens": len(prompt.prompt_token_ids)}
 
 
-def _stop_reason(finish_reason: str | None, stop_reason) -> str:
+def _stop_reason(finish_reason: str | None, stop_reason, calls=None) -> str:
+    if calls is not None and calls.finish_reason(finish_reason) == "tool_calls":
+        return "tool_use"
     if finish_reason == "length":
         return "max_tokens"
     if isinstance(stop_reason, str):
@@ -127,6 +142,11 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request
     message_id = f"msg_{uuid.uuid4().hex}"
     spans = start_request_spans(schema.OPERATION_CHAT, model, message_id, redact_inputs=ctx.redact_inputs)
 
+    try:
+        constraint, tool_calls = tool_plan(body.tools, body.tool_choice, ctx.tool_call_parser)
+    except ValueError as error:
+        raise APIError(400, str(error), "tool_choice") from error
+
     def make_params(max_tokens: int) -> SamplingParams:
         defaults = ctx.sampling_defaults
         return SamplingParams(
@@ -137,20 +157,22 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request
             min_p=defaults["min_p"],
             repetition_penalty=defaults["repetition_penalty"],
             stop=body.stop_sequences or None,
+            structured_outputs=constraint,
         )
 
     try:
         prompt, params = await render_and_tokenize(ctx, spans, body.conversation(), not body.prefilled,
-                                                   body.max_tokens, make_params, continue_final_message=body.prefilled)
-        stream = await ctx.engine.add_request(prompt, params, message_id, spans=spans,
-                                              output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
+                                                   body.max_tokens, make_params, continue_final_message=body.prefilled,
+                                                   tools=template_tools(body.tools))
+        stream = await add_constrained_request(ctx.engine, "tools", prompt, params, message_id, spans=spans,
+                                               output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
     except Exception as error:
         spans.fail(error)
         raise
     num_prompt = len(prompt.prompt_token_ids)
 
     if body.stream:
-        return EventStreamResponse(_stream(stream, message_id, model, num_prompt), [stream])
+        return EventStreamResponse(_stream(stream, message_id, model, num_prompt, tool_calls), [stream])
 
     outputs = await final_outputs_unless_disconnected([stream], raw_request)
     if outputs is None:
@@ -158,25 +180,29 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request
     completion = outputs[0].outputs[0]
     if completion.finish_reason == "abort":
         raise APIError(503, ABORTED)
+    calls = tool_calls() if tool_calls else None
     return JSONResponse({
         "id": message_id,
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": [{"type": "text", "text": completion.text}],
-        "stop_reason": _stop_reason(completion.finish_reason, completion.stop_reason),
+        "content": content_blocks(calls, completion.text) if calls else [{"type": "text", "text": completion.text}],
+        "stop_reason": _stop_reason(completion.finish_reason, completion.stop_reason, calls),
         "stop_sequence": completion.stop_reason if isinstance(completion.stop_reason, str) else None,
         "usage": {"input_tokens": num_prompt, "output_tokens": len(completion.token_ids)},
     })
 
 
-async def _stream(stream, message_id, model, num_prompt):
+async def _stream(stream, message_id, model, num_prompt, tool_calls):
     yield sse_event("message_start", {"type": "message_start", "message": {
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": num_prompt, "output_tokens": 0},
     }})
-    yield sse_event("content_block_start", {"type": "content_block_start", "index": 0,
-                                            "content_block": {"type": "text", "text": ""}})
+    # Without tools, one text block; with them, blocks open as the text and the calls come (BlockEvents).
+    calls, blocks = (tool_calls(), BlockEvents()) if tool_calls else (None, None)
+    if blocks is None:
+        yield sse_event("content_block_start", {"type": "content_block_start", "index": 0,
+                                                "content_block": {"type": "text", "text": ""}})
     yield sse_event("ping", {"type": "ping"})  # as Anthropic's own stream does, before the first delta
     num_generated, finish_reason, stop_reason = 0, None, None
     try:
@@ -184,7 +210,10 @@ async def _stream(stream, message_id, model, num_prompt):
             completion = output.outputs[0]
             num_generated += len(completion.token_ids)
             finish_reason, stop_reason = completion.finish_reason, completion.stop_reason
-            if completion.text:
+            if blocks is not None:
+                for event in blocks.events(calls.feed(completion.text, completion.finished())):
+                    yield event
+            elif completion.text:
                 yield sse_event("content_block_delta", {"type": "content_block_delta", "index": 0,
                                                         "delta": {"type": "text_delta", "text": completion.text}})
     except Exception as error:
@@ -193,10 +222,12 @@ async def _stream(stream, message_id, model, num_prompt):
     if finish_reason == "abort":
         yield sse_event("error", anthropic_error_body(503, ABORTED))
         return
-    yield sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    for event in blocks.close() if blocks is not None else [sse_event(
+            "content_block_stop", {"type": "content_block_stop", "index": 0})]:
+        yield event
     yield sse_event("message_delta", {
         "type": "message_delta",
-        "delta": {"stop_reason": _stop_reason(finish_reason, stop_reason),
+        "delta": {"stop_reason": _stop_reason(finish_reason, stop_reason, calls),
                   "stop_sequence": stop_reason if isinstance(stop_reason, str) else None},
         "usage": {"output_tokens": num_generated},
     })

@@ -19,6 +19,7 @@ from tinyserve.entrypoints.api.errors import APIError
 from tinyserve.entrypoints.api.openai_protocol import CompletionRequest
 from tinyserve.entrypoints.api.openai_serving import (
     ServingContext,
+    add_constrained_request,
     guard_stream,
     prompt_logprobs_json,
     tokenize,
@@ -89,7 +90,8 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
                 # Echo only (max_tokens 0): the engine computes the prompt and one token, which is dropped.
                 max_tokens = ctx.max_tokens_for(len(prompt.prompt_token_ids), 1 if body.echo_only else body.max_tokens)
                 try:
-                    params = body.sampling_params(max_tokens, body.logprobs, ctx.sampling_defaults)
+                    params = body.sampling_params(max_tokens, body.logprobs, ctx.sampling_defaults,
+                                                  body.constraint()[0])
                     if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
                         params = params.clone(prompt_logprobs=body.logprobs)  # the echoed prompt is scored too
                 except ValueError as error:
@@ -153,8 +155,9 @@ async def _add_all(ctx, body, request_id, processed, params_list, spans_list) ->
     kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
     try:
         for index, (prompt, params, spans) in enumerate(zip(processed, params_list, spans_list)):
-            streams.append(await ctx.engine.add_request(prompt, params, f"{request_id}-{index}", output_kind=kind,
-                                                        priority=body.priority, spans=spans))
+            streams.append(await add_constrained_request(ctx.engine, body.constraint()[1], prompt, params,
+                                                         f"{request_id}-{index}", output_kind=kind,
+                                                         priority=body.priority, spans=spans))
     except Exception as error:
         for spans in spans_list:
             spans.fail(error)

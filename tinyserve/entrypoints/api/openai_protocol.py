@@ -5,52 +5,28 @@ Field names and ranges follow the OpenAI API, plus vLLM's extra sampling fields
 prompt_logprobs, continue_final_message, chat_template_kwargs, priority). Unknown
 fields are ignored, as OpenAI clients send fields a server may not use; but a known
 field that would change what is generated and that tinyserve does not implement
-(tools, response_format, best_of, suffix, ...: the tables in request_fields.py) is
-refused with a 400 naming it, rather than quietly giving other output than was
-asked for. Types are strict (no "2" for 2), numbers finite, and every
-string valid Unicode: JSON can carry a lone surrogate ("\\ud800") that no
-tokenizer or UTF-8 encoder accepts.
+(best_of, suffix, ...: the tables in request_fields.py) is refused with a 400
+naming it, rather than quietly giving other output than was asked for. The fields
+that constrain the output (response_format, structured_outputs, tools) are
+structured_protocol.py's; strict types and valid Unicode are strict_body.py's.
 """
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tinyserve.entrypoints.api.field_limits import FieldLimits
-from tinyserve.entrypoints.api.request_fields import check_refused
+from tinyserve.entrypoints.api.strict_body import StrictBody, Text
+from tinyserve.entrypoints.api.structured_protocol import (
+    AssistantToolCall,
+    ConstrainedFields,
+    NamedToolChoice,
+    Tool,
+    ToolChoice,
+    check_tool_choice,
+)
 from tinyserve.sampling_params import SamplingParams
 
 INT64 = 2**63  # seeds, priorities and top_k cross to the engine as 64-bit integers
-
-
-def _check_unicode(text: str) -> str:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(f"is not valid Unicode: a lone surrogate at character {error.start}") from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(_check_unicode)]
-
-
-class StrictBody(BaseModel):
-    """A request body or part of one: strict types, finite numbers, unknown fields ignored.
-
-    `limits` bound how much a field may hold (field_limits.py); a server binds its own.
-    """
-
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-    limits: ClassVar[FieldLimits] = FieldLimits()
-    # For a request body: its table in request_fields.py, of the fields refused when they ask for something.
-    refused_fields: ClassVar[str | None] = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unimplemented(cls, data):
-        if cls.refused_fields is not None:
-            check_refused(cls.refused_fields, data)
-        return data
 
 
 class StreamOptions(StrictBody):
@@ -66,11 +42,15 @@ class ChatMessage(StrictBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None  # None only for an assistant turn (one that called tools)
     name: Text | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: Text | None = None  # a tool turn: the call it answers
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> "ChatMessage":
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content is required for a {self.role!r} message")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls can only be given in an assistant message")
         return self
 
     def as_template_message(self) -> dict:
@@ -80,11 +60,15 @@ class ChatMessage(StrictBody):
         message = {"role": self.role, "content": content or ""}
         if self.name is not None:  # a template may show who is speaking
             message["name"] = self.name
+        if self.tool_calls:  # templates take the arguments as an object, as transformers documents
+            message["tool_calls"] = [call.as_template_call() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
-class SamplingFields(StrictBody):
-    """Fields shared by chat and completions."""
+class SamplingFields(ConstrainedFields):
+    """Fields shared by chat and completions (and response_format, structured_outputs: ConstrainedFields)."""
 
     model: Text | None = None
     n: int = Field(1, ge=1, le=128)
@@ -141,9 +125,11 @@ class SamplingFields(StrictBody):
             raise ValueError("is not available with stream=true")
         return value
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict,
+                        structured_outputs=None) -> SamplingParams:
         """defaults: the value of each of temperature, top_p, top_k, min_p, repetition_penalty
-        when the request leaves it out (ServingContext.sampling_defaults)."""
+        when the request leaves it out (ServingContext.sampling_defaults); structured_outputs:
+        the constraint (ConstrainedFields.constraint, or a tool_choice's)."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
 
         def value(name: str):
@@ -169,6 +155,7 @@ class SamplingFields(StrictBody):
             stop_token_ids=self.stop_token_ids or None,
             prompt_logprobs=self.prompt_logprobs,
             logit_bias={int(token_id): bias for token_id, bias in self.logit_bias.items()} if self.logit_bias else None,
+            structured_outputs=structured_outputs,
         )
 
     @property
@@ -186,6 +173,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the reply continues the last message instead of opening a turn
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # with tools: "auto" when left out, as OpenAI's
+    parallel_tool_calls: bool = True
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -194,6 +184,7 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _consistent_options(self) -> "ChatCompletionRequest":
+        check_tool_choice(self.tools, self.tool_choice, self.constraint()[0] is not None)
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         if self.continue_final_message and self.add_generation_prompt:
@@ -203,6 +194,19 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def effective_tool_choice(self):
+        """None (no tools), "none", "auto", "required" or a function's name as {"name": ...}."""
+        if not self.tools:
+            return None
+        choice = self.tool_choice or "auto"
+        return {"name": choice.function.name} if isinstance(choice, NamedToolChoice) else choice
+
+    @property
+    def template_tools(self) -> list[dict] | None:
+        """The tools as chat templates take them (OpenAI's shape, as dicts)."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
     @property
     def num_logprobs(self) -> int | None:

@@ -8,6 +8,7 @@ RequestOutput deltas arrive, or waits for the final output and answers with one
 JSON body. Every request stream is closed however the response ends (sse.py).
 """
 
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,11 +17,13 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tinyserve.config import InvalidInputError
 from tinyserve.frontend.async_llm import AsyncLLM
 from tinyserve.frontend.input_processor import ProcessedPrompt
 from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError, openai_error_body
 from tinyserve.entrypoints.api.openai_protocol import ChatCompletionRequest
+from tinyserve.entrypoints.api.tool_calls import ToolCallDeltas, tool_constraint, tools_for_constraint
 from tinyserve.entrypoints.api.sse import (
     EventStreamResponse,
     final_outputs_unless_disconnected,
@@ -37,6 +40,7 @@ class ServingContext:
     engine: AsyncLLM
     model_names: list[str]  # the first is the one reported in responses
     redact_inputs: bool = False  # traces keep token counts but no text or token ids
+    tool_call_parser: str | None = None  # how "auto" tool calls are read (--enable-auto-tool-choice); None: refused
 
     def check_model(self, model: str | None) -> str:
         if model is not None and model not in self.model_names:
@@ -116,6 +120,38 @@ async def guard_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
 # ---- chat ------------------------------------------------------------------
 
 
+def chat_constraint(ctx: ServingContext, body: ChatCompletionRequest):
+    """(the output's constraint, the field it came from, a maker of ToolCallDeltas or None).
+
+    A "required" or named tool_choice is a constraint of its own; "auto" reads the calls out of
+    free text with the server's tool-call parser.
+    """
+    constraint, field = body.constraint()
+    choice = body.effective_tool_choice
+    if choice in (None, "none"):
+        return constraint, field, None
+    if choice == "auto":
+        if ctx.tool_call_parser is None:
+            raise APIError(400, '"auto" tool choice needs the server started with --enable-auto-tool-choice and '
+                           '--tool-call-parser; or give tool_choice "required", "none" or a function', "tool_choice")
+        return constraint, field, functools.partial(ToolCallDeltas, ctx.tool_call_parser)
+    tools = tools_for_constraint(body.tools)
+    if choice == "required":
+        return tool_constraint(tools, choice, body.parallel_tool_calls), "tools", functools.partial(
+            ToolCallDeltas, "required")
+    return tool_constraint(tools, choice), "tool_choice", functools.partial(ToolCallDeltas, "named", choice["name"])
+
+
+async def add_constrained_request(engine: AsyncLLM, constrained_field: str | None, *args, **kwargs):
+    """engine.add_request; a constraint the grammar library refuses is a 400 naming the field it came from."""
+    try:
+        return await engine.add_request(*args, **kwargs)
+    except InvalidInputError as error:
+        if error.param == "structured_outputs" and constrained_field is not None:
+            raise APIError(400, str(error), constrained_field) from error
+        raise
+
+
 def chat_logprobs(output: CompletionOutput, num_top: int) -> dict | None:
     if output.logprobs is None:
         return None
@@ -137,14 +173,14 @@ def chat_logprobs(output: CompletionOutput, num_top: int) -> dict | None:
 
 async def render_and_tokenize(ctx: ServingContext, spans, messages: list[dict], add_generation_prompt: bool,
                               requested_max_tokens: int | None, make_params, continue_final_message: bool = False,
-                              template_kwargs: dict | None = None):
+                              template_kwargs: dict | None = None, tools: list[dict] | None = None):
     """Stage ②: template, tokenize (both in a thread), check lengths, build SamplingParams — logged on the
     render span."""
     with spans.stage(schema.RENDER) as render_span:
         try:
             prompt = await ctx.engine.render_threads.tokenize_chat(
                 messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                template_kwargs=template_kwargs)
+                template_kwargs=template_kwargs, tools=tools)
         except ValueError as error:  # the prompt's length (param "prompt"), or the messages themselves
             raise APIError(400, str(error), getattr(error, "param", None) or "messages") from error
         text = prompt.prompt
@@ -165,14 +201,17 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     spans = start_request_spans(schema.OPERATION_CHAT, model, request_id, redact_inputs=ctx.redact_inputs)
     try:
+        constraint, constrained_field, tools = chat_constraint(ctx, body)
         prompt, params = await render_and_tokenize(
             ctx, spans, [m.as_template_message() for m in body.messages], body.add_generation_prompt,
             body.requested_max_tokens,
-            lambda max_tokens: body.sampling_params(max_tokens, body.num_logprobs, ctx.sampling_defaults),
+            lambda max_tokens: body.sampling_params(max_tokens, body.num_logprobs, ctx.sampling_defaults, constraint),
             continue_final_message=body.continue_final_message, template_kwargs=body.chat_template_kwargs,
+            tools=body.template_tools,
         )
-        stream = await engine.add_request(prompt, params, request_id, priority=body.priority, spans=spans,
-                                          output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
+        stream = await add_constrained_request(engine, constrained_field, prompt, params, request_id,
+                                               priority=body.priority, spans=spans,
+                                               output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
     except Exception as error:
         spans.fail(error)
         raise
@@ -180,23 +219,23 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     num_top = body.top_logprobs or 0
 
     if body.stream:
-        events = _chat_stream(ctx, body, stream, prompt, params, request_id, created, model, num_top)
+        events = _chat_stream(ctx, body, stream, prompt, params, request_id, created, model, num_top, tools)
         return EventStreamResponse(guard_stream(events), [stream])
 
     outputs = await final_outputs_unless_disconnected([stream], raw_request)
     if outputs is None:
         return Response(status_code=499)
     [output] = outputs
-    choices = [
-        {
+    choices = []
+    for c in output.outputs:
+        calls = tools() if tools else None
+        choices.append({
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": {"role": "assistant", **(calls.message(c.text) if calls else {"content": c.text})},
             "logprobs": chat_logprobs(c, num_top),
-            "finish_reason": c.finish_reason,
+            "finish_reason": calls.finish_reason(c.finish_reason) if calls else c.finish_reason,
             "stop_reason": c.stop_reason,
-        }
-        for c in output.outputs
-    ]
+        })
     num_generated = sum(len(c.token_ids) for c in output.outputs)
     return JSONResponse({
         "id": request_id,
@@ -209,7 +248,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     })
 
 
-async def _chat_stream(ctx, body, stream, prompt, params, request_id, created, model, num_top) -> AsyncIterator[str]:
+async def _chat_stream(ctx, body, stream, prompt, params, request_id, created, model, num_top,
+                       tools) -> AsyncIterator[str]:
     def chunk(choices, **extra):
         return sse_data({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                          "choices": choices, **extra})
@@ -217,14 +257,23 @@ async def _chat_stream(ctx, body, stream, prompt, params, request_id, created, m
     for index in range(params.n):
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
     num_generated = num_cached = 0
+    calls = [tools() for _ in range(params.n)] if tools else None
     async for output in stream:
         num_cached = output.num_cached_tokens
         for c in output.outputs:
             num_generated += len(c.token_ids)
             if not c.text and not c.finished() and c.logprobs is None:
                 continue  # nothing to show yet (e.g. held back: half a character, maybe a stop string)
-            delta = {"content": c.text} if c.text else {}
-            yield chunk([{"index": c.index, "delta": delta, "logprobs": chat_logprobs(c, num_top),
-                          "finish_reason": c.finish_reason, **({"stop_reason": c.stop_reason} if c.finished() else {})}])
+            finish_reason = c.finish_reason
+            if calls:  # the text read as content and tool calls (tool_calls.py)
+                deltas = calls[c.index].feed(c.text, c.finished()) or [{}]
+                finish_reason = calls[c.index].finish_reason(c.finish_reason)
+            else:
+                deltas = [{"content": c.text} if c.text else {}]
+            for i, delta in enumerate(deltas):
+                last = i == len(deltas) - 1
+                yield chunk([{"index": c.index, "delta": delta, "logprobs": chat_logprobs(c, num_top) if last else None,
+                              "finish_reason": finish_reason if last else None,
+                              **({"stop_reason": c.stop_reason} if c.finished() and last else {})}])
     if body.include_usage:
         yield chunk([], usage=usage(len(prompt.prompt_token_ids), num_generated, num_cached))

@@ -45,9 +45,14 @@ def _tools_unused(value, body: dict) -> bool:
 
 _NO_TOOLS = "tool calling is not implemented yet"
 _NO_STRUCTURED = "structured outputs are not implemented yet"
-_STRUCTURED = {name: Refused(_NO_STRUCTURED) for name in (
-    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag",
-    "guided_decoding_backend", "guided_whitespace_pattern")}
+_STRUCTURED = {
+    **{name: Refused(f"vLLM's older spelling: give structured_outputs {{\"{name.removeprefix('guided_')}\": ...}}")
+       for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
+    "structural_tag": Refused("no structural tags; use structured_outputs"),
+    "guided_decoding_backend": Refused("the grammar library is the server's --structured-outputs-backend"),
+    "guided_whitespace_pattern": Refused("JSON is constrained to compact whitespace"),
+}
+_OLD_FUNCTIONS = "the API's older spelling of tools: give tools and tool_choice"
 # vLLM's extra fields that both of its OpenAI endpoints take, and tinyserve does not implement.
 _VLLM_EXTRAS = {
     **_STRUCTURED,
@@ -82,12 +87,8 @@ _OPENAI_NO_EFFECT = {
 REFUSED: dict[str, dict[str, Refused]] = {
     "chat": {
         **_VLLM_EXTRAS,
-        "response_format": Refused(_NO_STRUCTURED, (None, {"type": "text"})),
-        "tools": Refused(_NO_TOOLS, asks_nothing=_tools_unused),
-        "tool_choice": Refused(_NO_TOOLS, (None, "none")),
-        "functions": Refused(_NO_TOOLS, asks_nothing=_tools_unused),
-        "function_call": Refused(_NO_TOOLS, (None, "none")),
-        "parallel_tool_calls": Refused(_NO_TOOLS),
+        "functions": Refused(_OLD_FUNCTIONS, asks_nothing=_tools_unused),
+        "function_call": Refused(_OLD_FUNCTIONS, (None, "none")),
         "best_of": Refused("as in vLLM V1; use n", (None, 1)),
         "audio": Refused("no audio output"),
         "modalities": Refused("text is the only output", (None, ["text"])),
@@ -105,14 +106,11 @@ REFUSED: dict[str, dict[str, Refused]] = {
     },
     "completions": {
         **_VLLM_EXTRAS,
-        "response_format": Refused(_NO_STRUCTURED, (None, {"type": "text"})),
         "best_of": Refused("as in vLLM V1; use n", (None, 1)),
         "suffix": Refused("no fill-in-the-middle", (None, "")),
         "add_special_tokens": Refused("a prompt is always tokenized with its special tokens", (None, True)),
     },
     "messages": {
-        "tools": Refused(_NO_TOOLS, (None, [])),
-        "tool_choice": Refused(_NO_TOOLS),
         "thinking": Refused("no extended thinking", (None, {"type": "disabled"})),
         "output_config": Refused(_NO_STRUCTURED),
         "container": Refused("no code-execution containers"),

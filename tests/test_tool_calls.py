@@ -1,0 +1,76 @@
+"""Reading tool calls out of generated text (tool_calls.py, anthropic_tools.py), fed as a stream would be."""
+
+import json
+
+import pytest
+
+from tinyserve.entrypoints.api.anthropic_tools import BlockEvents, content_blocks
+from tinyserve.entrypoints.api.tool_calls import ToolCallDeltas, ToolCallParser, required_calls_schema
+
+HERMES = ('Let me look. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call> and '
+          '<tool_call>{"name": "g"}</tool_call>')
+
+
+def fed(parser: ToolCallParser, text: str, step: int = 1):
+    content, calls = "", []
+    for start in range(0, len(text), step):
+        more, new = parser.feed(text[start:start + step])
+        content, calls = content + more, calls + new
+    more, new = parser.finish()
+    return content + more, [(c.name, json.loads(c.arguments)) for c in calls + new]
+
+
+@pytest.mark.parametrize("step", [1, 3, len(HERMES)])
+def test_hermes_calls_are_found_however_the_text_is_cut(step):
+    assert fed(ToolCallParser("hermes"), HERMES, step) == ("Let me look.  and ", [("f", {"a": 1}), ("g", {})])
+
+
+def test_hermes_text_that_only_looks_like_a_call_stays_text():
+    text = "a <tool_ and <tool_call>not json</tool_call> and <tool_call>{\"name\": 1"
+    assert fed(ToolCallParser("hermes"), text) == (text, [])
+
+
+def test_hermes_holds_back_only_what_may_open_a_call():
+    parser = ToolCallParser("hermes")
+    assert parser.feed("Hi <tool") == ("Hi ", [])
+    assert parser.feed("box>") == ("<toolbox>", [])
+
+
+def test_required_calls_come_as_each_array_element_completes():
+    parser = ToolCallParser("required")
+    text = '[{"name": "f", "parameters": {"a": [1, 2]}}, {"name": "g", "parameters": {}}]'
+    cut = text.index("}}") + 2
+    assert [c.name for c in parser.feed(text[:cut])[1]] == ["f"]
+    assert [c.name for c in parser.feed(text[cut:])[1]] == ["g"]
+
+
+def test_required_schema_names_only_the_tools_and_limits_parallel_calls():
+    schema = required_calls_schema([{"name": "f", "parameters": {"type": "object"}}], parallel_tool_calls=False)
+    assert schema["maxItems"] == 1 and schema["minItems"] == 1
+    assert schema["items"]["anyOf"][0]["properties"]["name"] == {"enum": ["f"]}
+
+
+def test_named_function_arguments_stream_after_its_id_and_name():
+    deltas = ToolCallDeltas("named", "f")
+    first = deltas.feed('{"a"', finished=False)
+    assert first[0]["tool_calls"][0]["function"] == {"name": "f", "arguments": ""} and "id" in first[0]["tool_calls"][0]
+    assert first[1] == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a"'}}]}
+    assert deltas.feed(": 1}", finished=True) == [{"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}]
+    assert deltas.finish_reason("stop") == "tool_calls" and deltas.finish_reason("length") == "length"
+
+
+def test_anthropic_blocks_from_hermes_text():
+    blocks = content_blocks(ToolCallDeltas("hermes"), HERMES)
+    assert [b["type"] for b in blocks] == ["text", "tool_use", "tool_use"]
+    assert blocks[1]["input"] == {"a": 1} and blocks[1]["id"].startswith("toolu_")
+
+
+def test_anthropic_stream_opens_a_block_per_kind_and_closes_each():
+    deltas, blocks = ToolCallDeltas("hermes"), BlockEvents()
+    events = [e for ch in HERMES for e in blocks.events(deltas.feed(ch, finished=False))]
+    events += blocks.events(deltas.feed("", finished=True)) + blocks.close()
+    kinds = [json.loads(e.split("data: ", 1)[1])["type"] for e in events]
+    starts = [json.loads(e.split("data: ", 1)[1])["content_block"]["type"]
+              for e in events if "content_block_start" in e]
+    assert starts == ["text", "tool_use", "text", "tool_use"]
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 4

@@ -1,0 +1,171 @@
+"""Tool use in the Anthropic Messages API, on the same tool calling as the OpenAI endpoint.
+
+Anthropic's names for the same things (tool_calls.py does the work):
+
+    tools: [{name, description, input_schema}]          OpenAI: function tools, parameters
+    tool_choice {"type": "auto" | "any" | "tool" | "none"}   "auto" | "required" | named | "none"
+    assistant content block {"type": "tool_use", id, name, input}    an assistant's tool_calls
+    user content block {"type": "tool_result", tool_use_id, content}  a "tool" message
+    stop_reason "tool_use"                               finish_reason "tool_calls"
+
+A stream gives each block its own index: content_block_start (a tool_use block carries its
+id and name), then input_json_delta events with the input's JSON text, content_block_stop.
+"""
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from tinyserve.entrypoints.api.sse import sse_event
+from tinyserve.entrypoints.api.strict_body import StrictBody, Text
+from tinyserve.entrypoints.api.tool_calls import ToolCallDeltas, tool_constraint
+
+
+class TextBlock(StrictBody):
+    type: Literal["text"]
+    text: Text
+
+
+class ToolUseBlock(StrictBody):
+    type: Literal["tool_use"]
+    id: Text
+    name: Text
+    input: dict[str, Any]
+
+
+class ToolResultBlock(StrictBody):
+    type: Literal["tool_result"]
+    tool_use_id: Text
+    content: Text | list[TextBlock] = ""
+    is_error: bool = False
+
+    @property
+    def text(self) -> str:
+        text = self.content if isinstance(self.content, str) else "".join(block.text for block in self.content)
+        return f"Error: {text}" if self.is_error else text
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class AnthropicTool(StrictBody):
+    name: Text = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: Text | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None  # Anthropic's own server tools (web search, ...) are not served here
+
+
+class AnthropicToolChoice(StrictBody):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Text | None = None
+    disable_parallel_tool_use: bool = False
+
+
+def check_tools(tools: list[AnthropicTool] | None, tool_choice: AnthropicToolChoice | None) -> None:
+    names = [tool.name for tool in tools or ()]
+    if tool_choice is not None and tool_choice.type != "none" and not tools:
+        raise ValueError("tool_choice needs tools: give the tools the model may use")
+    if len(set(names)) != len(names):
+        raise ValueError(f"tools must have distinct names, got {names}")
+    if tool_choice is not None and (tool_choice.type == "tool") != (tool_choice.name is not None):
+        raise ValueError('tool_choice takes a name with type "tool", and only then')
+    if tool_choice is not None and tool_choice.type == "tool" and tool_choice.name not in names:
+        raise ValueError(f"tool_choice names the tool {tool_choice.name!r}, which is not among the tools {names}")
+
+
+def template_messages(role: str, content: str | list) -> list[dict]:
+    """One Anthropic message as chat-template messages: tool results become "tool" turns, tool uses calls."""
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    text = "".join(block.text for block in content if isinstance(block, TextBlock))
+    calls = [{"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}}
+             for block in content if isinstance(block, ToolUseBlock)]
+    results = [{"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text}
+               for block in content if isinstance(block, ToolResultBlock)]
+    turns = results + ([{"role": role, "content": text}] if text or not results else [])
+    if calls:
+        turns[-1]["tool_calls"] = calls
+    return turns
+
+
+def template_tools(tools: list[AnthropicTool] | None) -> list[dict] | None:
+    """As OpenAI's function tools, the shape chat templates take."""
+    if not tools:
+        return None
+    return [{"type": "function", "function": {"name": tool.name, "description": tool.description or "",
+                                              "parameters": tool.input_schema}} for tool in tools]
+
+
+def tool_plan(tools, tool_choice, tool_call_parser: str | None):
+    """(the output's constraint, a maker of ToolCallDeltas or None); a ValueError for "auto" with no parser."""
+    choice = tool_choice.type if tool_choice is not None else "auto"
+    if not tools or choice == "none":
+        return None, None
+    constraint_tools = [{"name": tool.name, "parameters": tool.input_schema} for tool in tools]
+    if choice == "auto":
+        if tool_call_parser is None:
+            raise ValueError('tool_choice "auto" (the default with tools) needs the server started with '
+                             '--enable-auto-tool-choice and --tool-call-parser; or give "any", "tool" or "none"')
+        return None, lambda: ToolCallDeltas(tool_call_parser)
+    if choice == "any":
+        return (tool_constraint(constraint_tools, "required", not tool_choice.disable_parallel_tool_use),
+                lambda: ToolCallDeltas("required"))
+    return (tool_constraint(constraint_tools, {"name": tool_choice.name}),
+            lambda: ToolCallDeltas("named", tool_choice.name))
+
+
+def tool_use_id(openai_id: str) -> str:
+    return "toolu_" + openai_id.removeprefix("call_")
+
+
+def content_blocks(calls: ToolCallDeltas, text: str) -> list[dict]:
+    """The whole reply as Anthropic content blocks: its text (if any), then a tool_use block per call."""
+    message = calls.message(text)
+    blocks = [{"type": "text", "text": message["content"]}] if message.get("content") else []
+    for call in message.get("tool_calls") or ():
+        blocks.append({"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"],
+                       "input": json.loads(call["function"]["arguments"])})
+    return blocks or [{"type": "text", "text": ""}]
+
+
+class BlockEvents:
+    """OpenAI-shaped deltas (ToolCallDeltas.feed) as Anthropic content block events."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open_kind: str | None = None
+
+    def events(self, deltas: list[dict]) -> list[str]:
+        events = []
+        for delta in deltas:
+            if delta.get("content"):
+                if self.open_kind != "text":
+                    events += self._start({"type": "text", "text": ""})
+                events.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+            for call in delta.get("tool_calls") or ():
+                if "id" in call:
+                    events += self._start({"type": "tool_use", "id": tool_use_id(call["id"]),
+                                           "name": call["function"]["name"], "input": {}})
+                arguments = call["function"].get("arguments")
+                if arguments:
+                    events.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
+        return events
+
+    def close(self) -> list[str]:
+        if self.open_kind == "closed":
+            return []
+        if self.open_kind is None:  # nothing was said: one empty text block, as Anthropic's API sends
+            return [*self._start({"type": "text", "text": ""}), *self.close()]
+        self.open_kind = "closed"
+        return [sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def _start(self, block: dict) -> list[str]:
+        events = [] if self.open_kind in (None, "closed") else self.close()
+        self.index += 1
+        self.open_kind = block["type"]
+        return events + [sse_event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                           "content_block": block})]
+
+    def _delta(self, delta: dict) -> str:
+        return sse_event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
