@@ -80,10 +80,12 @@ def test_count_tokens_equals_the_input_tokens_of_the_same_messages(claude, messa
     assert counted.input_tokens == sent.usage.input_tokens > 0
 
 
-def test_count_tokens_refuses_tools_naming_them(claude):
-    with pytest.raises(anthropic.BadRequestError, match="tools"):
-        claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                     tools=[{"name": "f", "input_schema": {"type": "object"}}])
+def test_count_tokens_with_tools_equals_the_input_tokens_of_the_same_request(claude):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                  tools=[{"name": "f", "description": "does f", "input_schema": {"type": "object"}}],
+                  tool_choice={"type": "any"})  # "auto" would need --enable-auto-tool-choice
+    counted = claude.messages.count_tokens(**kwargs)
+    assert counted.input_tokens == claude.messages.create(max_tokens=1, **kwargs).usage.input_tokens > 0
 
 
 def test_anthropic_thinking_is_refused_unless_disabled(claude):
