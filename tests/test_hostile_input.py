@@ -156,7 +156,7 @@ def test_unknown_model_is_404_even_with_a_name_json_can_barely_carry(server):
     ({"messages": []}, ["messages"]),
     ({"messages": [{"role": "system", "content": "x"}]}, ["messages.0.role"]),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64"}}]}]},
-     ["messages.0.content.0.type"]),
+     ["messages.0.content.0", "'image'"]),  # a block type other than text, tool_use, tool_result
     ({"system": 7}, ["system"]),
     ({"stop_sequences": "END"}, ["stop_sequences"]),
     ({"stop_sequences": [""]}, ["stop"]),
