@@ -38,15 +38,23 @@ python=${PYTHON:-python3}
 mkdir -p "$dest"
 
 # The runtime dependencies, from pyproject.toml, less torch (and triton, which torch brings).
+# A dependency that itself requires torch (xgrammar) is downloaded without its own
+# dependencies, which would bring a torch; the rest of them are listed here instead.
 requirements=$(mktemp)
-trap 'rm -f "$requirements"' EXIT
-"$python" - "$requirements" <<'EOF'
+without_deps=$(mktemp)
+trap 'rm -f "$requirements" "$without_deps"' EXIT
+"$python" - "$requirements" "$without_deps" <<'EOF'
 import re, sys
+TORCH_DEPENDENTS = {"xgrammar": ["apache-tvm-ffi>=0.1.11"]}  # besides torch, triton and what tinyserve needs anyway
 text = open("pyproject.toml", encoding="utf-8").read()
 block = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M).group(1)
-kept = [entry for entry in re.findall(r'"([^"]+)"', block)
-        if re.match(r"[A-Za-z0-9_.-]+", entry).group(0).lower() not in ("torch", "triton")]
+entries = re.findall(r'"([^"]+)"', block)
+def name(entry): return re.match(r"[A-Za-z0-9_.-]+", entry).group(0).lower()
+kept = [e for e in entries if name(e) not in ("torch", "triton") and name(e) not in TORCH_DEPENDENTS]
+alone = [e for e in entries if name(e) in TORCH_DEPENDENTS]
+kept += [dep for e in alone for dep in TORCH_DEPENDENTS[name(e)]]
 open(sys.argv[1], "w", encoding="utf-8").write("\n".join(kept) + "\n")
+open(sys.argv[2], "w", encoding="utf-8").write("\n".join(alone) + "\n")
 EOF
 
 echo "offline_wheels: tinyserve's own wheel" >&2
@@ -61,6 +69,10 @@ fi
 echo "offline_wheels: its dependencies for Python $python_version on $platform" >&2
 "$python" -m pip download --quiet --dest "$dest" --only-binary=:all: --implementation cp \
   --python-version "$python_version" "${platforms[@]}" -r "$requirements"
+if [ -s "$without_deps" ]; then
+  "$python" -m pip download --quiet --dest "$dest" --only-binary=:all: --implementation cp --no-deps \
+    --python-version "$python_version" "${platforms[@]}" -r "$without_deps"
+fi
 if ls "$dest" | grep -qiE '^(torch|triton)-'; then
   echo "offline_wheels: a torch or triton wheel came in as a dependency; the offline machine's own must stay" >&2
   exit 1
