@@ -186,5 +186,9 @@ def test_tensor_parallel_ranks_apply_the_same_bitmask(folder):
     """The bitmask crosses to the other ranks inside the SchedulerOutput: the same constrained tokens as one rank."""
     params = constrained(regex="[0-9]{5}-[ab]+", max_tokens=30)
     alone = generate_one(LLM(folder, num_kv_blocks=64), params)
-    split = generate_one(LLM(folder, num_kv_blocks=64, tensor_parallel_size=2), params)
+    tp_llm = LLM(folder, num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        split = generate_one(tp_llm, params)
+    finally:
+        tp_llm.shutdown()  # its ranks and its process group: one per process
     assert split.token_ids == alone.token_ids and re.fullmatch("[0-9]{5}-[ab]+", split.text)
