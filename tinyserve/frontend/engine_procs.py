@@ -5,14 +5,13 @@ that deals with them as operating-system processes, one per data-parallel rank,
 each running engine_core_proc.run_engine_core.
 """
 
-import contextlib
 import multiprocessing
 import os
 import signal
-import threading
 
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.engine.engine_core_proc import run_engine_core
+from tinyserve.utils import sigint_ignored
 
 SHUTDOWN_TIMEOUT_S = 5.0  # SIGTERM, then SIGKILL after this long
 
@@ -49,7 +48,7 @@ class EngineProcesses:
                 ),
                 daemon=True,  # multiprocessing terminates it if this interpreter exits normally
             )
-            with _sigint_ignored():
+            with sigint_ignored():
                 process.start()
             self.processes.append(process)
 
@@ -84,23 +83,3 @@ class EngineProcesses:
             if process.exitcode is None:
                 process.kill()
                 process.join()
-
-
-@contextlib.contextmanager
-def _sigint_ignored():
-    """Start a child with SIGINT ignored from its first instruction.
-
-    A Ctrl-C in a terminal sends SIGINT to the whole foreground process group, engines
-    included; the API process alone decides how they stop (SIGTERM, after the drain). An
-    engine sets SIGINT to SIG_IGN itself, but only once its imports are done, seconds after
-    it starts; a disposition of SIG_IGN survives exec, and Python then installs no
-    KeyboardInterrupt handler of its own, so the child ignores it from the start.
-    """
-    if threading.current_thread() is not threading.main_thread():  # signal.signal works there only
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)

@@ -46,6 +46,7 @@ from tinyserve.engine.core.scheduler_output import SchedulerOutput
 from tinyserve.lifecycle.engine_records import RankTimes
 from tinyserve.lifecycle.tracing import tracing_enabled
 from tinyserve.models.tensor_parallel import TensorParallel, split_heads, split_width
+from tinyserve.utils import sigint_ignored
 
 RENDEZVOUS_TIMEOUT_S = 300  # ranks import torch and load their shard before they join
 _STOP = b"stop"
@@ -130,7 +131,7 @@ class TensorParallelWorkers:
             process = spawn.Process(target=run_worker, name=f"tinyserve-engine-{engine_index}-tp{rank}", daemon=True,
                                     args=(args, model_info, engine_index, rank, host, port, address, times_address,
                                           os.getpid(), num_threads))
-            with _sigint_ignored(), _may_have_children():
+            with sigint_ignored(), _may_have_children():
                 process.start()
             self.processes.append(process)
         self._threads_before = torch.get_num_threads()
@@ -277,16 +278,3 @@ def _may_have_children():
         yield
     finally:
         me.daemon = was_daemon
-
-
-@contextlib.contextmanager
-def _sigint_ignored():
-    """A child started with SIGINT ignored (engine_procs.py says why)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
