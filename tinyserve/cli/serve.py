@@ -7,6 +7,8 @@ get --shutdown-timeout seconds, the rest end with finish_reason "abort", every
 trace file is flushed and nothing of the server is left running. An engine
 process that dies fails the requests it held and stops the server the same
 way, with exit status 1 (--keep-alive-on-engine-death keeps it up).
+
+With --headless it runs engines for a head node instead (engine/headless.py).
 """
 
 import argparse
@@ -16,6 +18,7 @@ import sys
 
 import uvicorn
 
+from tinyserve.cli.data_parallel_flags import add_data_parallel_flags, check_data_parallel_flags, size_local
 from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from
 from tinyserve.entrypoints.api.field_limits import (
     DEFAULT_MAX_LOGIT_BIAS_ENTRIES,
@@ -38,6 +41,7 @@ def add_parser(commands) -> None:
     parser = commands.add_parser("serve", help="start the HTTP server", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_flags(parser)
+    add_data_parallel_flags(parser)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server to the network)")
@@ -45,8 +49,6 @@ def add_parser(commands) -> None:
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="name(s) clients use for the model (default: the model argument, or 'tinyserve-default')")
     group.add_argument("--api-key", default=None, help="require this key (Bearer, or x-api-key on /v1/messages) on /v1 routes")
-    group.add_argument("--data-parallel-size", type=int, default=1,
-                       help="number of engine processes, each with its own KV cache (default 1)")
     group.add_argument("--keep-alive-on-engine-death", action="store_true",
                        help="when an engine process dies, keep the server up answering 503 (vLLM's "
                             "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH) instead of exiting with status 1")
@@ -120,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     names = args.served_model_name or [args.model or "tinyserve-default"]
+    if args.headless:
+        return run_headless(args, names[0])
     try:
         listener = bind_listener(args.host, args.port)
     except OSError as error:
@@ -129,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         engine_args = engine_args_from(args)
         run_dir = start_tracing(args, engine_args, names[0])
         engine = AsyncLLM(engine_args, data_parallel_size=args.data_parallel_size, log_requests=args.log_requests,
-                          max_waiting_requests=args.max_waiting_requests)
+                          max_waiting_requests=args.max_waiting_requests, multi_node=_multi_node(args))
     except ValueError as error:
         listener.close()
         print(f"error: {error}", file=sys.stderr)
@@ -155,6 +159,42 @@ def run(args: argparse.Namespace) -> int:
     return server.exit_code
 
 
+def _multi_node(args: argparse.Namespace):
+    from tinyserve.frontend.remote_engines import MultiNode
+
+    if size_local(args) == args.data_parallel_size:
+        return None
+    return MultiNode(size_local(args), args.data_parallel_address, args.data_parallel_rpc_port)
+
+
+def run_headless(args: argparse.Namespace, served_model_name: str) -> int:
+    """Engines only, for the head at --data-parallel-address; returns when the head stops or is lost."""
+    from tinyserve.engine.headless import HeadlessNode
+
+    try:
+        engine_args = engine_args_from(args)
+        run_dir = start_tracing(args, engine_args, served_model_name, node_ranks=_local_ranks(args))
+        node = HeadlessNode(engine_args, args.data_parallel_size, size_local(args), args.data_parallel_start_rank,
+                            args.data_parallel_address, args.data_parallel_rpc_port)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if run_dir is not None:
+        print(f"tinyserve: tracing to {run_dir}", flush=True)
+    print(f"tinyserve: headless, ranks {node.ranks[0]}-{node.ranks[-1]} for the head at {node.head}", flush=True)
+    try:
+        return node.run()
+    finally:
+        from tinyserve.lifecycle.tracing import shutdown_tracing
+
+        shutdown_tracing()
+
+
+def _local_ranks(args: argparse.Namespace) -> list[int]:
+    start = args.data_parallel_start_rank or 0
+    return list(range(start, start + size_local(args)))
+
+
 def bind_listener(host: str, port: int) -> socket.socket:
     """The listening socket, bound before the model loads (as vLLM does): a taken port or an
     unknown host is reported at once instead of after a long start-up. uvicorn serves on it."""
@@ -171,8 +211,9 @@ def bind_listener(host: str, port: int) -> socket.socket:
 def _check_server_flags(args: argparse.Namespace) -> str | None:
     if not 0 <= args.port <= 65535:
         return f"--port must be in [0, 65535], got {args.port}"
-    if args.data_parallel_size < 1:
-        return "--data-parallel-size must be at least 1"
+    problem = check_data_parallel_flags(args)
+    if problem is not None:
+        return problem
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         return "--enable-auto-tool-choice needs --tool-call-parser"
     if args.max_waiting_requests < 1:
@@ -192,8 +233,11 @@ def _check_server_flags(args: argparse.Namespace) -> str | None:
     return None
 
 
-def start_tracing(args: argparse.Namespace, engine_args, served_model_name: str):
-    """Set up this process's tracer and tell the engines where to write; returns the run folder."""
+def start_tracing(args: argparse.Namespace, engine_args, served_model_name: str, node_ranks: list[int] | None = None):
+    """Set up this process's tracer and tell the engines where to write; returns the run folder.
+
+    node_ranks: on a headless node, the ranks it serves (its manifest says so, for `trace merge`).
+    """
     from dataclasses import asdict
 
     from tinyserve.config import ModelInfo
@@ -210,9 +254,13 @@ def start_tracing(args: argparse.Namespace, engine_args, served_model_name: str)
         write_manifest(run_dir, model=args.model, served_model_name=served_model_name,
                        engine_args=asdict(engine_args), data_parallel_size=args.data_parallel_size,
                        model_fingerprint=manifest_fingerprint(ModelInfo.from_args(engine_args).path),
-                       trace_max_mb=args.trace_max_mb)
+                       trace_max_mb=args.trace_max_mb,
+                       node={"host": socket.gethostname(), "headless": node_ranks is not None,
+                             "ranks": node_ranks if node_ranks is not None else _local_ranks(args)})
         engine_args.trace_run_dir = str(run_dir)
     engine_args.otlp_endpoint = args.otlp_endpoint
+    if node_ranks is not None:
+        return run_dir  # a headless node has no API process: only its engines trace
     setup_tracing(schema.SERVICE_API, run_dir / schema.API_TRACE_FILE if run_dir else None, args.otlp_endpoint,
                   max_bytes=cap)
     return run_dir

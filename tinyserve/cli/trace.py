@@ -5,6 +5,7 @@
     tinyserve trace export RUN --format perfetto -o run.json      for ui.perfetto.dev
     tinyserve trace plot RUN -o DIR                               waterfall, latency, batch and KV-usage PNGs
     tinyserve trace replay RUN [--request-id ID] [--model PATH]   re-run the logged requests, compare tokens
+    tinyserve trace merge HEAD_RUN NODE_RUN... -o OUT             one run from several nodes' folders
 
 RUN is a folder under traces/ (manifest.json plus one .jsonl file per process).
 `replay` builds an offline engine from the manifest's model and engine arguments
@@ -51,6 +52,11 @@ def add_parser(commands) -> None:
                                help="replay only this request (repeatable; default: all)")
     replay_parser.add_argument("--model", default=None, help="the model folder (default: the manifest's model)")
     replay_parser.set_defaults(handler=replay)
+
+    merge_parser = actions.add_parser("merge", help="join the run folders of a head and its headless nodes")
+    merge_parser.add_argument("runs", nargs="+", help="the run folders: the head's and each headless node's")
+    merge_parser.add_argument("-o", "--output", required=True, help="the merged run folder to create")
+    merge_parser.set_defaults(handler=merge)
 
 
 def _load(path: str) -> Run | None:
@@ -168,3 +174,16 @@ def replay(args: argparse.Namespace) -> int:
     mismatched = len(results) - matched - skipped
     print(f"replayed {len(results)} requests: {matched} match, {mismatched} mismatch, {skipped} skipped")
     return 1 if mismatched else 0
+
+
+def merge(args: argparse.Namespace) -> int:
+    from tinyserve.lifecycle.merge import merge_runs
+
+    try:
+        folder = merge_runs(args.runs, args.output)
+        run = load_run(folder)
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {folder}: {len(args.runs)} run folders, engines {run.engine_indices}, {len(run.requests)} requests")
+    return 0

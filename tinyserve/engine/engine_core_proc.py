@@ -16,6 +16,9 @@ and ZeroMQ's I/O threads is unsafe. It answers to its parent only: it exits when
 its parent dies (even by SIGKILL), ignores SIGINT (Ctrl-C in a terminal reaches
 the whole process group; the parent decides when engines stop) and exits
 cleanly on SIGTERM.
+
+The module is over 300 lines because the process's three threads, its signals and
+its handshake only make sense together.
 """
 
 import logging
@@ -56,6 +59,7 @@ from tinyserve.lifecycle.tracing import setup_tracing, shutdown_tracing
 logger = logging.getLogger(__name__)
 
 PARENT_POLL_S = 0.5  # how often the watchdog checks that the parent is alive
+INPUT_CONNECT_TIMEOUT_S = 30.0  # the client binds before it starts us: over TCP to another node this is ample
 OUTPUT_LINGER_MS = 2000  # on exit, how long queued messages may still take to leave
 _STOP = object()  # put on the output queue to end the output thread
 _WAKE = object()  # put on the input queue when a signal arrives
@@ -103,7 +107,8 @@ def _start_tracing(args: EngineArgs, engine_index: int) -> None:
     if args.trace_run_dir is not None:
         trace_file = Path(args.trace_run_dir) / schema.engine_trace_file(engine_index)
     setup_tracing(schema.engine_service_name(engine_index), trace_file, args.otlp_endpoint,
-                  max_bytes=args.trace_max_bytes)
+                  max_bytes=args.trace_max_bytes,
+                  resource={schema.RESOURCE_DP_RANK: engine_index, schema.RESOURCE_TP_RANK: 0})
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -138,6 +143,7 @@ class EngineCoreProc:
         )
         self.output_thread.start()
         self.input_thread = threading.Thread(target=self._input_loop, name="engine-input", daemon=True)
+        self.input_connected = threading.Event()
 
     def wake_on_signals(self) -> None:
         """Make a signal wake the main thread even while it waits on the input queue.
@@ -165,6 +171,14 @@ class EngineCoreProc:
         except Exception:
             self._fail("EngineCore() raised")
         self.input_thread.start()
+        # READY only once the client can send to us: a request sent to a socket with no
+        # peer yet would be refused (core_client._send), and over TCP the connection
+        # is not made the moment connect() returns.
+        if not self.input_connected.wait(INPUT_CONNECT_TIMEOUT_S):
+            try:
+                raise ConnectionError(f"no connection to {self.input_address} after {INPUT_CONNECT_TIMEOUT_S:.0f} s")
+            except ConnectionError:
+                self._fail("the input socket did not connect")
         self._send(
             EngineOutputKind.READY,
             EngineReady(
@@ -256,7 +270,12 @@ class EngineCoreProc:
 
     def _input_loop(self) -> None:
         socket = self.context.socket(zmq.PULL)
+        monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         socket.connect(self.input_address)
+        if monitor.poll(INPUT_CONNECT_TIMEOUT_S * 1000):
+            self.input_connected.set()
+        socket.disable_monitor()
+        monitor.close(linger=0)
         decoder = MessageDecoder(EngineInputKind, INPUT_TYPES)
         try:
             while True:

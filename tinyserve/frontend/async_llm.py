@@ -22,6 +22,9 @@ how many of those run; the rest wait. Beyond `max_waiting_requests` waiting, new
 are refused with RequestRejectedError (the server's 503), so a burst cannot grow memory
 without bound. On shutdown, `start_draining` refuses new requests and `abort_all` ends
 the ones left with finish_reason "abort", through the engines as any abort.
+
+The module is over 300 lines because a request's whole way through the front end
+(admission, send, abort, the output loop that ends it) reads best in one place.
 """
 
 import asyncio
@@ -32,6 +35,7 @@ import msgspec
 
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.frontend.core_client import MPClient
+from tinyserve.frontend.remote_engines import MultiNode
 from tinyserve.frontend.engine_client import EngineClient, EngineDeadError
 from tinyserve.frontend.inproc_client import AsyncInprocClient
 from tinyserve.frontend.input_processor import InputProcessor, ProcessedPrompt, log_inputs
@@ -58,8 +62,12 @@ class AsyncLLM:
         in_process: bool = False,
         log_requests: bool = False,
         max_waiting_requests: int | None = None,
+        multi_node: MultiNode | None = None,
     ) -> None:
-        """max_waiting_requests: most engine requests waiting for a seat before new ones are refused (None: no bound)."""
+        """max_waiting_requests: most engine requests waiting for a seat before new ones are refused (None: no bound).
+
+        multi_node: some of the data_parallel_size engines run on headless nodes (remote_engines.py).
+        """
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}")
         self.engine_args = engine_args
@@ -74,7 +82,8 @@ class AsyncLLM:
         if in_process:
             self.client = AsyncInprocClient(engine_args, self.model_info)
         else:
-            self.client = MPClient(engine_args, self.model_info, data_parallel_size=data_parallel_size)
+            self.client = MPClient(engine_args, self.model_info, data_parallel_size=data_parallel_size,
+                                   multi_node=multi_node)
         self.queues: dict[str, asyncio.Queue] = {}
         self.engine_stats: dict[int, SchedulerStats] = {}
         # Objects with on_request(request_id, child EngineCoreRequests, SamplingParams) and on_outputs(...),
@@ -115,6 +124,11 @@ class AsyncLLM:
     def errored(self) -> bool:
         """An engine died and every request it held has been failed (vLLM's name); nothing new is taken."""
         return self._dead is not None
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Which engine died and how (its process's exit, a headless node's silence); None while all live."""
+        return None if self._dead is None else str(self._dead)
 
     @property
     def num_kv_blocks(self) -> int:

@@ -6,7 +6,9 @@ MPClient is the EngineClient (engine_client.py) for engines in their own process
 starts and stops them; engine_core_proc.py is what runs in them), sends each
 request to one of them (dp_client.py picks which), and hands back whatever the
 engines produce, one EngineCoreOutputs at a time, to AsyncLLM's output loop.
-The socket layout is drawn in ipc.py.
+The socket layout is drawn in ipc.py. With multi_node, ranks from
+multi_node.size_local on run on headless nodes: their sockets are bound on TCP at
+the head's address, and remote_engines.py lets the nodes in and watches them.
 
 It also watches the engines. Each process has a sentinel, a file descriptor that
 becomes readable the moment the process exits; the event loop watches them, so
@@ -15,6 +17,9 @@ a crash is noticed at once, without polling. From then on the client is dead:
 caller can fail every in-flight request; `add_request` fails fast; the other
 engines are stopped too, since the caller fails their requests as well and their
 work would go nowhere.
+
+The module is over 300 lines because start-up, sending, receiving and an engine's
+death all work on the same sockets and the same in-flight table.
 """
 
 import asyncio
@@ -31,6 +36,8 @@ from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.frontend.dp_client import DPLoadBalancer
 from tinyserve.frontend.engine_client import ClientLiveness, EngineDeadError, EngineStartupError
 from tinyserve.frontend.engine_procs import EngineProcesses
+from tinyserve.frontend.remote_engines import MultiNode, RemoteEngines
+from tinyserve.models.fingerprint import manifest_fingerprint
 from tinyserve.wire.ipc import (
     OUTPUT_TYPES,
     UTILITY_METHODS,
@@ -60,12 +67,24 @@ class MPClient(ClientLiveness):
         ipc_dir: str | None = None,
         transport: str = "ipc",
         startup_timeout: float = STARTUP_TIMEOUT_S,
+        multi_node: MultiNode | None = None,
     ) -> None:
-        """ipc_dir: where to create the private socket directory (default: the system temp dir)."""
+        """ipc_dir: where to create the private socket directory (default: the system temp dir).
+
+        multi_node: ranks [multi_node.size_local, data_parallel_size) are served by headless nodes.
+        """
         if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if multi_node is not None:
+            if not 1 <= multi_node.size_local <= data_parallel_size:
+                raise ValueError(f"data_parallel_size_local must be in [1, {data_parallel_size}], "
+                                 f"got {multi_node.size_local}")
+            transport = "tcp"  # the other nodes must reach every socket
+        self.multi_node = multi_node
+        self.remote: RemoteEngines | None = None
+        self.model_info = model_info
         self.data_parallel_size = data_parallel_size
         self.transport = transport
         self.startup_timeout = startup_timeout
@@ -76,7 +95,8 @@ class MPClient(ClientLiveness):
         self.load_balancer = DPLoadBalancer(data_parallel_size)
         self._ipc_parent = ipc_dir
         self._ipc_dir: str | None = None
-        self._engines = EngineProcesses(args, model_info, data_parallel_size)
+        self.num_local_engines = data_parallel_size if multi_node is None else multi_node.size_local
+        self._engines = EngineProcesses(args, model_info, self.num_local_engines)
         self._context: zmq.asyncio.Context | None = None
         self._input_sockets: list[zmq.Socket] = []
         self._output_socket: zmq.asyncio.Socket | None = None
@@ -100,20 +120,31 @@ class MPClient(ClientLiveness):
             if self.transport == "ipc":
                 self._ipc_dir = make_ipc_dir(self._ipc_parent)
             self._output_socket = self._context.socket(zmq.PULL)
-            self._output_socket.bind(bind_address(self.transport, self._ipc_dir, "output"))
+            host = None if self.multi_node is None else self.multi_node.address
+            self._output_socket.bind(bind_address(self.transport, self._ipc_dir, "output", host))
             for index in range(self.data_parallel_size):
                 # A plain socket, not an asyncio one: a NOBLOCK send succeeds or fails at once (see _send).
                 socket = zmq.Socket(self._context, zmq.PUSH)
                 socket.setsockopt(zmq.SNDHWM, 0)
-                socket.bind(bind_address(self.transport, self._ipc_dir, f"input-{index}"))
+                socket.bind(bind_address(self.transport, self._ipc_dir, f"input-{index}", host))
                 self._input_sockets.append(socket)
-            self._engines.start([bound_endpoint(s) for s in self._input_sockets], bound_endpoint(self._output_socket))
+            input_addresses = [bound_endpoint(s) for s in self._input_sockets]
+            if self.multi_node is not None:
+                self.remote = RemoteEngines(self._context, self.multi_node, self.data_parallel_size,
+                                            manifest_fingerprint(self.model_info.path), input_addresses,
+                                            bound_endpoint(self._output_socket), self._mark_dead)
+                self.remote.start()
+            self._engines.start(input_addresses[:self.num_local_engines], bound_endpoint(self._output_socket))
             await asyncio.wait_for(self._wait_for_handshakes(), self.startup_timeout)
         except BaseException as error:
             self.shutdown()
             if isinstance(error, asyncio.TimeoutError):
+                missing = ""
+                if self.remote is not None and self.remote.missing_ranks:
+                    missing = (f"; no headless node came for ranks {self.remote.missing_ranks} "
+                               f"(they connect to {self.remote.endpoint})")
                 raise EngineStartupError(
-                    f"engines did not report ready within startup_timeout={self.startup_timeout}s"
+                    f"engines did not report ready within startup_timeout={self.startup_timeout}s{missing}"
                 ) from None
             raise
         for index, process in enumerate(self._engines.processes):
@@ -133,7 +164,9 @@ class MPClient(ClientLiveness):
                     ready[message.engine_index] = message
                 elif kind is EngineOutputKind.FAILED:
                     raise EngineStartupError(f"engine {message.engine_index} failed to start: {message.error}")
-            for index in range(self.data_parallel_size):
+            if self.dead_error is not None:  # a headless node lost before all were ready
+                raise EngineStartupError(str(self.dead_error))
+            for index in range(self.num_local_engines):
                 if index not in ready and self._engines.has_exited(index):
                     if await self._output_socket.poll(timeout=200):
                         continue  # its last words are still on the way: read them first
@@ -243,7 +276,8 @@ class MPClient(ClientLiveness):
         if self.dead_error is not None or self._closed:
             return
         lost = sum(1 for owner in self.in_flight.values() if owner == index)
-        self.dead_error = EngineDeadError(f"engine {index} died: {reason}; {lost} in-flight request(s) lost")
+        where = "" if index < self.num_local_engines else " (on a headless node)"
+        self.dead_error = EngineDeadError(f"engine {index}{where} died: {reason}; {lost} in-flight request(s) lost")
         logger.error("%s", self.dead_error)
         self._fail_waiters(self.dead_error)
         self._engines.terminate()
@@ -278,6 +312,8 @@ class MPClient(ClientLiveness):
                 self._loop.remove_reader(process.sentinel)
             if self._output_task is not None:
                 self._output_task.cancel()
+        if self.remote is not None:
+            self.remote.shutdown()
         self._engines.stop()
         for socket in [*self._input_sockets, self._output_socket]:
             if socket is not None:

@@ -2,7 +2,8 @@
 
 MPClient (core_client.py) talks to the engines over sockets; this is the part
 that deals with them as operating-system processes, one per data-parallel rank,
-each running engine_core_proc.run_engine_core.
+each running engine_core_proc.run_engine_core. On a headless node (engine/headless.py)
+the same class starts that node's ranks, first_index onwards.
 """
 
 import multiprocessing
@@ -17,23 +18,25 @@ SHUTDOWN_TIMEOUT_S = 5.0  # SIGTERM, then SIGKILL after this long
 
 
 class EngineProcesses:
-    def __init__(self, args: EngineArgs, model_info: ModelInfo, data_parallel_size: int) -> None:
+    def __init__(self, args: EngineArgs, model_info: ModelInfo, num_engines: int, first_index: int = 0) -> None:
+        """num_engines processes on this machine, serving data-parallel ranks first_index, first_index + 1, ..."""
         self.args = args
         self.model_info = model_info
-        self.data_parallel_size = data_parallel_size
-        self.processes: list[multiprocessing.Process] = []
+        self.num_engines = num_engines
+        self.first_index = first_index
+        self.processes: list[multiprocessing.Process] = []  # processes[i] serves rank first_index + i
 
     def start(self, input_addresses: list[str], output_address: str) -> None:
-        """Start engine i reading requests from input_addresses[i]; all write to output_address."""
+        """Start engine first_index + i reading requests from input_addresses[i]; all write to output_address."""
         # spawn, not fork: a forked copy of a process with torch and ZeroMQ threads can deadlock.
         # The arguments below reach the child pickled, over a pipe that only the two
         # processes hold; everything after the start goes over the sockets as msgspec.
         spawn = multiprocessing.get_context("spawn")
         num_threads = None
-        if self.args.torch_device.type == "cpu" and self.data_parallel_size > 1:
+        if self.args.torch_device.type == "cpu" and self.num_engines > 1:
             # Engines on one CPU split its cores: thread pools that overlap slow each other down.
-            num_threads = max(1, (os.cpu_count() or 1) // self.data_parallel_size)
-        for index, input_address in enumerate(input_addresses):
+            num_threads = max(1, (os.cpu_count() or 1) // self.num_engines)
+        for index, input_address in enumerate(input_addresses, start=self.first_index):
             process = spawn.Process(
                 target=run_engine_core,
                 name=f"tinyserve-engine-{index}",
@@ -56,12 +59,12 @@ class EngineProcesses:
     def pids(self) -> list[int]:
         return [process.pid for process in self.processes]
 
-    def has_exited(self, index: int) -> bool:
-        return self.processes[index].exitcode is not None
+    def has_exited(self, position: int) -> bool:
+        return self.processes[position].exitcode is not None
 
-    def exit_reason(self, index: int) -> str:
-        """How engine `index` ended ("exit code 1", "killed by SIGKILL"), reaping it first."""
-        process = self.processes[index]
+    def exit_reason(self, position: int) -> str:
+        """How the engine at `position` ended ("exit code 1", "killed by SIGKILL"), reaping it first."""
+        process = self.processes[position]
         process.join(timeout=0.1)  # reap it, so exitcode is known
         if process.exitcode is None:
             return "still running"

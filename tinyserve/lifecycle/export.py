@@ -74,16 +74,23 @@ def to_jaeger(run: Run) -> dict:
         traces.setdefault(span.trace_id, []).append(span)
     data = []
     for trace_id, spans in traces.items():
-        process_ids = {}
+        process_ids, resources = {}, {}
         for span in spans:
             process_ids.setdefault(span.service, f"p{len(process_ids) + 1}")
+            resources.setdefault(span.service, span.resource)
         data.append({
             "traceID": trace_id,
             "spans": [_jaeger_span(span, process_ids[span.service]) for span in spans],
-            "processes": {pid: {"serviceName": service, "tags": []} for service, pid in process_ids.items()},
+            "processes": {pid: {"serviceName": service, "tags": _process_tags(resources[service])}
+                          for service, pid in process_ids.items()},
             "warnings": None,
         })
     return {"data": data}
+
+
+def _process_tags(resource: dict) -> list[dict]:
+    """The process's resource attributes but its name (host.name, its ranks), as Jaeger shows under Process."""
+    return [_jaeger_tag(key, value) for key, value in resource.items() if key != "service.name"]
 
 
 # ---- Perfetto (Chrome trace-event JSON) ------------------------------------------------------

@@ -70,6 +70,7 @@ class Span:
     events: list[SpanEvent] = field(default_factory=list)
     links: list[SpanLink] = field(default_factory=list)
     status: SpanStatus = field(default_factory=SpanStatus)
+    resource: dict = field(default_factory=dict)  # the process's attributes (host.name, ranks); shared, not copied
 
     @property
     def duration_ns(self) -> int:
@@ -115,7 +116,7 @@ def _code(value, names: dict[str, int]) -> int:
     return names.get(value, 0) if isinstance(value, str) else int(value)
 
 
-def _decode_span(raw: dict, service: str) -> Span:
+def _decode_span(raw: dict, service: str, resource: dict) -> Span:
     status = raw.get("status") or {}
     return Span(
         trace_id=raw["traceId"].lower(),
@@ -132,6 +133,7 @@ def _decode_span(raw: dict, service: str) -> Span:
         links=[SpanLink(link["traceId"].lower(), link["spanId"].lower(), decode_attributes(link.get("attributes", [])))
                for link in raw.get("links", [])],
         status=SpanStatus(_code(status.get("code", 0), _STATUS_NAMES), status.get("message", "")),
+        resource=resource,
     )
 
 
@@ -142,7 +144,7 @@ def parse_request(request: dict) -> list[Span]:
         resource = decode_attributes(resource_spans.get("resource", {}).get("attributes", []))
         service = resource.get(SERVICE_NAME, "unknown_service")
         for scope_spans in resource_spans.get("scopeSpans", []):
-            spans += [_decode_span(raw, service) for raw in scope_spans.get("spans", [])]
+            spans += [_decode_span(raw, service, resource) for raw in scope_spans.get("spans", [])]
     return spans
 
 

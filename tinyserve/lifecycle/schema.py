@@ -32,6 +32,12 @@ def engine_service_name(engine_index: int) -> str:
     return f"tinyserve-engine-{engine_index}"
 
 
+# ---- resource attributes: which machine and rank a process is -----------------------
+RESOURCE_HOST = "host.name"  # OpenTelemetry's semantic convention
+RESOURCE_DP_RANK = "tinyserve.dp.rank"  # an engine's data-parallel rank (its engine index)
+RESOURCE_TP_RANK = "tinyserve.tp.rank"  # the tensor-parallel rank that writes the engine's spans: 0
+
+
 # ---- span names ----------------------------------------------------------------
 def request_span_name(operation: str, model: str) -> str:
     """`chat {model}` or `text_completion {model}` (GenAI semantic conventions)."""
@@ -167,6 +173,10 @@ def engine_trace_file(engine_index: int) -> str:
 # (otlp_capped.py), and the manifest counts what was dropped under this key.
 STEP_SPANS = (STEP, SCHEDULE, EXECUTE, UPDATE)
 MANIFEST_DROPPED = "dropped"
+# The machine a run folder came from ({"host", "headless", "ranks"}); `trace merge` joins
+# the folders of several nodes and lists theirs under MANIFEST_NODES.
+MANIFEST_NODE = "node"
+MANIFEST_NODES = "nodes"
 
 
 def step_segment_file(trace_file: str, number: int) -> str:

@@ -15,6 +15,7 @@ import itertools
 import json
 import logging
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -44,7 +45,8 @@ _provider: TracerProvider | None = None
 
 
 def setup_tracing(service_name: str, trace_file: str | Path | None = None, otlp_endpoint: str | None = None, *,
-                  export_every_ms: int = 500, max_bytes: int | None = None) -> bool:
+                  export_every_ms: int = 500, max_bytes: int | None = None,
+                  resource: dict | None = None) -> bool:
     """Install this process's tracer provider. Returns False (and stays a no-op) if given nowhere to send.
 
     Ended spans are exported every export_every_ms (or sooner when 4096 are waiting),
@@ -55,7 +57,8 @@ def setup_tracing(service_name: str, trace_file: str | Path | None = None, otlp_
     if trace_file is None and otlp_endpoint is None:
         return False
     provider = TracerProvider(
-        resource=Resource.create({"service.name": service_name, "service.version": _VERSION}),
+        resource=Resource.create({"service.name": service_name, "service.version": _VERSION,
+                                  schema.RESOURCE_HOST: socket.gethostname(), **(resource or {})}),
         span_limits=SpanLimits(max_links=_MAX_LINKS, max_attributes=256, max_events=4096, max_span_attributes=256),
     )
     if trace_file is not None:
@@ -155,8 +158,11 @@ def trace_cap_bytes(trace_max_mb: float | None) -> int | None:
 
 def write_manifest(run_dir: Path, *, model: str | None, served_model_name: str, engine_args: dict,
                    data_parallel_size: int, model_fingerprint: str | None = None,
-                   trace_max_mb: float | None = None) -> None:
-    """model_fingerprint: tinyserve.models.fingerprint's, which replay checks before anything else."""
+                   trace_max_mb: float | None = None, node: dict | None = None) -> None:
+    """model_fingerprint: tinyserve.models.fingerprint's, which replay checks before anything else.
+
+    node: which machine wrote the folder: {"host", "headless", "ranks"} (`trace merge` reads it).
+    """
     manifest = {
         "tinyserve_version": _VERSION,
         "model": model,
@@ -167,6 +173,8 @@ def write_manifest(run_dir: Path, *, model: str | None, served_model_name: str, 
         "start_time_unix_nano": time.time_ns(),
         "trace_max_mb": trace_max_mb,  # and, once anything was dropped for it, "dropped" (otlp_capped.py)
     }
+    if node is not None:
+        manifest[schema.MANIFEST_NODE] = node
     path = run_dir / schema.MANIFEST_FILE
     path.touch(mode=0o600)
     path.write_text(json.dumps(manifest, indent=2, default=str))

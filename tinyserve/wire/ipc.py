@@ -8,7 +8,8 @@ all engines share one output socket (engines PUSH, connected → client PULL, bo
     client ◄── PULL output ◄──────────────────┘
 
 The client binds every socket, so it owns the addresses: `ipc://` paths in a
-private directory (mode 0700) by default, or `tcp://127.0.0.1:<port>`.
+private directory (mode 0700) by default, or `tcp://127.0.0.1:<port>` (on the
+head's --data-parallel-address when engines run on other nodes, wire/nodes.py).
 
 Every message is two frames, `[kind, msgpack payload]`. The kind byte picks the
 one msgspec type the payload is decoded into; nothing is pickled, and bytes that
@@ -135,11 +136,11 @@ def make_ipc_dir(parent: str | None = None) -> str:
     return tempfile.mkdtemp(prefix="tinyserve-ipc-", dir=parent)
 
 
-def bind_address(transport: str, ipc_dir: str | None, name: str) -> str:
-    """Where the client binds socket `name`; a TCP port of 0 is chosen at bind time."""
+def bind_address(transport: str, ipc_dir: str | None, name: str, host: str | None = None) -> str:
+    """Where the client binds socket `name`; a TCP port is chosen at bind time, on host (default loopback)."""
     if transport == "ipc":
         return f"ipc://{os.path.join(ipc_dir, name)}"
-    return "tcp://127.0.0.1:*"
+    return f"tcp://{host or '127.0.0.1'}:*"
 
 
 def bound_endpoint(socket: zmq.Socket) -> str:

@@ -204,7 +204,7 @@ def build_app(
         # vLLM answers an empty 200; a small JSON body says the same to someone with curl.
         if ctx.engine.is_healthy:
             return JSONResponse({"status": "ok"})
-        reason = "an engine died" if ctx.engine.errored else "the engines are not running"
+        reason = f"an engine died: {ctx.engine.dead_reason}" if ctx.engine.errored else "the engines are not running"
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
     @app.get("/version")

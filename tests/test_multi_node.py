@@ -1,0 +1,250 @@
+"""Data parallel across nodes: a head (`--data-parallel-size-local` < size) and `--headless` nodes.
+
+Two hosts are played by separate processes on loopback, and by two network
+namespaces joined by a veth pair (the head in this one, the node in one created
+here). The head answers /health only once every rank is ready, so each test
+starts its headless node first: a node waits for its head.
+"""
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server_checks import long_context_model, wait_until
+from tests.tiny_checkpoints import tiny_model_with_tokenizer
+from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.merge import merge_runs
+from tinyserve.lifecycle.run import load_run
+from tinyserve.testing import ServerProcess, free_port
+
+pytestmark = pytest.mark.server
+
+MODEL = "tiny"
+ENGINE_FLAGS = ("--served-model-name", MODEL, "--num-kv-blocks", "2048")
+
+
+class HeadlessProcess:
+    """`tinyserve serve MODEL --headless ...` (optionally inside a network namespace)."""
+
+    def __init__(self, model, *flags: str, netns: str | None = None) -> None:
+        command = [sys.executable, "-m", "tinyserve.cli.main", "serve", str(model), "--headless", *ENGINE_FLAGS, *flags]
+        if netns is not None:
+            command = ["ip", "netns", "exec", netns, *command]
+        self.log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(command, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=self.log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+
+    def output(self) -> str:
+        return os.pread(self.log.fileno(), 1 << 22, 0).decode(errors="replace")
+
+    def wait(self, timeout: float = 60) -> int:
+        return self.process.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the node's whole process group: the node and its engines, at once, as a machine lost."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+def dp_flags(address: str, port: int, *, size: int = 2, local: int = 1) -> tuple[str, ...]:
+    return ("--data-parallel-size", str(size), "--data-parallel-size-local", str(local),
+            "--data-parallel-address", address, "--data-parallel-rpc-port", str(port))
+
+
+def served_by_engine(url: str) -> dict[str, float]:
+    """Finished requests per engine label, from the head's /metrics."""
+    counts: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("tinyserve:request_success_total{"):
+            engine = line.split('engine="')[1].split('"')[0]
+            counts[engine] = counts.get(engine, 0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def burst(url: str, count: int = 8, max_tokens: int = 8) -> list[str]:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+    def one(i: int) -> str:
+        return client.completions.create(model=MODEL, prompt=f"request {i} says hello", max_tokens=max_tokens).id
+
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        return list(pool.map(one, range(count)))
+
+
+def stream_until_failure(url: str, outcome: dict) -> None:
+    """Stream a long completion (of long_context_model); record when and how it ended."""
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 7000, "ignore_eos": True, "stream": True}
+    outcome["text"] = ""
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if "error" in line:
+                    outcome["text"] += line
+    except httpx.HTTPError as error:
+        outcome["text"] += repr(error)
+    outcome["ended"] = time.monotonic()
+
+
+def test_a_burst_is_served_by_the_head_and_the_headless_node_and_one_trace_crosses_to_it(tmp_path):
+    model = tiny_model_with_tokenizer("llama")
+    port = free_port()
+    node = HeadlessProcess(model, *dp_flags("127.0.0.1", port), "--data-parallel-start-rank", "1",
+                           "--trace", "--trace-dir", str(tmp_path / "node"))
+    head = ServerProcess(str(model), *ENGINE_FLAGS, *dp_flags("127.0.0.1", port),
+                         "--trace", "--trace-dir", str(tmp_path / "head"))
+    try:
+        ids = burst(head.url, count=8)
+        counts = served_by_engine(head.url)
+        assert counts.get("0", 0) > 0 and counts.get("1", 0) > 0, counts
+        assert sum(counts.values()) == 8
+    finally:
+        head.stop()
+    assert node.wait(timeout=30) == 0, node.output()  # the head said it was stopping
+    assert "the head is stopping" in node.output()
+
+    [head_run] = (tmp_path / "head").iterdir()
+    [node_run] = (tmp_path / "node").iterdir()
+    assert sorted(p.name for p in node_run.glob("*.jsonl")) == ["engine-1.jsonl"]
+    assert json.loads((node_run / "manifest.json").read_text())["node"]["headless"] is True
+    run = load_run(merge_runs([head_run, node_run], tmp_path / "merged"))
+    assert run.engine_indices == [0, 1]
+    assert sorted(r.request_id for r in run.requests) == sorted(f"{i}-0" for i in ids)  # the engine request ids
+    remote = [r for r in run.requests if r.sequences[0].engine_index == 1]
+    assert remote, "no request of the burst went to the headless node"
+    # One trace: the API's request span and the remote engine's spans share its trace id.
+    trace_id = remote[0].trace_id
+    services = {s.service for s in run.spans if s.trace_id == trace_id}
+    assert {schema.SERVICE_API, schema.engine_service_name(1)} <= services
+    engine_span = next(s for s in run.spans if s.trace_id == trace_id and s.service == schema.engine_service_name(1))
+    assert engine_span.resource[schema.RESOURCE_DP_RANK] == 1
+    assert engine_span.resource[schema.RESOURCE_TP_RANK] == 0
+    assert engine_span.resource[schema.RESOURCE_HOST]
+    assert remote[0].ttft_s is not None and remote[0].ttft_s > 0
+    assert [n["ranks"] for n in run.manifest[schema.MANIFEST_NODES]] == [[0], [1]]
+
+
+def test_a_node_with_another_model_or_a_taken_rank_is_refused_with_a_message_naming_both():
+    model = tiny_model_with_tokenizer("llama")
+    other = tiny_model_with_tokenizer("llama", num_hidden_layers=3)
+    port = free_port()
+    flags = (*dp_flags("127.0.0.1", port), "--data-parallel-start-rank", "1")
+    started: list = []
+    head_thread = threading.Thread(target=lambda: started.append(ServerProcess(str(model), *ENGINE_FLAGS,
+                                                                               *dp_flags("127.0.0.1", port))))
+    head_thread.start()
+    try:
+        wrong = HeadlessProcess(other, *flags)
+        assert wrong.wait(timeout=120) == 1
+        assert "serves a different model: fingerprint" in wrong.output() and "on the head" in wrong.output()
+        good = HeadlessProcess(model, *flags)
+        head_thread.join(timeout=120)
+        [head] = started
+        twice = HeadlessProcess(model, *flags)
+        assert twice.wait(timeout=60) == 1
+        message = twice.output()
+        assert "rank 1 is served twice: by headless node" in message and f"pid {good.process.pid}" in message
+        assert burst(head.url, count=2)  # the refusals changed nothing
+    finally:
+        head_thread.join(timeout=120)
+        for head in started:
+            head.stop()
+
+
+def test_killing_the_headless_node_fails_its_requests_within_2_s_and_health_says_why():
+    model = long_context_model()
+    port = free_port()
+    node = HeadlessProcess(model, *dp_flags("127.0.0.1", port), "--data-parallel-start-rank", "1")
+    head = ServerProcess(str(model), *ENGINE_FLAGS, *dp_flags("127.0.0.1", port), "--keep-alive-on-engine-death")
+    try:
+        outcomes = [{} for _ in range(4)]
+        threads = [threading.Thread(target=stream_until_failure, args=(head.url, o)) for o in outcomes]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: _running(head.url, "1") > 0, 30, "the headless node runs a request")
+        killed = time.monotonic()
+        node.kill()
+        for thread in threads:
+            thread.join(timeout=10)
+        assert all("ended" in o for o in outcomes)
+        assert max(o["ended"] for o in outcomes) - killed < 2.0, [o["ended"] - killed for o in outcomes]
+        assert all("engine 1 (on a headless node) died" in o["text"] for o in outcomes), outcomes
+        health = httpx.get(f"{head.url}/health")
+        assert health.status_code == 503
+        assert "engine 1 (on a headless node) died" in health.json()["reason"]
+    finally:
+        node.kill()
+        head.stop()
+
+
+def _running(url: str, engine: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("tinyserve:num_requests_running{") and f'engine="{engine}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+# ---- two network namespaces -----------------------------------------------------------
+
+
+@pytest.fixture
+def veth_namespace():
+    """A network namespace `tsnode<pid>` joined to this one by a veth pair: 10.231.0.1 here, 10.231.0.2 there."""
+    if os.geteuid() != 0 and os.environ.get("CI") != "true":
+        pytest.skip("network namespaces need root (CI runs as root)")
+    name = f"tsnode{os.getpid()}"
+    here, there = f"tsh{os.getpid()}"[:15], f"tsn{os.getpid()}"[:15]
+    commands = [
+        ["ip", "netns", "add", name],
+        ["ip", "link", "add", here, "type", "veth", "peer", "name", there],
+        ["ip", "link", "set", there, "netns", name],
+        ["ip", "addr", "add", "10.231.0.1/24", "dev", here],
+        ["ip", "link", "set", here, "up"],
+        ["ip", "netns", "exec", name, "ip", "addr", "add", "10.231.0.2/24", "dev", there],
+        ["ip", "netns", "exec", name, "ip", "link", "set", there, "up"],
+        ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
+    ]
+    try:
+        for command in commands:
+            subprocess.run(command, check=True, capture_output=True, text=True)
+        yield name, here
+    except subprocess.CalledProcessError as error:
+        pytest.fail(f"{' '.join(error.cmd)} failed: {error.stderr.strip()}")
+    finally:
+        subprocess.run(["ip", "link", "del", here], capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_a_headless_node_in_another_network_namespace_serves_and_a_cut_link_is_a_missed_heartbeat(veth_namespace):
+    namespace, link = veth_namespace
+    model = long_context_model()
+    port = free_port()
+    node = HeadlessProcess(model, *dp_flags("10.231.0.1", port), "--data-parallel-start-rank", "1", netns=namespace)
+    head = ServerProcess(str(model), *ENGINE_FLAGS, *dp_flags("10.231.0.1", port), "--keep-alive-on-engine-death")
+    try:
+        burst(head.url, count=8)
+        counts = served_by_engine(head.url)
+        assert counts.get("0", 0) > 0 and counts.get("1", 0) > 0, counts
+        outcome: dict = {}
+        thread = threading.Thread(target=stream_until_failure, args=(head.url, outcome))
+        thread.start()
+        wait_until(lambda: _running(head.url, "0") + _running(head.url, "1") > 0, 30, "the long request runs")
+        cut = time.monotonic()
+        subprocess.run(["ip", "link", "set", link, "down"], check=True)  # no FIN, no RST: silence
+        thread.join(timeout=10)
+        assert outcome["ended"] - cut < 2.0
+        assert "missed its heartbeats" in outcome["text"], outcome
+        assert httpx.get(f"{head.url}/health").status_code == 503
+    finally:
+        head.stop()
+        node.kill()
