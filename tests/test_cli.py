@@ -205,3 +205,19 @@ def test_serve_on_a_taken_port_or_a_bad_one_exits_2_before_loading_the_model(tmp
     assert capsys.readouterr().err.startswith(f"error: cannot listen on 127.0.0.1:{port}: ")
     assert main(["serve", str(tmp_path / "no-such-model"), "--port", "70000"]) == 2
     assert capsys.readouterr().err == "error: --port must be in [0, 65535], got 70000\n"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--headless", "--data-parallel-size", "2"],
+     "--headless needs --data-parallel-start-rank (the first rank this node serves)"),
+    (["--headless", "--data-parallel-size", "4", "--data-parallel-size-local", "2", "--data-parallel-start-rank", "3"],
+     "--data-parallel-start-rank 3 with --data-parallel-size-local 2 must fit in ranks [1, 4) (rank 0 is the "
+     "head's); got ranks 3-4"),
+    (["--data-parallel-size", "2", "--data-parallel-size-local", "3"],
+     "--data-parallel-size-local must be in [1, --data-parallel-size=2], got 3"),
+    (["--data-parallel-size", "2", "--data-parallel-start-rank", "1"],
+     "--data-parallel-start-rank 1 is for --headless nodes; the head always starts at rank 0"),
+])
+def test_data_parallel_flags_that_cannot_fit_exit_2_naming_them(tmp_path, capsys, flags, message):
+    assert main(["serve", str(tmp_path / "no-such-model"), *flags]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
