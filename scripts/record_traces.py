@@ -37,7 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout that is not pip-installed
     sys.path.insert(0, str(ROOT))
 
-from tinyserve.testing import ServerProcess  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, recording_servers.py
+
+from recording_servers import SERVER_ENV, deployment, run_folder  # noqa: E402
 
 MODEL = "tinyserve-default"
 RECORDING_FILE = "recording.json"
@@ -75,6 +77,7 @@ class Recording:
     flags: list[str]
     workload: list[Request] = field(default_factory=list)
     single_chat: dict | None = None  # sent with the openai client instead of a workload
+    headless_flags: list[str] | None = None  # flags of a headless node serving some of the head's ranks
 
 
 def zen_text(rng: random.Random, num_chars: int) -> str:
@@ -167,29 +170,26 @@ def load_dp() -> Recording:
                      "4 seats each", [*LOAD_FLAGS, "--data-parallel-size", "2"], load_workload(75))
 
 
-RECORDINGS = {r.name: r for r in (lifecycle(), mixed(), kv_tight(), kv_roomy(), kv_no_prefix_cache(), load(5), load(25), load(75), load_dp())}
+def load_tp() -> Recording:
+    return Recording("load-tp2", "the load-25rps workload on one engine split over two tensor-parallel ranks "
+                     "(--tensor-parallel-size 2), 4 seats", [*LOAD_FLAGS, "--tensor-parallel-size", "2"],
+                     load_workload(25))
+
+
+MULTI_NODE = ["--data-parallel-size", "2", "--data-parallel-size-local", "1"]  # on the default address and port
+
+
+def multi_node() -> Recording:
+    return Recording("multi-node", "the load-75rps workload on a head (the API and engine 0) and a headless node "
+                     "(engine 1), two processes on one machine talking over TCP", [*LOAD_FLAGS, *MULTI_NODE],
+                     load_workload(75), headless_flags=[*LOAD_FLAGS, *MULTI_NODE, "--data-parallel-start-rank", "1"])
+
+
+RECORDINGS = {r.name: r for r in (lifecycle(), mixed(), kv_tight(), kv_roomy(), kv_no_prefix_cache(), load(5), load(25),
+                                  load(75), load_dp(), load_tp(), multi_node())}
 
 
 # ---- the server and the client ------------------------------------------------------------
-
-
-# One torch thread per process: a 4M-parameter model gains nothing from more, and on a
-# machine with few cores, threads of several processes spinning against each other
-# make steps ten times slower or worse, and the timings erratic.
-SERVER_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def start_server(trace_dir: Path, flags: list[str]) -> ServerProcess:
-    """`tinyserve serve --trace` on the built-in model, in a process group of its own; returns once /health answers."""
-    env = {**SERVER_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return ServerProcess(None, "--trace", "--trace-dir", str(trace_dir), *flags, startup_timeout=300, env=env)
-
-
-def stop_server(server: ServerProcess) -> None:
-    """SIGTERM: the server drains, the engines flush their spans, then the API process flushes its own."""
-    server.stop(timeout=60)
-    if server.killed:
-        raise RuntimeError("the server did not stop on SIGTERM; its spans may be incomplete")
 
 
 async def send(client: httpx.AsyncClient, start: float, request: Request) -> None:
@@ -228,14 +228,24 @@ def model_fingerprint() -> str:
     return default_model.model_fingerprint(default_model.default_model_path())
 
 
-def warm_up(url: str) -> str:
-    """One tiny request before the workload: the first forward pass of a fresh engine pays
-    for allocating and tuning its kernels (~0.4 s on a CPU), which is no part of what the
-    notebooks show. Returns its response id, so drop_requests can take it out of the run."""
+def warm_up(url: str, engines: int = 1) -> list[str]:
+    """One tiny request per engine before the workload, sent together (the load balancer gives
+    each engine one): the first forward pass of a fresh engine pays for allocating and tuning
+    its kernels (~0.4 s on a CPU), which is no part of what the notebooks show. Returns their
+    response ids, so drop_requests can take them out of the run."""
     body = {"model": MODEL, "prompt": "Warm up.", "max_tokens": 2, "temperature": 0.0}
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
-    response.raise_for_status()
-    return response.json()["id"]
+
+    def one(_) -> str:
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+        response.raise_for_status()
+        return response.json()["id"]
+
+    with concurrent.futures.ThreadPoolExecutor(engines) as pool:
+        return list(pool.map(one, range(engines)))
+
+
+def engine_count(flags: list[str]) -> int:
+    return int(flags[flags.index("--data-parallel-size") + 1]) if "--data-parallel-size" in flags else 1
 
 
 def drop_requests(run_dir: Path, response_ids: set[str]) -> None:
@@ -271,24 +281,23 @@ def record(name: str, out_dir: str | Path) -> Path:
     recording = RECORDINGS[name]
     target = Path(out_dir) / f"recorded-{name}"
     with tempfile.TemporaryDirectory(prefix="tinyserve-record-") as scratch:
-        trace_dir = Path(scratch) / "traces"
-        server = start_server(trace_dir, recording.flags)
-        try:
-            warm_up_id = warm_up(server.url)
+        with deployment(Path(scratch), recording.flags, recording.headless_flags) as url:
+            warm_up_ids = warm_up(url, engines=engine_count(recording.flags))
             if recording.single_chat is not None:
-                chat_once(server.url, recording.single_chat)
+                chat_once(url, recording.single_chat)
             else:
-                run_workload(server.url, recording.workload)
-        finally:
-            stop_server(server)
-        [run_dir] = list(trace_dir.iterdir())
-        drop_requests(run_dir, {warm_up_id, f"{warm_up_id}-0"})  # a completion's span is named per prompt
+                run_workload(url, recording.workload)
+        run_dir = run_folder(Path(scratch))
+        drop_requests(run_dir, {i for warm_up_id in warm_up_ids for i in (warm_up_id, f"{warm_up_id}-0")})
         if target.exists():
             shutil.rmtree(target)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(run_dir), target)
-    command = [*(f"{key}={value}" for key, value in SERVER_ENV.items()), "tinyserve", "serve", "--trace",
-               "--trace-dir", "traces", *recording.flags]
+    env = [f"{key}={value}" for key, value in SERVER_ENV.items()]
+    command = [*env, "tinyserve", "serve", "--trace", "--trace-dir", "traces", *recording.flags]
+    if recording.headless_flags is not None:
+        command += ["&", *env, "tinyserve", "serve", "--headless", "--trace", "--trace-dir", "traces",
+                    *recording.headless_flags]
     about = {
         "name": name, "description": recording.description, "command": " ".join(command),
         "model_fingerprint": model_fingerprint(), "python": sys.version.split()[0],

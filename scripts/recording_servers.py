@@ -1,0 +1,82 @@
+"""The servers a recording runs against (scripts/record_traces.py): one, or a scale-out deployment.
+
+    one server          tinyserve serve --trace FLAGS                     → its run folder
+    head + headless     tinyserve serve --trace FLAGS (the head)          → both folders, merged
+                        tinyserve serve --headless --trace NODE_FLAGS       (lifecycle/merge.py)
+
+Every process traces into a folder of its own under the scratch directory; `run_folder`
+turns what they wrote into the one run folder the notebooks load. Each is stopped with
+SIGTERM, so that it drains and flushes its spans; a headless node stops when its head does.
+"""
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from a checkout that is not pip-installed
+    sys.path.insert(0, str(ROOT))
+
+from tinyserve.testing import ServerProcess  # noqa: E402
+
+# One torch thread per process: a 4M-parameter model gains nothing from more, and on a
+# machine with few cores, threads of several processes spinning against each other
+# make steps ten times slower or worse, and the timings erratic.
+SERVER_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+NODE_STOP_TIMEOUT_S = 60
+
+
+def server_env() -> dict:
+    return {**SERVER_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def start_server(trace_dir: Path, flags: list[str]) -> ServerProcess:
+    """`tinyserve serve --trace` on the built-in model, in a process group of its own; returns once /health answers."""
+    return ServerProcess(None, "--trace", "--trace-dir", str(trace_dir), *flags, startup_timeout=300, env=server_env())
+
+
+def stop_server(server: ServerProcess) -> None:
+    """SIGTERM: the server drains, the engines flush their spans, then the API process flushes its own."""
+    server.stop(timeout=60)
+    if server.killed:
+        raise RuntimeError("the server did not stop on SIGTERM; its spans may be incomplete")
+
+
+@contextlib.contextmanager
+def deployment(scratch: Path, flags: list[str], headless_flags: list[str] | None = None):
+    """Yield the URL to send the workload to, with every process tracing under scratch/; stop them all after."""
+    node = None
+    if headless_flags is not None:  # first: the head answers /health only once the node's ranks are ready
+        log = open(scratch / "headless.log", "wb")
+        command = [sys.executable, "-m", "tinyserve.cli.main", "serve", "--headless", "--trace",
+                   "--trace-dir", str(scratch / "node"), *headless_flags]
+        node = subprocess.Popen(command, env=dict(os.environ, **server_env()), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        server = start_server(scratch / "traces", flags)
+        try:
+            yield server.url
+        finally:
+            stop_server(server)
+    finally:
+        if node is not None:
+            try:
+                code = node.wait(NODE_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                node.kill()
+                raise RuntimeError("the headless node did not stop with its head") from None
+            if code != 0:
+                raise RuntimeError(f"the headless node exited with {code}: {(scratch / 'headless.log').read_text()[-3000:]}")
+
+
+def run_folder(scratch: Path) -> Path:
+    """The recording's one run folder: the server's, or the head's and the node's merged."""
+    from tinyserve.lifecycle.merge import merge_runs
+
+    [head] = list((scratch / "traces").iterdir())
+    if not (scratch / "node").exists():
+        return head
+    [node] = list((scratch / "node").iterdir())
+    return merge_runs([head, node], scratch / "merged")
