@@ -206,6 +206,27 @@ def test_auto_tool_choice_reads_hermes_calls_from_the_text(client):
     assert content == "Let me look. " and finish_reasons == ["tool_calls"]
 
 
+LLAMA3_TEXT = '{"name": "get_time", "parameters": {"zone": "CET"}}; {"name": "get_weather", "parameters": {}}'
+
+
+def test_a_server_with_the_llama3_json_parser_reads_its_calls():
+    proc = ServerProcess(shared_server.model_folder(), *shared_server.FLAGS, "--enable-auto-tool-choice",
+                         "--tool-call-parser", "llama3_json")
+    try:
+        other = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0)
+        forced = {"structured_outputs": {"regex": re.escape(LLAMA3_TEXT)}}
+        choice = chat(other, tools=TOOLS, extra_body=forced).choices[0]
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+            ("get_time", {"zone": "CET"}), ("get_weather", {})]
+        assert choice.message.content is None and choice.finish_reason == "tool_calls"
+        one = chat(other, tools=TOOLS, extra_body=forced, parallel_tool_calls=False).choices[0].message.tool_calls
+        assert [c.function.name for c in one] == ["get_time"]
+        calls, _, content = streamed_calls(chat(other, tools=TOOLS, extra_body=forced, stream=True))
+        assert [name for name, _ in calls] == ["get_time", "get_weather"] and content == ""
+    finally:
+        proc.stop()
+
+
 def test_auto_tool_choice_without_a_call_is_plain_text(client):
     choice = chat(client, tools=TOOLS, max_tokens=10).choices[0]
     assert choice.message.tool_calls is None and choice.message.content and choice.finish_reason == "length"
