@@ -468,6 +468,16 @@ def check_text_format(server, kind):
                                                                                       {"zone": "CET"})
 
 
+def check_output_config(server, kind):
+    """The reply follows the schema; the prompt, and so the count, is the same."""
+    config = {"format": {"type": "json_schema", "schema": ZONE}}
+    if kind == "count_tokens":
+        assert ok(server, kind, output_config=config)["input_tokens"] == ok(server, kind)["input_tokens"]
+        assert post(server, kind, output_config={"format": {"type": "xml"}}).status_code == 400
+        return
+    assert json.loads(text(server, kind, output_config=config, max_tokens=60)) in ({"zone": "UTC"}, {"zone": "CET"})
+
+
 def check_response_format(server, kind):
     schema = {"type": "json_schema", "json_schema": {"name": "zone", "schema": ZONE}}
     assert json.loads(text(server, kind, response_format=schema, max_tokens=60)) in ({"zone": "UTC"}, {"zone": "CET"})
@@ -506,10 +516,10 @@ IMPLEMENTED = {
                  "system": check_more_prompt("system", "Be terse."), "stop_sequences": check_messages_stop,
                  "temperature": check_sampling_varies, "top_p": check_greedy_again(top_p=1e-9),
                  "top_k": check_greedy_again(top_k=1), "stream": check_stream, "tools": check_tools,
-                 "tool_choice": check_tool_choice},
+                 "tool_choice": check_tool_choice, "output_config": check_output_config},
     "count_tokens": {"model": check_model, "messages": check_count_messages,
                      "system": check_more_prompt("system", "Be terse."), "tools": check_tools,
-                     "tool_choice": check_tool_choice},
+                     "tool_choice": check_tool_choice, "output_config": check_output_config},
     "responses": {"model": check_model, "input": check_prompt_changes_prompt_tokens("input", "Flat is better"),
                   "instructions": check_more_prompt("instructions", "Be terse."),
                   "max_output_tokens": check_max_tokens("max_output_tokens"), "temperature": check_sampling_varies,

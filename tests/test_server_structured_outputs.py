@@ -332,6 +332,48 @@ def test_anthropic_tool_use_and_tool_result_blocks_render(claude):
     assert tool_uses(longer) == [] and longer.stop_reason == "max_tokens"
 
 
+class Reply(BaseModel):
+    """What the anthropic client's schema keeps: it moves bounds such as Verdict's le=9 into descriptions."""
+
+    answer: Literal["yes", "no"]
+    ok: bool
+
+
+def test_anthropic_parse_with_an_output_format_returns_the_parsed_object(claude):
+    message = claude.messages.parse(model=MODEL, max_tokens=200, messages=MESSAGES, extra_body={"temperature": 0},
+                                    output_format=Reply)
+    assert isinstance(message.parsed_output, Reply) and message.stop_reason == "end_turn"
+
+
+def test_anthropic_output_config_format_streams_the_same_text(claude):
+    config = {"format": {"type": "json_schema", "schema": WEATHER}}
+    full = claude_create(claude, output_config=config)
+    with claude.messages.stream(model=MODEL, max_tokens=200, messages=MESSAGES, extra_body={"temperature": 0},
+                                output_config=config) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.content[0].text == full.content[0].text
+    jsonschema.validate(json.loads(full.content[0].text), WEATHER)
+
+
+def test_anthropic_beta_output_format_constrains_the_same_way(tool_server, claude):
+    body = {"model": MODEL, "max_tokens": 200, "messages": MESSAGES, "temperature": 0}
+    beta = httpx.post(f"{tool_server.url}/v1/messages", timeout=60,
+                      json={**body, "output_format": {"type": "json_schema", "schema": WEATHER}}).json()
+    assert beta["content"][0]["text"] == claude_create(claude, output_config={
+        "format": {"type": "json_schema", "schema": WEATHER}}).content[0].text
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"output_config": {"effort": "high"}}, "output_config.effort: is not supported"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "no-such-type"}}}}, "no-such-type"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": WEATHER}}, "tools": ANTHROPIC_TOOLS,
+      "tool_choice": {"type": "any"}}, "cannot be combined with output_config.format"),
+])
+def test_anthropic_output_config_that_asks_for_too_much_is_refused(claude, body, message):
+    with pytest.raises(anthropic.BadRequestError, match=message):
+        claude_create(claude, **body)
+
+
 @pytest.mark.parametrize("body, message", [
     ({"tool_choice": {"type": "any"}}, "tool_choice needs tools"),
     ({"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "not among the tools"),

@@ -110,7 +110,6 @@ REFUSED: dict[str, dict[str, Refused]] = {
     },
     "messages": {
         "thinking": Refused("no extended thinking", (None, {"type": "disabled"})),
-        "output_config": Refused("structured outputs are not implemented yet"),
         "container": Refused("no code-execution containers"),
         "mcp_servers": Refused("no MCP servers", (None, [])),
     },
