@@ -11,8 +11,8 @@ turn. Tools, tool_choice and tool_use / tool_result blocks are anthropic_tools.p
 `output_config.format` ({"type": "json_schema", "schema"}: the anthropic client's
 messages.parse, and the beta API's top-level `output_format`) constrains the reply to the
 schema with the structured outputs chat's response_format uses. Extended thinking is not
-implemented, and a request that asks for it is refused (request_fields.py). /v1/messages/count_tokens counts the prompt as /v1/messages
-would render it, tools included.
+implemented, and a request that asks for it is refused (request_fields.py).
+/v1/messages/count_tokens counts the prompt as /v1/messages would render it, tools included.
 """
 
 import uuid

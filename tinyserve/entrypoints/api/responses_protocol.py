@@ -182,8 +182,9 @@ class ResponsesRequest(StrictBody):
 
     @model_validator(mode="after")
     def _consistent_tools(self) -> "ResponsesRequest":
-        chat_choice = NamedToolChoice.model_validate({"type": "function", "function": {"name": self.tool_choice.name}}) \
-            if isinstance(self.tool_choice, NamedFunctionChoice) else self.tool_choice
+        chat_choice = self.tool_choice  # in chat's shape, for chat's checks
+        if isinstance(chat_choice, NamedFunctionChoice):
+            chat_choice = NamedToolChoice.model_validate({"type": "function", "function": {"name": chat_choice.name}})
         check_tool_choice(self.chat_tools, chat_choice, constrained=False)
         if self.format_constraint is not None and (self.tool_choice == "required"
                                                    or isinstance(self.tool_choice, NamedFunctionChoice)):

@@ -124,8 +124,9 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
                            f"in memory, the latest {store.max_entries})", "previous_response_id")
     conversation = history + body.new_messages()
     instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    constraint, constrained_field, make_calls = tool_call_plan(
-        ctx, body.format_constraint, "text.format", body.effective_tool_choice, body.chat_tools, body.parallel_tool_calls)
+    constraint, constrained_field, make_calls = tool_call_plan(ctx, body.format_constraint, "text.format",
+                                                               body.effective_tool_choice, body.chat_tools,
+                                                               body.parallel_tool_calls)
     answer = _Answer(body, model, make_calls)
     spans = start_request_spans(schema.OPERATION_CHAT, model, answer.id, redact_inputs=ctx.redact_inputs)
 
