@@ -112,7 +112,8 @@ ASKING = {
 TYPICAL = {"metadata": {"user_id": "u-1"}, "store": True, "service_tier": "auto", "safety_identifier": "s-1",
            "prompt_cache_key": "k-1", "prompt_cache_retention": "24h", "prompt_cache_options": {},
            "request_id": "r-1", "user": "u-1", "cache_control": {"type": "ephemeral"}, "inference_geo": "us",
-           "speed": "standard", "diagnostics": {}, "user_profile_id": "p-1", "workspace_id": "w-1"}
+           "speed": "standard", "diagnostics": {}, "user_profile_id": "p-1", "workspace_id": "w-1",
+           "max_tool_calls": 2}
 
 
 def post(server, kind: str, **changes) -> httpx.Response:
@@ -414,10 +415,16 @@ OTHER_TOOL = {"type": "function", "function": {"name": "get_date", "parameters":
 ANTHROPIC_TOOL = {"name": "get_time", "input_schema": ZONE}
 
 
+RESPONSES_TOOL = {"type": "function", "name": "get_time", "parameters": ZONE}  # the Responses API's flat shape
+RESPONSES_OTHER_TOOL = {**RESPONSES_TOOL, "name": "get_date"}
+
+
 def check_tools(server, kind):
     """Tools are shown to the chat template: a longer prompt (tool_choice "none": the reply is text)."""
     if kind == "chat":
         assert num_prompt(ok(server, kind, tools=[TOOL], tool_choice="none")) > num_prompt(ok(server, kind))
+    elif kind == "responses":
+        assert num_prompt(ok(server, kind, tools=[RESPONSES_TOOL], tool_choice="none")) > num_prompt(ok(server, kind))
     elif kind == "messages":
         given = ok(server, kind, tools=[ANTHROPIC_TOOL], tool_choice={"type": "none"})
         assert num_prompt(given) > num_prompt(ok(server, kind))
@@ -431,6 +438,9 @@ def check_tool_choice(server, kind):
         choice = ok(server, kind, tools=[TOOL], tool_choice="required", max_tokens=100)["choices"][0]
         assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"][0]["function"]["name"] \
             == "get_time"
+    elif kind == "responses":
+        calls = ok(server, kind, tools=[RESPONSES_TOOL], tool_choice="required", max_output_tokens=100)["output"]
+        assert calls and {(call["type"], call["name"]) for call in calls} == {("function_call", "get_time")}
     elif kind == "messages":
         answer = ok(server, kind, tools=[ANTHROPIC_TOOL], tool_choice={"type": "any"}, max_tokens=100)
         assert answer["stop_reason"] == "tool_use" and answer["content"][0]["name"] == "get_time"
@@ -442,9 +452,30 @@ def check_tool_choice(server, kind):
 
 
 def check_parallel_tool_calls(server, kind):
+    if kind == "responses":
+        answer = ok(server, kind, tools=[RESPONSES_TOOL, RESPONSES_OTHER_TOOL], tool_choice="required",
+                    parallel_tool_calls=False, max_output_tokens=100)
+        assert [item["type"] for item in answer["output"]] == ["function_call"]
+        return
     answer = ok(server, kind, tools=[TOOL, OTHER_TOOL], tool_choice="required", parallel_tool_calls=False,
                 max_tokens=100)
     assert len(answer["choices"][0]["message"]["tool_calls"]) == 1
+
+
+def check_text_format(server, kind):
+    text_format = {"format": {"type": "json_schema", "name": "zone", "schema": ZONE}}
+    assert json.loads(text(server, kind, text=text_format, max_output_tokens=60)) in ({"zone": "UTC"},
+                                                                                      {"zone": "CET"})
+
+
+def check_output_config(server, kind):
+    """The reply follows the schema; the prompt, and so the count, is the same."""
+    config = {"format": {"type": "json_schema", "schema": ZONE}}
+    if kind == "count_tokens":
+        assert ok(server, kind, output_config=config)["input_tokens"] == ok(server, kind)["input_tokens"]
+        assert post(server, kind, output_config={"format": {"type": "xml"}}).status_code == 400
+        return
+    assert json.loads(text(server, kind, output_config=config, max_tokens=60)) in ({"zone": "UTC"}, {"zone": "CET"})
 
 
 def check_response_format(server, kind):
@@ -485,15 +516,17 @@ IMPLEMENTED = {
                  "system": check_more_prompt("system", "Be terse."), "stop_sequences": check_messages_stop,
                  "temperature": check_sampling_varies, "top_p": check_greedy_again(top_p=1e-9),
                  "top_k": check_greedy_again(top_k=1), "stream": check_stream, "tools": check_tools,
-                 "tool_choice": check_tool_choice},
+                 "tool_choice": check_tool_choice, "output_config": check_output_config},
     "count_tokens": {"model": check_model, "messages": check_count_messages,
                      "system": check_more_prompt("system", "Be terse."), "tools": check_tools,
-                     "tool_choice": check_tool_choice},
+                     "tool_choice": check_tool_choice, "output_config": check_output_config},
     "responses": {"model": check_model, "input": check_prompt_changes_prompt_tokens("input", "Flat is better"),
                   "instructions": check_more_prompt("instructions", "Be terse."),
                   "max_output_tokens": check_max_tokens("max_output_tokens"), "temperature": check_sampling_varies,
                   "top_p": check_greedy_again(top_p=1e-9), "stream": check_stream, "store": check_store,
-                  "previous_response_id": check_previous_response_id},
+                  "previous_response_id": check_previous_response_id, "tools": check_tools,
+                  "tool_choice": check_tool_choice, "parallel_tool_calls": check_parallel_tool_calls,
+                  "text": check_text_format},
 }
 
 

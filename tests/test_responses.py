@@ -112,17 +112,30 @@ def test_an_unknown_or_unstored_previous_response_is_404_naming_it(client):
         assert refused.value.body["param"] == "previous_response_id"
 
 
-@pytest.mark.parametrize("change, param", [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),
-    ({"text": {"format": {"type": "json_object"}}}, "text"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "4"}]}, "input.0.type"),
+FUNCTION = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+
+
+@pytest.mark.parametrize("change, param, named", [
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type", "'web_search' tools are not supported"),
+    ({"tools": [FUNCTION], "tool_choice": {"type": "mcp", "server_label": "s"}}, "tool_choice.type", "'mcp'"),
+    ({"reasoning": {"effort": "high"}}, "reasoning", "not supported"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input.0", "'reasoning'"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]},
+     "input.0.function_call.arguments", "JSON"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "schema"),
 ])
-def test_what_is_not_implemented_is_400_naming_it(server, change, param):
+def test_what_is_not_implemented_or_malformed_is_400_naming_it(server, change, param, named):
     body = {"model": MODEL, "input": "hi", **change}
     response = httpx.post(f"{server.url}/v1/responses", json=body, timeout=30)
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == param
+    assert response.json()["error"]["param"] == param and named in response.json()["error"]["message"]
+
+
+def test_auto_tool_choice_without_a_parser_is_refused_as_in_chat(server):
+    body = {"model": MODEL, "input": "hi", "tools": [FUNCTION]}
+    response = httpx.post(f"{server.url}/v1/responses", json=body, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
+    assert "--enable-auto-tool-choice" in response.json()["error"]["message"]
 
 
 def test_retrieving_a_response_wants_an_id_of_the_servers_form(server):

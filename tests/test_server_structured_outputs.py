@@ -206,6 +206,27 @@ def test_auto_tool_choice_reads_hermes_calls_from_the_text(client):
     assert content == "Let me look. " and finish_reasons == ["tool_calls"]
 
 
+LLAMA3_TEXT = '{"name": "get_time", "parameters": {"zone": "CET"}}; {"name": "get_weather", "parameters": {}}'
+
+
+def test_a_server_with_the_llama3_json_parser_reads_its_calls():
+    proc = ServerProcess(shared_server.model_folder(), *shared_server.FLAGS, "--enable-auto-tool-choice",
+                         "--tool-call-parser", "llama3_json")
+    try:
+        other = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0)
+        forced = {"structured_outputs": {"regex": re.escape(LLAMA3_TEXT)}}
+        choice = chat(other, tools=TOOLS, extra_body=forced).choices[0]
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+            ("get_time", {"zone": "CET"}), ("get_weather", {})]
+        assert choice.message.content is None and choice.finish_reason == "tool_calls"
+        one = chat(other, tools=TOOLS, extra_body=forced, parallel_tool_calls=False).choices[0].message.tool_calls
+        assert [c.function.name for c in one] == ["get_time"]
+        calls, _, content = streamed_calls(chat(other, tools=TOOLS, extra_body=forced, stream=True))
+        assert [name for name, _ in calls] == ["get_time", "get_weather"] and content == ""
+    finally:
+        proc.stop()
+
+
 def test_auto_tool_choice_without_a_call_is_plain_text(client):
     choice = chat(client, tools=TOOLS, max_tokens=10).choices[0]
     assert choice.message.tool_calls is None and choice.message.content and choice.finish_reason == "length"
@@ -309,6 +330,48 @@ def test_anthropic_tool_use_and_tool_result_blocks_render(claude):
     longer = claude_create(claude, max_tokens=2, messages=messages, tools=ANTHROPIC_TOOLS, tool_choice={"type": "none"})
     assert longer.usage.input_tokens > short.usage.input_tokens + 10
     assert tool_uses(longer) == [] and longer.stop_reason == "max_tokens"
+
+
+class Reply(BaseModel):
+    """What the anthropic client's schema keeps: it moves bounds such as Verdict's le=9 into descriptions."""
+
+    answer: Literal["yes", "no"]
+    ok: bool
+
+
+def test_anthropic_parse_with_an_output_format_returns_the_parsed_object(claude):
+    message = claude.messages.parse(model=MODEL, max_tokens=200, messages=MESSAGES, extra_body={"temperature": 0},
+                                    output_format=Reply)
+    assert isinstance(message.parsed_output, Reply) and message.stop_reason == "end_turn"
+
+
+def test_anthropic_output_config_format_streams_the_same_text(claude):
+    config = {"format": {"type": "json_schema", "schema": WEATHER}}
+    full = claude_create(claude, output_config=config)
+    with claude.messages.stream(model=MODEL, max_tokens=200, messages=MESSAGES, extra_body={"temperature": 0},
+                                output_config=config) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.content[0].text == full.content[0].text
+    jsonschema.validate(json.loads(full.content[0].text), WEATHER)
+
+
+def test_anthropic_beta_output_format_constrains_the_same_way(tool_server, claude):
+    body = {"model": MODEL, "max_tokens": 200, "messages": MESSAGES, "temperature": 0}
+    beta = httpx.post(f"{tool_server.url}/v1/messages", timeout=60,
+                      json={**body, "output_format": {"type": "json_schema", "schema": WEATHER}}).json()
+    assert beta["content"][0]["text"] == claude_create(claude, output_config={
+        "format": {"type": "json_schema", "schema": WEATHER}}).content[0].text
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"output_config": {"effort": "high"}}, "output_config.effort: is not supported"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "no-such-type"}}}}, "no-such-type"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": WEATHER}}, "tools": ANTHROPIC_TOOLS,
+      "tool_choice": {"type": "any"}}, "cannot be combined with output_config.format"),
+])
+def test_anthropic_output_config_that_asks_for_too_much_is_refused(claude, body, message):
+    with pytest.raises(anthropic.BadRequestError, match=message):
+        claude_create(claude, **body)
 
 
 @pytest.mark.parametrize("body, message", [

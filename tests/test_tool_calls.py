@@ -74,3 +74,35 @@ def test_anthropic_stream_opens_a_block_per_kind_and_closes_each():
               for e in events if "content_block_start" in e]
     assert starts == ["text", "tool_use", "text", "tool_use"]
     assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 4
+
+
+LLAMA3 = '<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "arguments": {}}'
+
+
+@pytest.mark.parametrize("step", [1, 4, len(LLAMA3)])
+def test_llama3_json_calls_are_found_however_the_text_is_cut(step):
+    assert fed(ToolCallParser("llama3_json"), LLAMA3, step) == ("", [("f", {"a": 1}), ("g", {})])
+
+
+def test_llama3_json_without_the_python_tag_is_calls_too():
+    assert fed(ToolCallParser("llama3_json"), ' {"name": "f", "parameters": {}}') == ("", [("f", {})])
+
+
+def test_llama3_json_a_reply_that_is_not_json_is_text():
+    text = "Paris is {sunny} today"
+    assert fed(ToolCallParser("llama3_json"), text) == (text, [])
+
+
+def test_llama3_json_holds_back_only_what_may_be_the_python_tag():
+    parser = ToolCallParser("llama3_json")
+    assert parser.feed("<|py") == ("", [])
+    assert parser.feed("thon!") == ("<|python!", [])
+
+
+def test_llama3_json_what_is_not_a_call_stays_text():
+    assert fed(ToolCallParser("llama3_json"), '{"city": "Oslo"} {"name": "f"') == ('{"city": "Oslo"} {"name": "f"', [])
+
+
+def test_without_parallel_tool_calls_only_the_first_call_is_kept():
+    deltas = ToolCallDeltas("hermes", parallel_tool_calls=False)
+    assert [call["function"]["name"] for call in deltas.message(HERMES)["tool_calls"]] == ["f"]

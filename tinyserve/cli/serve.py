@@ -61,7 +61,8 @@ def add_parser(commands) -> None:
                             "and --tool-call-parser reads its calls from the text")
     tools.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                        help="how the model writes tool calls: hermes = <tool_call>{json}</tool_call> "
-                            "(Qwen2.5, Qwen3, Hermes)")
+                            "(Qwen2.5, Qwen3, Hermes); llama3_json = a reply of JSON calls, "
+                            '{"name": ..., "parameters": ...}; ... (Llama 3.1, 3.2)')
     limits = parser.add_argument_group("limits and shutdown")
     limits.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                         help="requests (each of n counts) that may wait for a seat in the engines; "

@@ -8,13 +8,15 @@ A stream that cannot finish (the engine died, the server shut down and aborted
 it) ends with an `error` event instead, as Anthropic's own API does. A final
 assistant message is a prefill: the reply continues it rather than opening a new
 turn. Tools, tool_choice and tool_use / tool_result blocks are anthropic_tools.py's;
-extended thinking is not implemented, and a request that asks for it is refused
-(request_fields.py). /v1/messages/count_tokens counts the prompt as /v1/messages
-would render it, tools included.
+`output_config.format` ({"type": "json_schema", "schema"}: the anthropic client's
+messages.parse, and the beta API's top-level `output_format`) constrains the reply to the
+schema with the structured outputs chat's response_format uses. Extended thinking is not
+implemented, and a request that asks for it is refused (request_fields.py).
+/v1/messages/count_tokens counts the prompt as /v1/messages would render it, tools included.
 """
 
 import uuid
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -44,7 +46,7 @@ from tinyserve.entrypoints.api.sse import (
 )
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import start_request_spans
-from tinyserve.sampling_params import SamplingParams
+from tinyserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 ABORTED = "the request was aborted before it finished: the server is shutting down"
 
@@ -64,6 +66,23 @@ class Metadata(StrictBody):
     user_id: Text | None = None
 
 
+class JsonOutputFormat(StrictBody):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(StrictBody):
+    format: JsonOutputFormat | None = None
+    effort: Text | None = None
+
+    @field_validator("effort")
+    @classmethod
+    def _no_effort(cls, value):
+        if value is not None:
+            raise ValueError("is not supported by this server: the model has no reasoning effort to set")
+        return value
+
+
 class MessagesCountTokensRequest(StrictBody):
     """What /v1/messages/count_tokens takes: the prompt part of a messages request."""
 
@@ -73,6 +92,8 @@ class MessagesCountTokensRequest(StrictBody):
     system: Text | list[TextBlock] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
+    output_config: OutputConfig | None = None
+    output_format: JsonOutputFormat | None = None  # the beta API's spelling of output_config.format
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -89,7 +110,19 @@ class MessagesCountTokensRequest(StrictBody):
         if self.prefilled and self.messages[-1].text != self.messages[-1].text.rstrip():
             raise ValueError("final assistant content cannot end with trailing whitespace")
         check_tools(self.tools, self.tool_choice)
+        if self.output_format is not None and self.output_config is not None and self.output_config.format:
+            raise ValueError("output_format is the beta spelling of output_config.format: give one")
+        if self.format_constraint is not None and self.tool_choice is not None and self.tool_choice.type in (
+                "any", "tool"):
+            raise ValueError(f'tool_choice {{"type": "{self.tool_choice.type}"}} constrains the output itself: '
+                             "it cannot be combined with output_config.format")
         return self
+
+    @property
+    def format_constraint(self) -> StructuredOutputsParams | None:
+        """What output_config.format (or output_format) constrains the reply to."""
+        output_format = self.output_format or (self.output_config.format if self.output_config else None)
+        return StructuredOutputsParams(json=output_format.schema_) if output_format is not None else None
 
     def conversation(self) -> list[dict]:
         turns = []
@@ -146,6 +179,8 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request
         constraint, tool_calls = tool_plan(body.tools, body.tool_choice, ctx.tool_call_parser)
     except ValueError as error:
         raise APIError(400, str(error), "tool_choice") from error
+    constrained_field = "tools" if constraint is not None else "output_config"
+    constraint = constraint or body.format_constraint
 
     def make_params(max_tokens: int) -> SamplingParams:
         defaults = ctx.sampling_defaults
@@ -164,7 +199,7 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request
         prompt, params = await render_and_tokenize(ctx, spans, body.conversation(), not body.prefilled,
                                                    body.max_tokens, make_params, continue_final_message=body.prefilled,
                                                    tools=template_tools(body.tools))
-        stream = await add_constrained_request(ctx.engine, "tools", prompt, params, message_id, spans=spans,
+        stream = await add_constrained_request(ctx.engine, constrained_field, prompt, params, message_id, spans=spans,
                                                output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
     except Exception as error:
         spans.fail(error)

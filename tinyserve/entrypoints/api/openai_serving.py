@@ -121,23 +121,30 @@ async def guard_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 def chat_constraint(ctx: ServingContext, body: ChatCompletionRequest):
-    """(the output's constraint, the field it came from, a maker of ToolCallDeltas or None).
+    """(the output's constraint, the field it came from, a maker of ToolCallDeltas or None)."""
+    return tool_call_plan(ctx, *body.constraint(), body.effective_tool_choice, body.tools, body.parallel_tool_calls)
 
-    A "required" or named tool_choice is a constraint of its own; "auto" reads the calls out of
-    free text with the server's tool-call parser.
+
+def tool_call_plan(ctx: ServingContext, constraint, field: str | None, choice, tools, parallel_tool_calls: bool):
+    """What a tool_choice makes of a request (chat's and the Responses API's alike): (the output's
+    constraint, the field it came from, a maker of ToolCallDeltas or None).
+
+    constraint, field: the request's own (response_format, say); choice: None (no tools), "none",
+    "auto", "required" or {"name": ...}; tools: structured_protocol.Tool models. A "required" or
+    named tool_choice is a constraint of its own; "auto" reads the calls out of free text with the
+    server's tool-call parser.
     """
-    constraint, field = body.constraint()
-    choice = body.effective_tool_choice
     if choice in (None, "none"):
         return constraint, field, None
     if choice == "auto":
         if ctx.tool_call_parser is None:
             raise APIError(400, '"auto" tool choice needs the server started with --enable-auto-tool-choice and '
                            '--tool-call-parser; or give tool_choice "required", "none" or a function', "tool_choice")
-        return constraint, field, functools.partial(ToolCallDeltas, ctx.tool_call_parser)
-    tools = tools_for_constraint(body.tools)
+        return constraint, field, functools.partial(ToolCallDeltas, ctx.tool_call_parser,
+                                                    parallel_tool_calls=parallel_tool_calls)
+    tools = tools_for_constraint(tools)
     if choice == "required":
-        return tool_constraint(tools, choice, body.parallel_tool_calls), "tools", functools.partial(
+        return tool_constraint(tools, choice, parallel_tool_calls), "tools", functools.partial(
             ToolCallDeltas, "required")
     return tool_constraint(tools, choice), "tool_choice", functools.partial(ToolCallDeltas, "named", choice["name"])
 

@@ -43,8 +43,6 @@ def _tools_unused(value, body: dict) -> bool:
     return value is None or value == [] or body.get("tool_choice") == "none"
 
 
-_NO_TOOLS = "tool calling is not implemented yet"
-_NO_STRUCTURED = "structured outputs are not implemented yet"
 _STRUCTURED = {
     **{name: Refused(f"vLLM's older spelling: give structured_outputs {{\"{name.removeprefix('guided_')}\": ...}}")
        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
@@ -112,16 +110,10 @@ REFUSED: dict[str, dict[str, Refused]] = {
     },
     "messages": {
         "thinking": Refused("no extended thinking", (None, {"type": "disabled"})),
-        "output_config": Refused(_NO_STRUCTURED),
         "container": Refused("no code-execution containers"),
         "mcp_servers": Refused("no MCP servers", (None, [])),
     },
     "responses": {
-        "tools": Refused("function tools are not implemented yet", (None, [])),
-        "tool_choice": Refused(_NO_TOOLS, (None, "none", "auto")),
-        "parallel_tool_calls": Refused(_NO_TOOLS),
-        "max_tool_calls": Refused(_NO_TOOLS),
-        "text": Refused(_NO_STRUCTURED, (None, {"format": {"type": "text"}})),
         "reasoning": Refused("the model has no reasoning effort to set"),
         "include": Refused("no extra output can be included", (None, [])),
         "background": Refused("no background responses", (None, False)),
@@ -152,7 +144,11 @@ NO_EFFECT: dict[str, dict[str, str]] = {
         "user_profile_id": "a hosted API's attribution",
         "workspace_id": "a hosted API's workspace",
     },
-    "responses": {name: why for name, why in _OPENAI_NO_EFFECT.items() if name != "store"},  # store: implemented
+    "responses": {
+        **{name: why for name, why in _OPENAI_NO_EFFECT.items() if name != "store"},  # store: implemented
+        "max_tool_calls": "it bounds calls to a hosted API's built-in tools (web search, ...), which are not "
+                          "served; function calls are not counted",
+    },
 }
 
 

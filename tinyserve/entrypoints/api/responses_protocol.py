@@ -1,11 +1,20 @@
-"""The body of POST /v1/responses (OpenAI's Responses API), text only, and the store behind previous_response_id.
+"""The body of POST /v1/responses (OpenAI's Responses API), and the store behind previous_response_id.
 
-`input` is a string (one user message) or a list of message items, each a role and
-its content: a string or a list of text parts (`input_text`, or `output_text` for an
-assistant turn handed back from an earlier response). `instructions` become a system
-message in front. Items of other types (function calls and their outputs, images,
-reasoning) and the fields in request_fields.py's "responses" table are refused with a
-400 naming them.
+`input` is a string (one user message) or a list of items:
+
+    message               a role and its content: a string or text parts (`input_text`, or
+                          `output_text` for an assistant turn handed back from an earlier response)
+    function_call         a call an earlier response made: call_id, name, arguments (JSON text)
+    function_call_output  its result: call_id, output
+
+`instructions` become a system message in front; calls join the assistant turn before them,
+and each output is a "tool" turn, as chat templates take them. `tools` are function tools in
+the Responses API's flat shape ({"type": "function", "name", "parameters", ...}: chat's Tool
+inside), and `tool_choice` is "auto", "required", "none" or {"type": "function", "name"}; what
+they do is chat's (openai_serving.tool_call_plan). `text.format` is "text", "json_object" or
+{"type": "json_schema", "name", "schema"}: chat's response_format, flat. Items, tools and
+tool choices of other types (web search, file search, MCP, images, reasoning) and the fields
+in request_fields.py's "responses" table are refused with a 400 naming them.
 
 With `previous_response_id` the conversation continues one this server answered: its
 messages and its reply come first (its instructions do not, as OpenAI's API has it).
@@ -15,14 +24,25 @@ kept is a 404 naming previous_response_id.
 """
 
 from collections import OrderedDict
-from typing import ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from tinyserve.entrypoints.api.openai_protocol import StrictBody, Text
+from tinyserve.entrypoints.api.structured_protocol import (
+    AssistantToolCall,
+    FunctionDefinition,
+    JsonSchemaFormat,
+    JsonText,
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    check_tool_choice,
+)
 
 DEFAULT_MAX_STORED_RESPONSES = 1024
 RESPONSE_ID_PATTERN = r"^resp_[0-9a-f]{32}$"  # the ids this server gives (responses_serving.py)
+ITEM_STATUS = Literal["in_progress", "completed", "incomplete"]
 
 
 class InputText(StrictBody):
@@ -40,10 +60,108 @@ class InputMessage(StrictBody):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
+class FunctionCallItem(StrictBody):
+    """A call an earlier response made, handed back with the conversation."""
+
+    type: Literal["function_call"]
+    call_id: Text
+    name: Text
+    arguments: JsonText
+    id: Text | None = None
+    status: ITEM_STATUS | None = None
+
+    def as_template_call(self) -> dict:
+        return AssistantToolCall.model_validate(
+            {"id": self.call_id, "function": {"name": self.name, "arguments": self.arguments}}).as_template_call()
+
+
+class FunctionCallOutputItem(StrictBody):
+    type: Literal["function_call_output"]
+    call_id: Text
+    output: Text | list[InputText]
+    id: Text | None = None
+    status: ITEM_STATUS | None = None
+
+    @property
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
+
+
+def _item_type(item) -> str:
+    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
+
+
+InputItem = Annotated[Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(_item_type)]
+
+
+class FunctionTool(StrictBody):
+    """A function tool, as the Responses API spells it: chat's function definition, flat."""
+
+    type: Literal["function"]
+    name: Text = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _only_functions(cls, value):
+        if value != "function":
+            raise ValueError(f"{value!r} tools are not supported: this server calls function tools only "
+                             "(no hosted tools: web search, file search, MCP, code interpreter, ...)")
+        return value
+
+    def as_chat_tool(self) -> Tool:
+        function = FunctionDefinition.model_validate(self.model_dump(exclude={"type"}))
+        return Tool(type="function", function=function)
+
+
+class NamedFunctionChoice(StrictBody):
+    type: Literal["function"]
+    name: Text
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _only_functions(cls, value):
+        if value != "function":
+            raise ValueError(f"a tool_choice of type {value!r} is not supported: give \"auto\", \"required\", "
+                             "\"none\" or {\"type\": \"function\", \"name\": ...}")
+        return value
+
+
+class TextFormat(StrictBody):
+    """text.format: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "name", "schema"}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Text | None = Field(None, max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _name_and_schema_iff_json_schema(self) -> "TextFormat":
+        if (self.type == "json_schema") != (self.name is not None and self.schema_ is not None):
+            raise ValueError('name and schema are required with type "json_schema", and only then')
+        return self
+
+    def as_response_format(self) -> ResponseFormat:
+        """The same constraint as chat's response_format."""
+        if self.type != "json_schema":
+            return ResponseFormat(type=self.type)
+        schema = JsonSchemaFormat.model_validate(self.model_dump(by_alias=True, exclude={"type"}, exclude_none=True))
+        return ResponseFormat(type=self.type, json_schema=schema)
+
+
+class TextConfig(StrictBody):
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None  # the API's default; the model has no verbosity to set
+
+
 class ResponsesRequest(StrictBody):
     refused_fields: ClassVar[str] = "responses"
     model: Text | None = None
-    input: Text | list[InputMessage]
+    input: Text | list[InputItem]
     instructions: Text | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -52,17 +170,78 @@ class ResponsesRequest(StrictBody):
     store: bool = True
     previous_response_id: Text | None = None
     user: Text | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None  # "auto" with tools
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
 
     @field_validator("input", mode="before")
     @classmethod
     def _messages_within_limits(cls, value):
         return cls.limits.check_messages(value) if isinstance(value, list) else value
 
+    @model_validator(mode="after")
+    def _consistent_tools(self) -> "ResponsesRequest":
+        chat_choice = self.tool_choice  # in chat's shape, for chat's checks
+        if isinstance(chat_choice, NamedFunctionChoice):
+            chat_choice = NamedToolChoice.model_validate({"type": "function", "function": {"name": chat_choice.name}})
+        check_tool_choice(self.chat_tools, chat_choice, constrained=False)
+        if self.format_constraint is not None and (self.tool_choice == "required"
+                                                   or isinstance(self.tool_choice, NamedFunctionChoice)):
+            raise ValueError('a required or named tool_choice constrains the output itself: it cannot be combined '
+                             'with a text.format of type "json_schema" or "json_object"')
+        return self
+
+    @property
+    def chat_tools(self) -> list[Tool] | None:
+        return [tool.as_chat_tool() for tool in self.tools] if self.tools else None
+
+    @property
+    def template_tools(self) -> list[dict] | None:
+        """The tools as chat templates take them (OpenAI's chat shape, as dicts)."""
+        return [tool.model_dump(exclude_none=True) for tool in self.chat_tools] if self.tools else None
+
+    @property
+    def effective_tool_choice(self):
+        """None (no tools), "none", "auto", "required" or a function's name as {"name": ...}."""
+        if not self.tools:
+            return None
+        choice = self.tool_choice or "auto"
+        return {"name": choice.name} if isinstance(choice, NamedFunctionChoice) else choice
+
+    @property
+    def format_constraint(self):
+        """The constraint text.format puts on the output (structured_protocol.ResponseFormat's), or None."""
+        text_format = self.text.format if self.text is not None else None
+        return text_format.as_response_format().structured_outputs() if text_format is not None else None
+
+    def echo(self) -> dict:
+        """tools, tool_choice, parallel_tool_calls and text as a response object repeats them."""
+        tool_choice = self.tool_choice or ("auto" if self.tools else "none")
+        text_format = self.text.format if self.text is not None and self.text.format is not None else None
+        return {
+            "tools": [tool.model_dump() for tool in self.tools or ()],
+            "tool_choice": tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(),
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format
+                     else {"type": "text"}},
+        }
+
     def new_messages(self) -> list[dict]:
-        """This request's own turns, in the chat template's terms."""
+        """This request's own turns, in the chat template's terms: a call joins the assistant turn before it."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in self.input]
+        turns: list[dict] = []
+        for item in self.input:
+            if isinstance(item, FunctionCallItem):
+                if not turns or turns[-1]["role"] != "assistant":
+                    turns.append({"role": "assistant", "content": ""})
+                turns[-1].setdefault("tool_calls", []).append(item.as_template_call())
+            elif isinstance(item, FunctionCallOutputItem):
+                turns.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+            else:
+                turns.append({"role": "system" if item.role == "developer" else item.role, "content": item.text})
+        return turns
 
 
 class ResponseStore:

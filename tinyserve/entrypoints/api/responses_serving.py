@@ -1,21 +1,23 @@
-"""POST /v1/responses (stage ① in, stage ⑨ out): OpenAI's Responses API on the same engine, text only.
+"""POST /v1/responses (stage ① in, stage ⑨ out): OpenAI's Responses API on the same engine.
 
 The conversation (a previous response's, then this request's input, after the
-instructions) is rendered with the chat template like a chat completion. The answer
-is one `response` object whose output is one assistant message; its status is
-"completed", or "incomplete" (reason max_output_tokens) when the reply was cut short.
-A stream is the documented sequence of typed events, each numbered:
+instructions) is rendered with the chat template like a chat completion, the tools with
+it; tool_choice and text.format constrain the output as chat's tool_choice and
+response_format do (openai_serving.tool_call_plan). The answer is one `response` object
+whose output is its items: a message, and a function_call per call the model made
+(responses_output.py). Its status is "completed", or "incomplete" (reason
+max_output_tokens) when the reply was cut short. A stream is the documented sequence of
+typed events, each numbered:
 
     response.created, response.in_progress
-    response.output_item.added, response.content_part.added
-    response.output_text.delta ...
-    response.output_text.done, response.content_part.done, response.output_item.done
+    for each item: response.output_item.added, its deltas, response.output_item.done
     response.completed (or response.incomplete)
 
 A stream that cannot finish ends with an `error` event. Finished responses are kept
 for previous_response_id and GET /v1/responses/{id} (responses_protocol.ResponseStore).
 """
 
+import json
 import time
 import uuid
 
@@ -24,7 +26,13 @@ from fastapi.responses import JSONResponse, Response
 
 from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError
-from tinyserve.entrypoints.api.openai_serving import ServingContext, render_and_tokenize
+from tinyserve.entrypoints.api.openai_serving import (
+    ServingContext,
+    add_constrained_request,
+    render_and_tokenize,
+    tool_call_plan,
+)
+from tinyserve.entrypoints.api.responses_output import OutputItems
 from tinyserve.entrypoints.api.responses_protocol import ResponsesRequest, ResponseStore
 from tinyserve.entrypoints.api.sse import (
     EventStreamResponse,
@@ -41,14 +49,23 @@ ABORTED = "the request was aborted before it finished: the server is shutting do
 _PARAM_NAMES = {"messages": "input", "prompt": "input", "max_tokens": "max_output_tokens"}
 
 
-class _Answer:
-    """One response being built: its ids, its request's echo, and the object at any stage."""
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
-    def __init__(self, body: ResponsesRequest, model: str) -> None:
+
+class _Answer:
+    """One response being built: its id, its request's echo, its output items, and the object at any stage."""
+
+    def __init__(self, body: ResponsesRequest, model: str, make_calls) -> None:
         self.body, self.model = body, model
-        self.id, self.message_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"  # the id names the request
+        self.id = f"resp_{uuid.uuid4().hex}"  # the id names the request
         self.created_at = int(time.time())
-        self.text, self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens = "", 0, 0, 0
+        self.calls = make_calls() if make_calls else None  # reads tool calls out of the text (tool_calls.py)
+        self.output = OutputItems()
+        self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens = 0, 0, 0
         self.finish_reason: str | None = None
 
     @property
@@ -57,12 +74,22 @@ class _Answer:
             return "in_progress"
         return "incomplete" if self.finish_reason == "length" else "completed"
 
-    def part(self) -> dict:
-        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+    def feed(self, text: str, finished: bool) -> list[tuple[str, dict]]:
+        """The new text as output items' events (the calls read out of it, with tools)."""
+        deltas = self.calls.feed(text, finished) if self.calls else [{"content": text}]
+        return self.output.feed(deltas)
 
-    def message(self) -> dict:
-        return {"type": "message", "id": self.message_id, "status": self.status, "role": "assistant",
-                "content": [self.part()] if self.finish_reason is not None else []}
+    def finish(self, finish_reason: str) -> list[tuple[str, dict]]:
+        self.finish_reason = finish_reason
+        return self.output.close(self.status)
+
+    def reply_turn(self) -> dict:
+        """The reply as the chat template's assistant turn, for a later previous_response_id."""
+        turn = {"role": "assistant", "content": self.output.text}
+        if self.output.calls:  # templates take the arguments as an object; a call cut short keeps its text
+            turn["tool_calls"] = [{"id": call["call_id"], "type": "function", "function": {
+                "name": call["name"], "arguments": _json_or_text(call["arguments"])}} for call in self.output.calls]
+        return turn
 
     def response(self) -> dict:
         body, finished = self.body, self.finish_reason is not None
@@ -71,11 +98,10 @@ class _Answer:
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if self.status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": self.model,
-            "output": [self.message()] if finished else [],
-            "parallel_tool_calls": False, "previous_response_id": body.previous_response_id,
-            "store": body.store, "temperature": body.temperature, "top_p": body.top_p,
-            "text": {"format": {"type": "text"}}, "tool_choice": "none", "tools": [], "truncation": "disabled",
-            "user": body.user, "metadata": {},
+            "output": self.output.items if finished else [],
+            "previous_response_id": body.previous_response_id,
+            "store": body.store, "temperature": body.temperature, "top_p": body.top_p, **body.echo(),
+            "truncation": "disabled", "user": body.user, "metadata": {},
             "usage": {
                 "input_tokens": self.num_prompt_tokens,
                 "input_tokens_details": {"cached_tokens": self.num_cached_tokens},
@@ -98,7 +124,10 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
                            f"in memory, the latest {store.max_entries})", "previous_response_id")
     conversation = history + body.new_messages()
     instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    answer = _Answer(body, model)
+    constraint, constrained_field, make_calls = tool_call_plan(ctx, body.format_constraint, "text.format",
+                                                               body.effective_tool_choice, body.chat_tools,
+                                                               body.parallel_tool_calls)
+    answer = _Answer(body, model, make_calls)
     spans = start_request_spans(schema.OPERATION_CHAT, model, answer.id, redact_inputs=ctx.redact_inputs)
 
     def make_params(max_tokens: int) -> SamplingParams:
@@ -108,13 +137,14 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
             temperature=defaults["temperature"] if body.temperature is None else body.temperature,
             top_p=defaults["top_p"] if body.top_p is None else body.top_p,
             top_k=defaults["top_k"], min_p=defaults["min_p"], repetition_penalty=defaults["repetition_penalty"],
+            structured_outputs=constraint,
         )
 
     try:
         prompt, params = await render_and_tokenize(ctx, spans, instructions + conversation, True,
-                                                   body.max_output_tokens, make_params)
-        stream = await ctx.engine.add_request(prompt, params, answer.id, spans=spans,
-                                              output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
+                                                   body.max_output_tokens, make_params, tools=body.template_tools)
+        stream = await add_constrained_request(ctx.engine, constrained_field, prompt, params, answer.id, spans=spans,
+                                               output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
     except APIError as error:
         spans.fail(error)
         error.param = _PARAM_NAMES.get(error.param, error.param)
@@ -126,7 +156,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
 
     def keep() -> None:
         if body.store:
-            store.put(answer.response(), conversation + [{"role": "assistant", "content": answer.text}])
+            store.put(answer.response(), conversation + [answer.reply_turn()])
 
     if body.stream:
         return EventStreamResponse(_stream(stream, answer, keep), [stream])
@@ -138,8 +168,9 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
     completion = output.outputs[0]
     if completion.finish_reason == "abort":
         raise APIError(503, ABORTED)
-    answer.text, answer.num_output_tokens = completion.text, len(completion.token_ids)
-    answer.num_cached_tokens, answer.finish_reason = output.num_cached_tokens, completion.finish_reason
+    answer.num_output_tokens, answer.num_cached_tokens = len(completion.token_ids), output.num_cached_tokens
+    answer.feed(completion.text, finished=True)
+    answer.finish(completion.finish_reason)
     keep()
     return JSONResponse(answer.response())
 
@@ -152,31 +183,28 @@ async def _stream(stream, answer: _Answer, keep):
         sequence_number += 1
         return sse_event(kind, {"type": kind, "sequence_number": sequence_number - 1, **payload})
 
-    where = {"item_id": answer.message_id, "output_index": 0, "content_index": 0}
     yield event("response.created", response=answer.response())
     yield event("response.in_progress", response=answer.response())
-    yield event("response.output_item.added", output_index=0, item=answer.message())
-    yield event("response.content_part.added", **where, part=answer.part())
+    finish_reason = None
     try:
         async for output in stream:
             completion = output.outputs[0]
             answer.num_output_tokens += len(completion.token_ids)
             answer.num_cached_tokens = output.num_cached_tokens
-            if completion.text:
-                answer.text += completion.text
-                yield event("response.output_text.delta", **where, delta=completion.text, logprobs=[])
             if completion.finished():
-                answer.finish_reason = completion.finish_reason
+                finish_reason = completion.finish_reason
+            if finish_reason != "abort":
+                for kind, payload in answer.feed(completion.text, completion.finished()):
+                    yield event(kind, **payload)
     except Exception as error:
         status, message = stream_error_status(error)
         yield event("error", code=str(status), message=message, param=None)
         return
-    if answer.finish_reason in (None, "abort"):
+    if finish_reason in (None, "abort"):
         yield event("error", code="503", message=ABORTED, param=None)
         return
+    for kind, payload in answer.finish(finish_reason):
+        yield event(kind, **payload)
     keep()
-    yield event("response.output_text.done", **where, text=answer.text, logprobs=[])
-    yield event("response.content_part.done", **where, part=answer.part())
-    yield event("response.output_item.done", output_index=0, item=answer.message())
     yield event("response.completed" if answer.status == "completed" else "response.incomplete",
                 response=answer.response())

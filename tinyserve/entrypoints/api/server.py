@@ -60,8 +60,9 @@ logger = logging.getLogger("tinyserve.api")
 
 RETRY_AFTER_S = 1  # what a refused client is told to wait: requests finish in seconds
 # Where pydantic names the alternative of a union it tried ("str", "list[TextPart]",
-# "function-after[...]"): not a field the client sent, so not part of `param`.
-_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|list|dict)$|\[|^function-")
+# "function-after[...]", a model's class name: no field of these APIs is in CamelCase):
+# not a field the client sent, so not part of `param`.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|list|dict)$|\[|^function-|^[A-Z][A-Za-z0-9]*$")
 
 
 def _location(error: dict) -> list[str]:

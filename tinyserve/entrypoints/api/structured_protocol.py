@@ -11,12 +11,23 @@ a schema the engine's grammar library cannot compile (checked by the input proce
 """
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from tinyserve.entrypoints.api.strict_body import StrictBody, Text
 from tinyserve.sampling_params import StructuredOutputsParams
+
+
+def _json_text(value: str) -> str:
+    try:
+        json.loads(value)
+    except ValueError:
+        raise ValueError("must be JSON text") from None
+    return value
+
+
+JsonText = Annotated[Text, AfterValidator(_json_text)]  # a call's arguments, as OpenAI sends them
 
 
 class JsonSchemaFormat(StrictBody):
@@ -110,16 +121,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 class CalledFunction(StrictBody):
     name: Text
-    arguments: Text  # JSON text
-
-    @field_validator("arguments")
-    @classmethod
-    def _json(cls, value: str) -> str:
-        try:
-            json.loads(value)
-        except ValueError:
-            raise ValueError("must be JSON text") from None
-        return value
+    arguments: JsonText
 
 
 class AssistantToolCall(StrictBody):

@@ -11,6 +11,8 @@ Which tool_choice asks for what:
     "auto"              unconstrained; the model decides, and the server's --tool-call-parser
                         finds the calls in its text. hermes (Qwen2.5 / Qwen3, Hermes 2 Pro):
                         <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+                        llama3_json (Llama 3.1 / 3.2): a reply that is JSON, an object per call,
+                        [<|python_tag|>]{"name": ..., "parameters": {...}}; {...}
 
 `ToolCallParser` is fed the text as it arrives and gives back what may be shown now: plain
 content, and each call once it is complete, so the same code answers a stream (as OpenAI
@@ -23,8 +25,9 @@ from dataclasses import dataclass, field
 
 from tinyserve.sampling_params import StructuredOutputsParams
 
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+LLAMA3_PYTHON_TAG = "<|python_tag|>"  # Llama 3's token before a tool call, when it is not skipped
 
 
 @dataclass(slots=True)
@@ -68,8 +71,8 @@ def tool_constraint(tools: list[dict], tool_choice, parallel_tool_calls: bool = 
 class ToolCallParser:
     """Reads tool calls out of the output text, as it arrives (`feed`), until it ends (`finish`).
 
-    mode: "required" (a JSON array of calls), "named" (the text is one call's arguments) or
-    "hermes" (<tool_call> blocks among plain text).
+    mode: "required" (a JSON array of calls), "named" (the text is one call's arguments),
+    "hermes" (<tool_call> blocks among plain text) or "llama3_json" (JSON calls, or plain text).
     """
 
     def __init__(self, mode: str, function_name: str | None = None) -> None:
@@ -77,15 +80,18 @@ class ToolCallParser:
         self.function_name = function_name
         self.text = ""
         self.num_calls = 0
-        self._position = 0  # required: where the next array element starts; hermes: where unread text starts
+        self._position = 0  # required, llama3_json: where the next call starts; hermes: where unread text starts
+        self._llama3_calls: bool | None = None  # llama3_json: whether the reply is calls, once its start says
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         """(content that may be shown now, calls complete now) after `delta` is added to the text."""
         self.text += delta
         if self.mode == "required":
-            return "", self._complete_elements()
+            return "", self._json_calls(" \n\t[,", final=False)[1]
         if self.mode == "hermes":
             return self._hermes(final=False)
+        if self.mode == "llama3_json":
+            return self._llama3(final=False)
         return "", []  # named: the arguments are streamed as they come (see named_call)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
@@ -94,22 +100,44 @@ class ToolCallParser:
             return "", [ToolCall(self.function_name, self.text)]
         if self.mode == "hermes":
             return self._hermes(final=True)
+        if self.mode == "llama3_json":
+            return self._llama3(final=True)
         return "", []
 
-    def _complete_elements(self) -> list[ToolCall]:
-        calls = []
+    def _json_calls(self, separators: str, final: bool) -> tuple[str, list[ToolCall]]:
+        """The JSON objects complete from _position on, as calls; what is not a call is content."""
+        content, calls = "", []
         decoder = json.JSONDecoder()
         while True:
             rest = self.text[self._position:]
-            skipped = len(rest) - len(rest.lstrip(" \n\t[,"))
-            start = self._position + skipped
+            start = self._position + len(rest) - len(rest.lstrip(separators))
             try:
                 element, end = decoder.raw_decode(self.text, start)
-            except ValueError:  # not complete yet (or the array has ended)
-                return calls
+            except ValueError:  # not complete yet (or the calls have ended)
+                if final and self.mode == "llama3_json":
+                    content, self._position = content + self.text[self._position:], len(self.text)
+                return content, calls
+            call = _call_from(element)
+            if call is None:
+                content += self.text[self._position:end]
+            else:
+                calls.append(call)
+                self.num_calls += 1
             self._position = end
-            calls.append(ToolCall(element["name"], json.dumps(element["parameters"], ensure_ascii=False)))
-            self.num_calls += 1
+
+    def _llama3(self, final: bool) -> tuple[str, list[ToolCall]]:
+        if self._llama3_calls is None:  # a reply is calls if it opens with the python tag or "{"
+            head = self.text.lstrip()
+            if not final and (not head or LLAMA3_PYTHON_TAG.startswith(head)):
+                return "", []  # too early to say
+            self._llama3_calls = head.startswith((LLAMA3_PYTHON_TAG, "{"))
+            if self._llama3_calls:
+                self._position = len(self.text) - len(head) + (len(LLAMA3_PYTHON_TAG) * head.startswith(
+                    LLAMA3_PYTHON_TAG))
+        if self._llama3_calls:
+            return self._json_calls(" \n\t;,", final)
+        content, self._position = self.text[self._position:], len(self.text)
+        return content, []
 
     def _hermes(self, final: bool) -> tuple[str, list[ToolCall]]:
         content, calls = "", []
@@ -131,7 +159,10 @@ class ToolCallParser:
                 else:
                     self._position += start
                 return content, calls
-            call = _hermes_call(rest[start + len(HERMES_START): end])
+            try:
+                call = _call_from(json.loads(rest[start + len(HERMES_START): end]))
+            except ValueError:
+                call = None
             if call is None:
                 content += rest[start: end + len(HERMES_END)]
             else:
@@ -140,15 +171,13 @@ class ToolCallParser:
             self._position += end + len(HERMES_END)
 
 
-def _hermes_call(body: str) -> ToolCall | None:
-    try:
-        call = json.loads(body)
-        name, arguments = call["name"], call.get("arguments", {})
-    except (ValueError, TypeError, KeyError):
+def _call_from(element) -> ToolCall | None:
+    """{"name": ..., "arguments" or "parameters": {...}} as a call; anything else None."""
+    if not isinstance(element, dict) or not isinstance(element.get("name"), str):
         return None
-    if not isinstance(name, str):
-        return None
-    return ToolCall(name, arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+    arguments = element.get("arguments", element.get("parameters", {}))
+    return ToolCall(element["name"],
+                    arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -168,12 +197,14 @@ class ToolCallDeltas:
     """One choice's text deltas as OpenAI chat deltas: {"content": ...} and {"tool_calls": [...]}.
 
     A named function's arguments stream as they are generated (the call's id and name first);
-    other calls are sent whole, each once its text is complete.
+    other calls are sent whole, each once its text is complete. Without parallel_tool_calls,
+    calls after the first are dropped (a "required" one is constrained to one call already).
     """
 
-    def __init__(self, mode: str, function_name: str | None = None) -> None:
+    def __init__(self, mode: str, function_name: str | None = None, parallel_tool_calls: bool = True) -> None:
         self.parser = ToolCallParser(mode, function_name)
         self.named = ToolCall(function_name, "") if mode == "named" else None
+        self.parallel_tool_calls = parallel_tool_calls
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str, finished: bool) -> list[dict]:
@@ -191,6 +222,8 @@ class ToolCallDeltas:
             more_content, more_calls = self.parser.finish()
             content, calls = content + more_content, calls + more_calls
         deltas = [{"content": content}] if content else []
+        if not self.parallel_tool_calls:
+            calls = calls[:max(0, 1 - len(self.calls))]
         for call in calls:
             deltas.append({"tool_calls": [call.as_openai(len(self.calls))]})
             self.calls.append(call)
