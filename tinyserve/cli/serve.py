@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tinyserve: tracing to {run_dir}", flush=True)
     field_limits = FieldLimits(max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
                                max_messages=args.max_messages, max_logit_bias_entries=args.max_logit_bias_entries)
-    metrics = ServerMetrics(names[0], args.data_parallel_size, engine.model_info.max_model_len)
+    metrics = ServerMetrics(names[0], engine.engine_indices, engine.model_info.max_model_len)
     app = build_app(ctx, metrics, api_key=args.api_key,
                     max_request_body_bytes=args.max_request_body_bytes, field_limits=field_limits)
     port = listener.getsockname()[1]

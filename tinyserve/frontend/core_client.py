@@ -6,7 +6,8 @@ MPClient is the EngineClient (engine_client.py) for engines in their own process
 starts and stops them; engine_core_proc.py is what runs in them), sends each
 request to one of them (dp_client.py picks which), and hands back whatever the
 engines produce, one EngineCoreOutputs at a time, to AsyncLLM's output loop.
-The socket layout is drawn in ipc.py.
+The socket layout is drawn in ipc.py. Its engines' indices start at start_index
+(messages and answers carry them); its lists of sockets and processes go by position.
 
 It also watches the engines. Each process has a sentinel, a file descriptor that
 becomes readable the moment the process exits; the event loop watches them, so
@@ -57,16 +58,22 @@ class MPClient(ClientLiveness):
         args: EngineArgs,
         model_info: ModelInfo,
         data_parallel_size: int = 1,
+        start_index: int = 0,
         ipc_dir: str | None = None,
         transport: str = "ipc",
         startup_timeout: float = STARTUP_TIMEOUT_S,
     ) -> None:
-        """ipc_dir: where to create the private socket directory (default: the system temp dir)."""
+        """data_parallel_size: how many engines to start; start_index: the engine index of the first
+        (with --data-parallel-rank R, the one engine is engine R).
+        ipc_dir: where to create the private socket directory (default: the system temp dir)."""
         if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
+        if not isinstance(start_index, int) or start_index < 0:
+            raise ValueError(f"start_index must be a non-negative integer, got {start_index}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.data_parallel_size = data_parallel_size
+        self.start_index = start_index
         self.transport = transport
         self.startup_timeout = startup_timeout
         self.in_flight: dict[str, int] = {}  # request id -> index of the engine that has it
@@ -76,7 +83,7 @@ class MPClient(ClientLiveness):
         self.load_balancer = DPLoadBalancer(data_parallel_size)
         self._ipc_parent = ipc_dir
         self._ipc_dir: str | None = None
-        self._engines = EngineProcesses(args, model_info, data_parallel_size)
+        self._engines = EngineProcesses(args, model_info, data_parallel_size, start_index)
         self._context: zmq.asyncio.Context | None = None
         self._input_sockets: list[zmq.Socket] = []
         self._output_socket: zmq.asyncio.Socket | None = None
@@ -130,7 +137,7 @@ class MPClient(ClientLiveness):
                     logger.warning("dropped a malformed message from an engine: %s", error)
                     continue
                 if kind is EngineOutputKind.READY:
-                    ready[message.engine_index] = message
+                    ready[message.engine_index - self.start_index] = message
                 elif kind is EngineOutputKind.FAILED:
                     raise EngineStartupError(f"engine {message.engine_index} failed to start: {message.error}")
             for index in range(self.data_parallel_size):
@@ -138,7 +145,7 @@ class MPClient(ClientLiveness):
                     if await self._output_socket.poll(timeout=200):
                         continue  # its last words are still on the way: read them first
                     raise EngineStartupError(
-                        f"engine {index} exited during start-up ({self._engines.exit_reason(index)}) "
+                        f"engine {self.start_index + index} exited during start-up ({self._engines.exit_reason(index)}) "
                         "without reporting an error; see its log above"
                     )
         self.num_kv_blocks = [ready[i].num_kv_blocks for i in range(self.data_parallel_size)]
@@ -150,10 +157,11 @@ class MPClient(ClientLiveness):
     async def add_request(self, request: EngineCoreRequest) -> int:
         """Send a request to the least loaded engine; returns that engine's index."""
         self._check_alive()
-        index = self.load_balancer.choose_engine()
+        position = self.load_balancer.choose_engine()
+        index = self.start_index + position
         self._send(index, EngineInputKind.ADD, request)
         self.in_flight[request.request_id] = index
-        self.load_balancer.on_request_sent(index)
+        self.load_balancer.on_request_sent(position)
         return index
 
     async def abort_requests(self, request_ids: list[str]) -> None:
@@ -179,8 +187,9 @@ class MPClient(ClientLiveness):
         """Run one of ipc.UTILITY_METHODS on an engine, between two of its steps."""
         if method not in UTILITY_METHODS:
             raise ValueError(f"method must be one of {sorted(UTILITY_METHODS)}, got {method!r}")
-        if not 0 <= engine_index < self.data_parallel_size:
-            raise ValueError(f"engine_index must be in [0, {self.data_parallel_size}), got {engine_index}")
+        first, end = self.start_index, self.start_index + self.data_parallel_size
+        if not first <= engine_index < end:
+            raise ValueError(f"engine_index must be in [{first}, {end}), got {engine_index}")
         self._check_alive()
         call_id = next(self._call_ids)
         future = self._loop.create_future()
@@ -198,7 +207,7 @@ class MPClient(ClientLiveness):
         # With no high-water mark a send never blocks while the engine is
         # connected; "would block" therefore means the engine's end is gone.
         try:
-            self._input_sockets[index].send_multipart([kind.value, self._encoder.encode(message)], flags=zmq.NOBLOCK)
+            self._input_sockets[index - self.start_index].send_multipart([kind.value, self._encoder.encode(message)], flags=zmq.NOBLOCK)
         except zmq.Again:
             raise EngineDeadError(f"engine {index} is not connected") from None
 
@@ -224,20 +233,21 @@ class MPClient(ClientLiveness):
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         if self.dead_error is not None:
             return  # the caller has been told; these requests are failed already
-        if not 0 <= outputs.engine_index < self.data_parallel_size:
+        position = outputs.engine_index - self.start_index
+        if not 0 <= position < self.data_parallel_size:
             logger.warning("dropped outputs from unknown engine %d", outputs.engine_index)
             return
         for output in outputs.outputs:
             if output.finished:
                 self.in_flight.pop(output.request_id, None)
         if outputs.scheduler_stats is not None:
-            self.load_balancer.on_stats(outputs.engine_index, outputs.scheduler_stats)
+            self.load_balancer.on_stats(position, outputs.scheduler_stats)
         self._outputs.put_nowait(outputs)
 
-    def _on_engine_exit(self, index: int) -> None:
-        self._loop.remove_reader(self._engines.processes[index].sentinel)
-        reason = self._engines.exit_reason(index)
-        self._mark_dead(index, f"process {self._engines.pids[index]} exited ({reason})")
+    def _on_engine_exit(self, position: int) -> None:
+        self._loop.remove_reader(self._engines.processes[position].sentinel)
+        reason = self._engines.exit_reason(position)
+        self._mark_dead(self.start_index + position, f"process {self._engines.pids[position]} exited ({reason})")
 
     def _mark_dead(self, index: int, reason: str) -> None:
         if self.dead_error is not None or self._closed:

@@ -2,7 +2,9 @@
 
 MPClient (core_client.py) talks to the engines over sockets; this is the part
 that deals with them as operating-system processes, one per data-parallel rank,
-each running engine_core_proc.run_engine_core.
+each running engine_core_proc.run_engine_core. Engine i of those started here
+has engine index start_index + i: 0..N-1 usually, R alone for a server started
+with --data-parallel-rank R (its metrics, traces and process title say so).
 """
 
 import multiprocessing
@@ -17,14 +19,15 @@ SHUTDOWN_TIMEOUT_S = 5.0  # SIGTERM, then SIGKILL after this long
 
 
 class EngineProcesses:
-    def __init__(self, args: EngineArgs, model_info: ModelInfo, data_parallel_size: int) -> None:
+    def __init__(self, args: EngineArgs, model_info: ModelInfo, data_parallel_size: int, start_index: int = 0) -> None:
         self.args = args
         self.model_info = model_info
         self.data_parallel_size = data_parallel_size
+        self.start_index = start_index
         self.processes: list[multiprocessing.Process] = []
 
     def start(self, input_addresses: list[str], output_address: str) -> None:
-        """Start engine i reading requests from input_addresses[i]; all write to output_address."""
+        """Start the i-th engine reading requests from input_addresses[i]; all write to output_address."""
         # spawn, not fork: a forked copy of a process with torch and ZeroMQ threads can deadlock.
         # The arguments below reach the child pickled, over a pipe that only the two
         # processes hold; everything after the start goes over the sockets as msgspec.
@@ -33,13 +36,13 @@ class EngineProcesses:
         if self.args.torch_device.type == "cpu" and self.data_parallel_size > 1:
             # Engines on one CPU split its cores: thread pools that overlap slow each other down.
             num_threads = max(1, (os.cpu_count() or 1) // self.data_parallel_size)
-        for index, input_address in enumerate(input_addresses):
+        for engine_index, input_address in enumerate(input_addresses, start=self.start_index):
             process = spawn.Process(
                 target=run_engine_core,
-                name=f"tinyserve-engine-{index}",
+                name=f"tinyserve-engine-{engine_index}",
                 kwargs=dict(
                     args=self.args,
-                    engine_index=index,
+                    engine_index=engine_index,
                     input_address=input_address,
                     output_address=output_address,
                     parent_pid=os.getpid(),
