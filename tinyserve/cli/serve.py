@@ -17,6 +17,7 @@ import sys
 import uvicorn
 
 from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from
+from tinyserve.cli.load_balancing_flags import add_load_balancing_flags, check_load_balancing_flags
 from tinyserve.entrypoints.api.field_limits import (
     DEFAULT_MAX_LOGIT_BIAS_ENTRIES,
     DEFAULT_MAX_MESSAGES,
@@ -53,6 +54,7 @@ def add_parser(commands) -> None:
     group.add_argument("--log-requests", action="store_true",
                        help="log each request's inputs and one access line per request "
                             "(the log holds prompt text and token ids, --trace-redact-inputs or not)")
+    add_load_balancing_flags(parser)
     tools = parser.add_argument_group("tool calling")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='let requests use tool_choice "auto" (the default with tools): the model decides, '
@@ -115,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     from tinyserve.entrypoints.api.slow_clients import DeadlineProtocol
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    problem = _check_server_flags(args)
+    problem = _check_server_flags(args) or check_load_balancing_flags(args)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -129,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         engine_args = engine_args_from(args)
         run_dir = start_tracing(args, engine_args, names[0])
         engine = AsyncLLM(engine_args, data_parallel_size=args.data_parallel_size, log_requests=args.log_requests,
-                          max_waiting_requests=args.max_waiting_requests)
+                          max_waiting_requests=args.max_waiting_requests, data_parallel_rank=args.data_parallel_rank)
     except ValueError as error:
         listener.close()
         print(f"error: {error}", file=sys.stderr)
@@ -141,8 +143,8 @@ def run(args: argparse.Namespace) -> int:
     field_limits = FieldLimits(max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
                                max_messages=args.max_messages, max_logit_bias_entries=args.max_logit_bias_entries)
     metrics = ServerMetrics(names[0], engine.engine_indices, engine.model_info.max_model_len)
-    app = build_app(ctx, metrics, api_key=args.api_key,
-                    max_request_body_bytes=args.max_request_body_bytes, field_limits=field_limits)
+    app = build_app(ctx, metrics, api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
+                    field_limits=field_limits, track_server_load=args.enable_server_load_tracking)
     port = listener.getsockname()[1]
     print(f"tinyserve: serving {names[0]} ({engine.model_info.path}) on http://{args.host}:{port}/v1", flush=True)
     config = uvicorn.Config(app, host=args.host, port=port, log_level="info", access_log=args.log_requests,
