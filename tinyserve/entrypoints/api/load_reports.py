@@ -21,8 +21,8 @@ one engine of a --data-parallel-rank server.
 
 Server load (--enable-server-load-tracking, vLLM's): GET /load answers
 {"server_load": N}, the generation requests (chat, completions, responses,
-messages) in flight now, each counted from its arrival until the last byte of
-its answer is sent or its client goes. Without the flag /load answers 0.
+messages) in flight now, each counted once past the body checks until the last
+byte of its answer is sent or its client goes. Without the flag /load answers 0.
 """
 
 import json
