@@ -217,7 +217,35 @@ def test_serve_on_a_taken_port_or_a_bad_one_exits_2_before_loading_the_model(tmp
      "--data-parallel-size-local must be in [1, --data-parallel-size=2], got 3"),
     (["--data-parallel-size", "2", "--data-parallel-start-rank", "1"],
      "--data-parallel-start-rank 1 is for --headless nodes; the head always starts at rank 0"),
+    (["--data-parallel-size", "2", "--data-parallel-rank", "1", "--data-parallel-size-local", "2"],
+     "--data-parallel-rank runs one engine: --data-parallel-size-local must be 1 or unset, got 2"),
+    (["--headless", "--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-start-rank", "1",
+      "--data-parallel-rank", "1"],
+     "--data-parallel-rank is for a server of its own; a --headless node takes --data-parallel-start-rank"),
 ])
 def test_data_parallel_flags_that_cannot_fit_exit_2_naming_them(tmp_path, capsys, flags, message):
     assert main(["serve", str(tmp_path / "no-such-model"), *flags]) == 2
     assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_serve_refuses_a_data_parallel_rank_outside_its_group_before_loading_the_model(tmp_path, capsys):
+    model = str(tmp_path / "no-such-model")
+    # As vLLM: a rank names one engine of several; with one engine there is nothing to name.
+    assert main(["serve", model, "--data-parallel-rank", "0"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --data-parallel-rank needs --data-parallel-size of at least 2 (it names one engine of several, "
+        "for a load balancer in front), got --data-parallel-size 1\n")
+    for rank in ("2", "-1"):
+        assert main(["serve", model, "--data-parallel-size", "2", "--data-parallel-rank", rank]) == 2
+        assert capsys.readouterr().err == (
+            f"error: --data-parallel-rank must be in [0, 2) for --data-parallel-size 2, got {rank}\n")
+
+
+def test_serve_help_describes_the_external_load_balancing_flags(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--help"])
+    assert exit_.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "external load balancing:" in help_text
+    assert "--data-parallel-rank R serve data-parallel rank R of --data-parallel-size alone" in help_text
+    assert "--enable-server-load-tracking count the generation requests in flight, for GET /load" in help_text

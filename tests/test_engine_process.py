@@ -278,6 +278,24 @@ def test_engine_process_title_names_its_rank(dp_client):
         assert f"tinyserve-engine-{rank}" in " ".join(psutil.Process(pid).cmdline())
 
 
+@pytest.mark.slow
+def test_an_engine_started_as_rank_1_alone_answers_as_engine_1(loop, engine_args, model_info, input_processor,
+                                                              prompts, reference_ids):
+    # --data-parallel-rank 1: one engine, whose index is 1 in every message and answer.
+    client = start_client(loop, MPClient(engine_args, model_info, start_index=1))
+    try:
+        tokens, sent_to, output_engines = run(loop, generate(client, input_processor, prompts[:2], "rank1"))
+        assert tokens == reference_ids[:2]
+        assert sent_to == [1, 1] and output_engines == [{1}, {1}]
+        assert run(loop, client.call_utility("reset_prefix_cache", engine_index=1)) is True
+        with pytest.raises(ValueError, match=r"engine_index must be in \[1, 2\), got 0"):
+            run(loop, client.call_utility("reset_prefix_cache", engine_index=0))
+        [pid] = client.engine_pids
+        assert "tinyserve-engine-1" in " ".join(psutil.Process(pid).cmdline())
+    finally:
+        client.shutdown()
+
+
 def test_engine_ignores_sigint(loop, mp_client, input_processor, prompts, reference_ids):
     # Ctrl-C in a terminal reaches the whole process group; the API process decides.
     os.kill(mp_client.engine_pids[0], signal.SIGINT)

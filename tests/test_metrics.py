@@ -1,9 +1,7 @@
 """/metrics: vLLM's metrics with vLLM's definitions and buckets, as a real Prometheus server scrapes them."""
 
 import math
-import os
 import re
-import shutil
 import subprocess
 import time
 
@@ -12,6 +10,7 @@ import openai
 import pytest
 
 from tests import shared_server
+from tests.required_tools import system_binary
 from tests.server_checks import wait_until
 from tinyserve.testing import ServerProcess, free_port
 
@@ -126,20 +125,10 @@ def test_cache_config_info_and_process_metrics_are_exported(server):
 # ---- a real Prometheus ------------------------------------------------------------
 
 
-def prometheus_binary() -> str:
-    binary = shutil.which("prometheus")
-    if binary is None:
-        message = "the prometheus binary is not installed (Debian: apt-get install prometheus)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    return binary
-
-
 @pytest.fixture
 def prometheus(tmp_path):
     """Start Prometheus on loopback; the test writes its scrape target with `scrape(url)`."""
-    binary = prometheus_binary()
+    binary = system_binary("prometheus", "prometheus")
     port = free_port()
     processes = []
 

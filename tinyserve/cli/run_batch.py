@@ -208,7 +208,8 @@ def _run_with_engine(args: argparse.Namespace, lines: list[tuple[int, str]]) -> 
         print(f"error: cannot load the model: {error}", file=sys.stderr)
         return 1
     names = args.served_model_name or [args.model or "tinyserve-default"]
-    app = build_app(ServingContext(engine, names), ServerMetrics(names[0], 1, engine.model_info.max_model_len))
+    metrics = ServerMetrics(names[0], engine.engine_indices, engine.model_info.max_model_len)
+    app = build_app(ServingContext(engine, names), metrics)
     print(f"tinyserve: {len(lines)} requests from {args.input_file} to {names[0]} ({engine.model_info.path})",
           file=sys.stderr, flush=True)
 

@@ -20,6 +20,7 @@ import uvicorn
 
 from tinyserve.cli.data_parallel_flags import add_data_parallel_flags, check_data_parallel_flags, size_local
 from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from
+from tinyserve.cli.load_balancing_flags import add_load_balancing_flags, check_load_balancing_flags
 from tinyserve.entrypoints.api.field_limits import (
     DEFAULT_MAX_LOGIT_BIAS_ENTRIES,
     DEFAULT_MAX_MESSAGES,
@@ -55,6 +56,7 @@ def add_parser(commands) -> None:
     group.add_argument("--log-requests", action="store_true",
                        help="log each request's inputs and one access line per request "
                             "(the log holds prompt text and token ids, --trace-redact-inputs or not)")
+    add_load_balancing_flags(parser)
     tools = parser.add_argument_group("tool calling")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='let requests use tool_choice "auto" (the default with tools): the model decides, '
@@ -118,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     from tinyserve.entrypoints.api.slow_clients import DeadlineProtocol
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    problem = _check_server_flags(args)
+    problem = _check_server_flags(args) or check_load_balancing_flags(args)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -134,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
         engine_args = engine_args_from(args)
         run_dir = start_tracing(args, engine_args, names[0])
         engine = AsyncLLM(engine_args, data_parallel_size=args.data_parallel_size, log_requests=args.log_requests,
-                          max_waiting_requests=args.max_waiting_requests, multi_node=_multi_node(args))
+                          max_waiting_requests=args.max_waiting_requests, multi_node=_multi_node(args),
+                          data_parallel_rank=args.data_parallel_rank)
     except ValueError as error:
         listener.close()
         print(f"error: {error}", file=sys.stderr)
@@ -145,9 +148,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"tinyserve: tracing to {run_dir}", flush=True)
     field_limits = FieldLimits(max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
                                max_messages=args.max_messages, max_logit_bias_entries=args.max_logit_bias_entries)
-    metrics = ServerMetrics(names[0], args.data_parallel_size, engine.model_info.max_model_len)
-    app = build_app(ctx, metrics, api_key=args.api_key,
-                    max_request_body_bytes=args.max_request_body_bytes, field_limits=field_limits)
+    metrics = ServerMetrics(names[0], engine.engine_indices, engine.model_info.max_model_len)
+    app = build_app(ctx, metrics, api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
+                    field_limits=field_limits, track_server_load=args.enable_server_load_tracking)
     port = listener.getsockname()[1]
     print(f"tinyserve: serving {names[0]} ({engine.model_info.path}) on http://{args.host}:{port}/v1", flush=True)
     config = uvicorn.Config(app, host=args.host, port=port, log_level="info", access_log=args.log_requests,
@@ -163,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
 def _multi_node(args: argparse.Namespace):
     from tinyserve.frontend.remote_engines import MultiNode
 
-    if size_local(args) == args.data_parallel_size:
+    if args.data_parallel_rank is not None or size_local(args) == args.data_parallel_size:
         return None
     return MultiNode(size_local(args), args.data_parallel_address, args.data_parallel_rpc_port)
 
@@ -192,6 +195,8 @@ def run_headless(args: argparse.Namespace, served_model_name: str) -> int:
 
 
 def _local_ranks(args: argparse.Namespace) -> list[int]:
+    if args.data_parallel_rank is not None:
+        return [args.data_parallel_rank]
     start = args.data_parallel_start_rank or 0
     return list(range(start, start + size_local(args)))
 

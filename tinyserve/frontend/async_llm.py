@@ -35,6 +35,7 @@ import msgspec
 
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.frontend.core_client import MPClient
+from tinyserve.frontend.dp_client import data_parallel_engine_indices
 from tinyserve.frontend.remote_engines import MultiNode
 from tinyserve.frontend.engine_client import EngineClient, EngineDeadError
 from tinyserve.frontend.inproc_client import AsyncInprocClient
@@ -59,6 +60,7 @@ class AsyncLLM:
         engine_args: EngineArgs,
         *,
         data_parallel_size: int = 1,
+        data_parallel_rank: int | None = None,  # run that engine alone, behind an external load balancer
         in_process: bool = False,
         log_requests: bool = False,
         max_waiting_requests: int | None = None,
@@ -68,6 +70,7 @@ class AsyncLLM:
 
         multi_node: some of the data_parallel_size engines run on headless nodes (remote_engines.py).
         """
+        indices = self.engine_indices = data_parallel_engine_indices(data_parallel_size, data_parallel_rank, in_process)
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}")
         self.engine_args = engine_args
@@ -78,12 +81,9 @@ class AsyncLLM:
         self.input_processor = InputProcessor.from_engine_args(self.model_info, self.tokenizer, engine_args)
         self.render_threads = RenderThreads(self.input_processor)  # templates and tokenizing, off the event loop
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.client: EngineClient
-        if in_process:
-            self.client = AsyncInprocClient(engine_args, self.model_info)
-        else:
-            self.client = MPClient(engine_args, self.model_info, data_parallel_size=data_parallel_size,
-                                   multi_node=multi_node)
+        self.client: EngineClient = AsyncInprocClient(engine_args, self.model_info) if in_process else MPClient(
+            engine_args, self.model_info, data_parallel_size=len(indices), start_index=indices.start,
+            multi_node=multi_node)
         self.queues: dict[str, asyncio.Queue] = {}
         self.engine_stats: dict[int, SchedulerStats] = {}
         # Objects with on_request(request_id, child EngineCoreRequests, SamplingParams) and on_outputs(...),
@@ -242,10 +242,10 @@ class AsyncLLM:
 
     async def get_stats(self) -> list[SchedulerStats]:
         """Fresh scheduler stats from every engine (a utility call to each)."""
-        return [await self.client.call_utility("get_stats", engine_index=i) for i in range(len(self.client.num_kv_blocks))]
+        return [await self.client.call_utility("get_stats", engine_index=i) for i in self.engine_indices]
 
     async def reset_prefix_cache(self) -> list[bool]:
-        return [await self.client.call_utility("reset_prefix_cache", engine_index=i) for i in range(len(self.client.num_kv_blocks))]
+        return [await self.client.call_utility("reset_prefix_cache", engine_index=i) for i in self.engine_indices]
 
     async def _send(self, request: EngineCoreRequest, spans) -> int:
         attributes = {schema.REQUEST_ID: request.request_id}

@@ -6,9 +6,11 @@ MPClient is the EngineClient (engine_client.py) for engines in their own process
 starts and stops them; engine_core_proc.py is what runs in them), sends each
 request to one of them (dp_client.py picks which), and hands back whatever the
 engines produce, one EngineCoreOutputs at a time, to AsyncLLM's output loop.
-The socket layout is drawn in ipc.py. With multi_node, ranks from
-multi_node.size_local on run on headless nodes: their sockets are bound on TCP at
-the head's address, and remote_engines.py lets the nodes in and watches them.
+The socket layout is drawn in ipc.py. Its engines' indices start at start_index
+(messages and answers carry them); its lists of sockets and processes go by position.
+With multi_node, the positions from multi_node.size_local on run on headless nodes:
+their sockets are bound on TCP at the head's address, and remote_engines.py lets the
+nodes in and watches them.
 
 It also watches the engines. Each process has a sentinel, a file descriptor that
 becomes readable the moment the process exits; the event loop watches them, so
@@ -64,20 +66,26 @@ class MPClient(ClientLiveness):
         args: EngineArgs,
         model_info: ModelInfo,
         data_parallel_size: int = 1,
+        start_index: int = 0,
         ipc_dir: str | None = None,
         transport: str = "ipc",
         startup_timeout: float = STARTUP_TIMEOUT_S,
         multi_node: MultiNode | None = None,
     ) -> None:
-        """ipc_dir: where to create the private socket directory (default: the system temp dir).
-
-        multi_node: ranks [multi_node.size_local, data_parallel_size) are served by headless nodes.
+        """data_parallel_size: how many engines in all; start_index: the engine index of the first
+        (with --data-parallel-rank R, the one engine is engine R).
+        ipc_dir: where to create the private socket directory (default: the system temp dir).
+        multi_node: engines [multi_node.size_local, data_parallel_size) are served by headless nodes.
         """
         if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
+        if not isinstance(start_index, int) or start_index < 0:
+            raise ValueError(f"start_index must be a non-negative integer, got {start_index}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if multi_node is not None:
+            if start_index != 0:
+                raise ValueError(f"a head with headless nodes starts at engine 0, got start_index={start_index}")
             if not 1 <= multi_node.size_local <= data_parallel_size:
                 raise ValueError(f"data_parallel_size_local must be in [1, {data_parallel_size}], "
                                  f"got {multi_node.size_local}")
@@ -86,6 +94,7 @@ class MPClient(ClientLiveness):
         self.remote: RemoteEngines | None = None
         self.model_info = model_info
         self.data_parallel_size = data_parallel_size
+        self.start_index = start_index
         self.transport = transport
         self.startup_timeout = startup_timeout
         self.in_flight: dict[str, int] = {}  # request id -> index of the engine that has it
@@ -96,7 +105,7 @@ class MPClient(ClientLiveness):
         self._ipc_parent = ipc_dir
         self._ipc_dir: str | None = None
         self.num_local_engines = data_parallel_size if multi_node is None else multi_node.size_local
-        self._engines = EngineProcesses(args, model_info, self.num_local_engines)
+        self._engines = EngineProcesses(args, model_info, self.num_local_engines, start_index)
         self._context: zmq.asyncio.Context | None = None
         self._input_sockets: list[zmq.Socket] = []
         self._output_socket: zmq.asyncio.Socket | None = None
@@ -161,7 +170,7 @@ class MPClient(ClientLiveness):
                     logger.warning("dropped a malformed message from an engine: %s", error)
                     continue
                 if kind is EngineOutputKind.READY:
-                    ready[message.engine_index] = message
+                    ready[message.engine_index - self.start_index] = message
                 elif kind is EngineOutputKind.FAILED:
                     raise EngineStartupError(f"engine {message.engine_index} failed to start: {message.error}")
             if self.dead_error is not None:  # a headless node lost before all were ready
@@ -171,7 +180,7 @@ class MPClient(ClientLiveness):
                     if await self._output_socket.poll(timeout=200):
                         continue  # its last words are still on the way: read them first
                     raise EngineStartupError(
-                        f"engine {index} exited during start-up ({self._engines.exit_reason(index)}) "
+                        f"engine {self.start_index + index} exited during start-up ({self._engines.exit_reason(index)}) "
                         "without reporting an error; see its log above"
                     )
         self.num_kv_blocks = [ready[i].num_kv_blocks for i in range(self.data_parallel_size)]
@@ -183,10 +192,11 @@ class MPClient(ClientLiveness):
     async def add_request(self, request: EngineCoreRequest) -> int:
         """Send a request to the least loaded engine; returns that engine's index."""
         self._check_alive()
-        index = self.load_balancer.choose_engine()
+        position = self.load_balancer.choose_engine()
+        index = self.start_index + position
         self._send(index, EngineInputKind.ADD, request)
         self.in_flight[request.request_id] = index
-        self.load_balancer.on_request_sent(index)
+        self.load_balancer.on_request_sent(position)
         return index
 
     async def abort_requests(self, request_ids: list[str]) -> None:
@@ -212,8 +222,9 @@ class MPClient(ClientLiveness):
         """Run one of ipc.UTILITY_METHODS on an engine, between two of its steps."""
         if method not in UTILITY_METHODS:
             raise ValueError(f"method must be one of {sorted(UTILITY_METHODS)}, got {method!r}")
-        if not 0 <= engine_index < self.data_parallel_size:
-            raise ValueError(f"engine_index must be in [0, {self.data_parallel_size}), got {engine_index}")
+        first, end = self.start_index, self.start_index + self.data_parallel_size
+        if not first <= engine_index < end:
+            raise ValueError(f"engine_index must be in [{first}, {end}), got {engine_index}")
         self._check_alive()
         call_id = next(self._call_ids)
         future = self._loop.create_future()
@@ -231,7 +242,8 @@ class MPClient(ClientLiveness):
         # With no high-water mark a send never blocks while the engine is
         # connected; "would block" therefore means the engine's end is gone.
         try:
-            self._input_sockets[index].send_multipart([kind.value, self._encoder.encode(message)], flags=zmq.NOBLOCK)
+            frames = [kind.value, self._encoder.encode(message)]
+            self._input_sockets[index - self.start_index].send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
             raise EngineDeadError(f"engine {index} is not connected") from None
 
@@ -257,26 +269,27 @@ class MPClient(ClientLiveness):
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         if self.dead_error is not None:
             return  # the caller has been told; these requests are failed already
-        if not 0 <= outputs.engine_index < self.data_parallel_size:
+        position = outputs.engine_index - self.start_index
+        if not 0 <= position < self.data_parallel_size:
             logger.warning("dropped outputs from unknown engine %d", outputs.engine_index)
             return
         for output in outputs.outputs:
             if output.finished:
                 self.in_flight.pop(output.request_id, None)
         if outputs.scheduler_stats is not None:
-            self.load_balancer.on_stats(outputs.engine_index, outputs.scheduler_stats)
+            self.load_balancer.on_stats(position, outputs.scheduler_stats)
         self._outputs.put_nowait(outputs)
 
-    def _on_engine_exit(self, index: int) -> None:
-        self._loop.remove_reader(self._engines.processes[index].sentinel)
-        reason = self._engines.exit_reason(index)
-        self._mark_dead(index, f"process {self._engines.pids[index]} exited ({reason})")
+    def _on_engine_exit(self, position: int) -> None:
+        self._loop.remove_reader(self._engines.processes[position].sentinel)
+        reason = self._engines.exit_reason(position)
+        self._mark_dead(self.start_index + position, f"process {self._engines.pids[position]} exited ({reason})")
 
     def _mark_dead(self, index: int, reason: str) -> None:
         if self.dead_error is not None or self._closed:
             return
         lost = sum(1 for owner in self.in_flight.values() if owner == index)
-        where = "" if index < self.num_local_engines else " (on a headless node)"
+        where = "" if index - self.start_index < self.num_local_engines else " (on a headless node)"
         self.dead_error = EngineDeadError(f"engine {index}{where} died: {reason}; {lost} in-flight request(s) lost")
         logger.error("%s", self.dead_error)
         self._fail_waiters(self.dead_error)

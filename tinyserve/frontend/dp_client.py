@@ -7,9 +7,27 @@ requests, then fewest running ones, where "waiting" is what the engine last
 reported plus the requests sent to it since that report. The second term is what
 spreads a burst: the engines cannot report in between, so without it every
 request of the burst would go to the same engine.
+
+With `--data-parallel-size N --data-parallel-rank R` a server runs engine R alone
+and a load balancer outside (nginx, Envoy, a Kubernetes gateway) spreads the
+requests over the N servers: vLLM's external load balancing. Such a server has
+nothing to choose; its engine still says "engine R" in metrics and traces.
 """
 
 from tinyserve.wire.messages import SchedulerStats
+
+
+def data_parallel_engine_indices(data_parallel_size: int, data_parallel_rank: int | None, in_process: bool) -> range:
+    """The indices of the engines this front end runs: all of 0..size-1, or the one rank given."""
+    if data_parallel_rank is None:
+        return range(1) if in_process else range(data_parallel_size)
+    if in_process:
+        raise ValueError("data_parallel_rank needs engine processes (in_process=False)")
+    if data_parallel_size < 2:
+        raise ValueError(f"data_parallel_rank needs data_parallel_size of at least 2, got {data_parallel_size}")
+    if not 0 <= data_parallel_rank < data_parallel_size:
+        raise ValueError(f"data_parallel_rank must be in [0, {data_parallel_size}), got {data_parallel_rank}")
+    return range(data_parallel_rank, data_parallel_rank + 1)
 
 
 class DPLoadBalancer:

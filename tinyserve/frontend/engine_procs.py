@@ -2,8 +2,10 @@
 
 MPClient (core_client.py) talks to the engines over sockets; this is the part
 that deals with them as operating-system processes, one per data-parallel rank,
-each running engine_core_proc.run_engine_core. On a headless node (engine/headless.py)
-the same class starts that node's ranks, first_index onwards.
+each running engine_core_proc.run_engine_core. The i-th engine started here has
+engine index first_index + i: 0..N-1 usually, R alone for a server started with
+--data-parallel-rank R, a headless node's ranks from --data-parallel-start-rank on
+(engine/headless.py). Its metrics, traces and process title say that index.
 """
 
 import multiprocessing
@@ -36,13 +38,13 @@ class EngineProcesses:
         if self.args.torch_device.type == "cpu" and self.num_engines > 1:
             # Engines on one CPU split its cores: thread pools that overlap slow each other down.
             num_threads = max(1, (os.cpu_count() or 1) // self.num_engines)
-        for index, input_address in enumerate(input_addresses, start=self.first_index):
+        for engine_index, input_address in enumerate(input_addresses, start=self.first_index):
             process = spawn.Process(
                 target=run_engine_core,
-                name=f"tinyserve-engine-{index}",
+                name=f"tinyserve-engine-{engine_index}",
                 kwargs=dict(
                     args=self.args,
-                    engine_index=index,
+                    engine_index=engine_index,
                     input_address=input_address,
                     output_address=output_address,
                     parent_pid=os.getpid(),

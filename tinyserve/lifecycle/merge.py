@@ -2,7 +2,8 @@
 
 With engines on several nodes (multi-node data parallel), each node traces into
 a folder of its own: the head's holds api.jsonl and its engines' files, a headless
-node's only its engines' (engine-2.jsonl, ...). The spans already belong
+node's only its engines' (engine-2.jsonl, ...). Behind an external load balancer,
+each rank's server writes its own folder, with an API and one engine. The spans already belong
 together: a request's trace context travels with it to the remote engine
 (EngineCoreRequest.trace_context), so its engine spans carry the API's trace id.
 Merging is therefore a copy: every span file of every folder into one, and one
@@ -21,30 +22,37 @@ from tinyserve.lifecycle import schema
 
 
 def merge_runs(folders: list[str | Path], output: str | Path) -> Path:
-    """Copy the span files of `folders` (the head's first, or anywhere) into `output`, a new folder."""
+    """Copy the span files of `folders` into `output`, a new folder, with one manifest.
+
+    The folders are a head's and its headless nodes', or the servers of several
+    --data-parallel-rank ranks behind a load balancer: each of those has an API of its
+    own, and its api.jsonl becomes api-<rank>.jsonl here.
+    """
     runs = [Path(folder) for folder in folders]
     manifests = [_manifest(run) for run in runs]
-    heads = [run for run, manifest in zip(runs, manifests) if not manifest.get(schema.MANIFEST_NODE, {}).get("headless")]
-    if len(heads) != 1:
-        names = ", ".join(str(run) for run in heads) or "none"
-        raise ValueError(f"merging needs exactly one head node's run (the others --headless); got {len(heads)}: {names}")
+    nodes = [manifest.get(schema.MANIFEST_NODE, {}) for manifest in manifests]
+    with_api = [run for run, node in zip(runs, nodes) if not node.get("headless")]
+    if not with_api:
+        raise ValueError("merging needs the run of a node that served the API (all of these are --headless)")
     owner: dict[str, Path] = {}
-    for run in runs:
+    for run, node in zip(runs, nodes):
         for file in sorted(run.glob("*.jsonl")):
-            if file.name in owner:
-                raise ValueError(f"both {owner[file.name]} and {run} have {file.name}: two nodes wrote the same "
+            name = file.name
+            if name == schema.API_TRACE_FILE and len(with_api) > 1:
+                name = schema.api_trace_file(node.get("ranks", [None])[0])
+            if name in owner:
+                raise ValueError(f"both {owner[name]} and {run} have {name}: two nodes wrote the same "
                                  "rank's spans, or one run was given twice")
-            owner[file.name] = run
+            owner[name] = run / file.name
     out = Path(output)
     if out.exists():
         raise ValueError(f"output {str(out)!r} exists already; merge writes a new folder")
     out.mkdir(parents=True)
-    for name, run in owner.items():
-        shutil.copyfile(run / name, out / name)
-    head_manifest = manifests[runs.index(heads[0])]
-    merged = dict(head_manifest)
-    merged[schema.MANIFEST_NODES] = [{"run": str(run), **manifest.get(schema.MANIFEST_NODE, {})}
-                                     for run, manifest in zip(runs, manifests)]
+    for name, source in owner.items():
+        shutil.copyfile(source, out / name)
+    merged = dict(manifests[runs.index(with_api[0])])
+    merged.pop(schema.MANIFEST_NODE, None)
+    merged[schema.MANIFEST_NODES] = [{"run": str(run), **node} for run, node in zip(runs, nodes)]
     dropped = {}
     for manifest in manifests:
         dropped.update(manifest.get(schema.MANIFEST_DROPPED, {}))

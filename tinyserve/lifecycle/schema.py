@@ -162,6 +162,13 @@ NUM_RUNNING = "tinyserve.num_running"
 # ---- trace files -------------------------------------------------------------------
 MANIFEST_FILE = "manifest.json"
 API_TRACE_FILE = "api.jsonl"
+
+
+def api_trace_file(rank: int | None) -> str:
+    """api.jsonl; in a run merged from several ranks' servers (external load balancing), api-<rank>.jsonl."""
+    return API_TRACE_FILE if rank is None else f"api-{rank}.jsonl"
+
+
 OFFLINE_TRACE_FILE = "offline.jsonl"
 
 

@@ -15,6 +15,7 @@ its last child finishes, the per-request token histograms once per child, as in 
 """
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
@@ -70,10 +71,12 @@ class _EngineCounters:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, num_engines: int, max_model_len: int) -> None:
+    def __init__(self, model_name: str, engine_indices: Sequence[int], max_model_len: int) -> None:
+        """engine_indices: the `engine` label of each engine (0..N-1, or R alone with --data-parallel-rank R)."""
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self.model_name = model_name
+        self.engine_indices = list(engine_indices)
         labels = ["model_name", "engine"]
         token_buckets = build_1_2_5_buckets(max_model_len)
 
@@ -127,8 +130,8 @@ class ServerMetrics:
         self._clocks: dict[str, _RequestClock] = {}
         self._parents: dict[str, _Parent] = {}
         self._awaiting_engine_times: dict[str, tuple] = {}  # finished here on a stop string: id → labels
-        self._counters = {i: _EngineCounters() for i in range(num_engines)}
-        for engine in range(num_engines):  # make every series visible from the start
+        self._counters = {i: _EngineCounters() for i in self.engine_indices}
+        for engine in self.engine_indices:  # make every series visible from the start
             for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc):
                 metric.labels(model_name, str(engine)).set(0)
 
@@ -141,7 +144,7 @@ class ServerMetrics:
                 "gpu_memory_utilization": engine_args.gpu_memory_utilization, "cache_dtype": engine_args.dtype}
         self.cache_config_info = Gauge("tinyserve:cache_config_info", "Information of the engine's KV cache config.",
                                        [*info, "num_gpu_blocks", "engine"], registry=self.registry)
-        for engine, num_blocks in enumerate(num_kv_blocks):
+        for engine, num_blocks in zip(self.engine_indices, num_kv_blocks, strict=True):
             values = {name: str(value) for name, value in info.items()}
             self.cache_config_info.labels(**values, num_gpu_blocks=str(num_blocks), engine=str(engine)).set(1)
 

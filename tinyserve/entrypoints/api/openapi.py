@@ -5,7 +5,8 @@ validate. This server answers that 400, in the endpoint's own error format, and
 much else FastAPI cannot see: the 401 of --api-key, the 404 of an unknown
 model, the 408/413/415 of the body checks, the 503 (with Retry-After when the
 queue is full) of an overloaded server or a dead engine, an event stream for
-stream=true, the Prometheus text of /metrics, the small JSON of /health, and
+stream=true, the Prometheus text of /metrics, the small JSON of /health and
+/load, the ORCA load report a request may ask for (load_reports.py), and
 the field limits a request must keep. `make_truthful` adds all that to the
 document FastAPI generates, once, the first time it is asked for.
 
@@ -70,6 +71,10 @@ def _error(description: str, path: str, headers: dict | None = None) -> dict:
     return response | ({"headers": headers} if headers else {})
 
 
+LOAD = {"type": "object", "required": ["server_load"], "properties": {"server_load": {"type": "integer"}}}
+ORCA_REPORT = {"endpoint-load-metrics": {
+    "description": "the ORCA load report, when the request asked for one with endpoint-load-metrics-format: "
+                   "text or json (not on streams)", "schema": {"type": "string"}}}
 HEALTH_OK = {"type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"]}
 HEALTH_UNAVAILABLE = {"type": "object", "required": ["status", "reason"],
                       "properties": {"status": {"const": "unavailable"}, "reason": {"type": "string"}}}
@@ -109,6 +114,11 @@ def _complete(document: dict, *, model_names: list[str], api_key: bool, field_li
         "200": _json("the server and its engines are up", HEALTH_OK),
         "503": _json("an engine is not available", HEALTH_UNAVAILABLE),
     }
+    document["paths"]["/load"]["get"]["responses"] = {
+        "200": _json("generation requests in flight (0 without --enable-server-load-tracking)", LOAD),
+    }
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        document["paths"][path]["post"]["responses"]["200"]["headers"] = ORCA_REPORT
     document["paths"]["/metrics"]["get"]["responses"] = {
         "200": _text("Prometheus' text exposition format, version 0.0.4", {"type": "string"}),
     }

@@ -10,6 +10,7 @@ with a traceback. A request passes, outermost first:
     ApiKeyMiddleware         401 on /v1 without the key (with --api-key)
     TracingMiddleware        the HTTP span, the root of the request's trace
     RequestLimitsMiddleware  415 for non-JSON, 413 for bodies over the limit
+    LoadReportsMiddleware    ORCA load reports, the in-flight count of /load (load_reports.py)
     the route                pydantic validates the body (400), the handler runs
 """
 
@@ -40,6 +41,7 @@ from tinyserve.entrypoints.api.completions_serving import create_completion
 from tinyserve.entrypoints.api.errors import APIError, error_response
 from tinyserve.entrypoints.api.field_limits import FieldLimits
 from tinyserve.entrypoints.api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestLimitsMiddleware
+from tinyserve.entrypoints.api.load_reports import LoadReportsMiddleware, ServerLoad
 from tinyserve.entrypoints.api.metrics import ServerMetrics
 from tinyserve.entrypoints.api.openapi import make_truthful
 from tinyserve.entrypoints.api.openai_protocol import (
@@ -91,6 +93,7 @@ def build_app(
     api_key: str | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     field_limits: FieldLimits = FieldLimits(),
+    track_server_load: bool = False,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -154,6 +157,7 @@ def build_app(
         ChatCompletionRequest, CompletionRequest, ResponsesRequest, MessagesRequest, MessagesCountTokensRequest,
         TokenizeRequest))
     responses = ResponseStore()
+    server_load = ServerLoad(track_server_load)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: Chat, request: Request):
@@ -212,6 +216,11 @@ def build_app(
     async def version():
         return {"version": tinyserve.__version__}
 
+    @app.get("/load")
+    async def load():
+        # vLLM's: generation requests in flight, with --enable-server-load-tracking (else 0).
+        return {"server_load": server_load.in_flight}
+
     @app.get("/metrics")
     async def prometheus_metrics():
         if ctx.engine.errored:  # a dead engine's load is no load (counters stay: they are history)
@@ -232,6 +241,7 @@ def build_app(
     # the span covers the rest, body limits included, for requests to a route that exists. The request id
     # is outermost: every answer carries it, a 401 too.
     post_routes = frozenset(route.path for route in app.routes if "POST" in getattr(route, "methods", ()))
+    app.add_middleware(LoadReportsMiddleware, engine=ctx.engine, server_load=server_load)
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=max_request_body_bytes, json_paths=post_routes)
     app.add_middleware(TracingMiddleware, routes=app.router.routes)
     if api_key is not None:
