@@ -78,6 +78,7 @@ class Recording:
     workload: list[Request] = field(default_factory=list)
     single_chat: dict | None = None  # sent with the openai client instead of a workload
     headless_flags: list[str] | None = None  # flags of a headless node serving some of the head's ranks
+    routed_ranks: int = 0  # > 0: that many --data-parallel-rank servers with these flags, nginx in front
 
 
 def zen_text(rng: random.Random, num_chars: int) -> str:
@@ -185,8 +186,14 @@ def multi_node() -> Recording:
                      load_workload(75), headless_flags=[*LOAD_FLAGS, *MULTI_NODE, "--data-parallel-start-rank", "1"])
 
 
+def external_lb() -> Recording:
+    return Recording("external-lb", "the load-75rps workload on two --data-parallel-rank servers (4 seats each) with "
+                     "nginx in front (least_conn); the two run folders merged", LOAD_FLAGS, load_workload(75),
+                     routed_ranks=2)
+
+
 RECORDINGS = {r.name: r for r in (lifecycle(), mixed(), kv_tight(), kv_roomy(), kv_no_prefix_cache(), load(5), load(25),
-                                  load(75), load_dp(), load_tp(), multi_node())}
+                                  load(75), load_dp(), load_tp(), multi_node(), external_lb())}
 
 
 # ---- the server and the client ------------------------------------------------------------
@@ -281,8 +288,8 @@ def record(name: str, out_dir: str | Path) -> Path:
     recording = RECORDINGS[name]
     target = Path(out_dir) / f"recorded-{name}"
     with tempfile.TemporaryDirectory(prefix="tinyserve-record-") as scratch:
-        with deployment(Path(scratch), recording.flags, recording.headless_flags) as url:
-            warm_up_ids = warm_up(url, engines=engine_count(recording.flags))
+        with deployment(Path(scratch), recording.flags, recording.headless_flags, recording.routed_ranks) as url:
+            warm_up_ids = warm_up(url, engines=max(recording.routed_ranks, engine_count(recording.flags)))
             if recording.single_chat is not None:
                 chat_once(url, recording.single_chat)
             else:
@@ -295,6 +302,10 @@ def record(name: str, out_dir: str | Path) -> Path:
         shutil.move(str(run_dir), target)
     env = [f"{key}={value}" for key, value in SERVER_ENV.items()]
     command = [*env, "tinyserve", "serve", "--trace", "--trace-dir", "traces", *recording.flags]
+    if recording.routed_ranks:
+        command = [part for rank in range(recording.routed_ranks) for part in
+                   (*command, "--data-parallel-size", str(recording.routed_ranks), "--data-parallel-rank", str(rank),
+                    "&")] + ["nginx  # least_conn in front (scripts/recording_servers.py)"]
     if recording.headless_flags is not None:
         command += ["&", *env, "tinyserve", "serve", "--headless", "--trace", "--trace-dir", "traces",
                     *recording.headless_flags]

@@ -3,14 +3,18 @@
     one server          tinyserve serve --trace FLAGS                     → its run folder
     head + headless     tinyserve serve --trace FLAGS (the head)          → both folders, merged
                         tinyserve serve --headless --trace NODE_FLAGS       (lifecycle/merge.py)
+    ranks behind nginx  tinyserve serve --trace FLAGS --data-parallel-rank R, for each R,
+                        and nginx (least_conn) in front                   → every rank's folder, merged
 
 Every process traces into a folder of its own under the scratch directory; `run_folder`
 turns what they wrote into the one run folder the notebooks load. Each is stopped with
 SIGTERM, so that it drains and flushes its spans; a headless node stops when its head does.
 """
 
+import concurrent.futures
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout that is not pip-installed
     sys.path.insert(0, str(ROOT))
 
-from tinyserve.testing import ServerProcess  # noqa: E402
+from tinyserve.testing import NginxRouter, ServerProcess  # noqa: E402
 
 # One torch thread per process: a 4M-parameter model gains nothing from more, and on a
 # machine with few cores, threads of several processes spinning against each other
@@ -45,8 +49,12 @@ def stop_server(server: ServerProcess) -> None:
 
 
 @contextlib.contextmanager
-def deployment(scratch: Path, flags: list[str], headless_flags: list[str] | None = None):
+def deployment(scratch: Path, flags: list[str], headless_flags: list[str] | None = None, routed_ranks: int = 0):
     """Yield the URL to send the workload to, with every process tracing under scratch/; stop them all after."""
+    if routed_ranks:
+        with routed(scratch, flags, routed_ranks) as url:
+            yield url
+        return
     node = None
     if headless_flags is not None:  # first: the head answers /health only once the node's ranks are ready
         log = open(scratch / "headless.log", "wb")
@@ -71,12 +79,30 @@ def deployment(scratch: Path, flags: list[str], headless_flags: list[str] | None
                 raise RuntimeError(f"the headless node exited with {code}: {(scratch / 'headless.log').read_text()[-3000:]}")
 
 
+@contextlib.contextmanager
+def routed(scratch: Path, flags: list[str], num_ranks: int):
+    """One server per rank (--data-parallel-rank R), each tracing into scratch/rank-R, and nginx in front."""
+    binary = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
+    if binary is None:
+        raise RuntimeError("recording behind a router needs nginx (Debian: apt-get install nginx)")
+    rank_flags = [[*flags, "--data-parallel-size", str(num_ranks), "--data-parallel-rank", str(rank)]
+                  for rank in range(num_ranks)]
+    with concurrent.futures.ThreadPoolExecutor(num_ranks) as pool:  # each loads its model: start them together
+        servers = list(pool.map(lambda rank: start_server(scratch / f"rank-{rank}", rank_flags[rank]), range(num_ranks)))
+    try:
+        router = NginxRouter(binary, [server.port for server in servers], scratch / "nginx")
+        try:
+            yield router.url
+        finally:
+            router.stop()
+    finally:
+        for server in servers:
+            stop_server(server)
+
+
 def run_folder(scratch: Path) -> Path:
-    """The recording's one run folder: the server's, or the head's and the node's merged."""
+    """The recording's one run folder: the server's, or those of a head and its node (or of every rank) merged."""
     from tinyserve.lifecycle.merge import merge_runs
 
-    [head] = list((scratch / "traces").iterdir())
-    if not (scratch / "node").exists():
-        return head
-    [node] = list((scratch / "node").iterdir())
-    return merge_runs([head, node], scratch / "merged")
+    folders = sorted(scratch.glob("rank-*/*")) or [*(scratch / "traces").iterdir(), *(scratch / "node").glob("*")]
+    return folders[0] if len(folders) == 1 else merge_runs(folders, scratch / "merged")

@@ -20,41 +20,13 @@ import pytest
 from tests import shared_server
 from tests.required_tools import system_binary
 from tests.server_checks import metric, wait_until
-from tinyserve.testing import ServerProcess, free_port
+from tinyserve.testing import NginxRouter, ServerProcess
 
 pytestmark = pytest.mark.server
 
 MODEL = shared_server.MODEL
 REPORT = "endpoint-load-metrics"
 ASK_FOR_REPORT = "endpoint-load-metrics-format"
-# The temporary files nginx may write, all under the test's folder: it need not run as root.
-NGINX_CONFIG = """daemon off;
-worker_processes 1;
-pid {folder}/nginx.pid;
-error_log {folder}/error.log;
-events {{ worker_connections 64; }}
-http {{
-    access_log {folder}/access.log;
-    client_body_temp_path {folder}/client_body;
-    proxy_temp_path {folder}/proxy;
-    fastcgi_temp_path {folder}/fastcgi;
-    uwsgi_temp_path {folder}/uwsgi;
-    scgi_temp_path {folder}/scgi;
-    upstream tinyserve {{
-        least_conn;
-{servers}
-    }}
-    server {{
-        listen 127.0.0.1:{port};
-        location / {{
-            proxy_pass http://tinyserve;
-            proxy_http_version 1.1;
-            proxy_buffering off;
-            proxy_read_timeout 300s;
-        }}
-    }}
-}}
-"""
 
 
 @pytest.fixture(scope="module")
@@ -80,28 +52,10 @@ def ranks(tmp_path_factory):
 @pytest.fixture(scope="module")
 def nginx(ranks, tmp_path_factory):
     """nginx on a free loopback port, least_conn over the two ranks; its URL."""
-    binary = system_binary("nginx", "nginx")
-    folder = tmp_path_factory.mktemp("nginx")
-    port = free_port()
-    servers = "\n".join(f"        server 127.0.0.1:{server.port};" for server in ranks)
-    config = folder / "nginx.conf"
-    config.write_text(NGINX_CONFIG.format(folder=folder, port=port, servers=servers))
-    # -e: the error log from the start, before the config is read (the default is under /var/log).
-    process = subprocess.Popen([binary, "-p", str(folder), "-c", str(config), "-e", str(folder / "error.log")],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def answers() -> bool:
-        assert process.poll() is None, (folder / "error.log").read_text()[-3000:]
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(answers, 30, "nginx answers /health")
-    yield url
-    process.terminate()
-    process.wait(30)
+    router = NginxRouter(system_binary("nginx", "nginx"), [server.port for server in ranks],
+                         tmp_path_factory.mktemp("nginx"))
+    yield router.url
+    router.stop()
 
 
 def served(server) -> float:

@@ -4,8 +4,11 @@
     httpx.get(f"{server.url}/v1/models")
     log = server.stop()                                                      # SIGTERM, wait, all it printed
 
+    router = NginxRouter("/usr/sbin/nginx", [server_a.port, server_b.port], folder)  # least_conn in front
+    router.url, router.stop()
+
 The test suite, benchmarks/soak.py and scripts/record_traces.py start their servers
-with this one helper. It lives in the package rather than in tests/ so that all three
+(and the nginx in front of several) with these helpers. It lives in the package rather than in tests/ so that all three
 import it the same way, wherever tinyserve is installed: a script in benchmarks/ or
 scripts/ cannot import tests/ without editing sys.path, and a test module should not
 import another test module. Nothing on tinyserve's own serving path imports it (as
@@ -101,3 +104,75 @@ class ServerProcess:
         except ProcessLookupError:
             return True
         return False
+
+
+# The temporary files nginx may write, all under one folder: it need not run as root.
+NGINX_CONFIG = """daemon off;
+worker_processes 1;
+pid {folder}/nginx.pid;
+error_log {folder}/error.log;
+events {{ worker_connections 256; }}
+http {{
+    access_log {folder}/access.log;
+    client_body_temp_path {folder}/client_body;
+    proxy_temp_path {folder}/proxy;
+    fastcgi_temp_path {folder}/fastcgi;
+    uwsgi_temp_path {folder}/uwsgi;
+    scgi_temp_path {folder}/scgi;
+    upstream tinyserve {{
+        least_conn;
+{servers}
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://tinyserve;
+            proxy_http_version 1.1;
+            proxy_buffering off;
+            proxy_read_timeout 300s;
+        }}
+    }}
+}}
+"""
+
+
+class NginxRouter:
+    """nginx on a free loopback port in front of servers on loopback ports, `least_conn`: each new
+    request goes to the server with the fewest open requests (vLLM's external load balancing, a
+    router of one's own in front of --data-parallel-rank servers). Healthy once constructed."""
+
+    def __init__(self, binary: str, ports: list[int], folder: str | Path, timeout: float = 30.0) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        servers = "\n".join(f"        server 127.0.0.1:{port};" for port in ports)
+        config = self.folder / "nginx.conf"
+        config.write_text(NGINX_CONFIG.format(folder=self.folder, port=self.port, servers=servers))
+        # -e: the error log from the start, before the config is read (the default is under /var/log).
+        self.process = subprocess.Popen([binary, "-p", str(self.folder), "-c", str(config),
+                                         "-e", str(self.folder / "error.log")],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not self._answers():
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"nginx did not answer /health within {timeout:.0f} s")
+            time.sleep(0.1)
+
+    def _answers(self) -> bool:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"nginx exited with {self.process.returncode}: {self.error_log()[-3000:]}")
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def error_log(self) -> str:
+        path = self.folder / "error.log"
+        return path.read_text() if path.exists() else ""
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(30)
