@@ -7,6 +7,10 @@
                     TFLOP/s, both variants side by side (gpu_check_kernels.py)
     3. end to end   transformers against tinyserve with CUDA graphs and --enforce-eager,
                     DecodeGraphs.run alone, an fp32 parity pass (gpu_check_end_to_end.py)
+    4. tensor       the tensor-parallel path over NCCL: a one-rank group against the plain path
+       parallel     (tokens bit for bit), one all-reduce timed alone, and with two GPUs TP=2
+                    against TP=1, each rank's time per step, fp32 parity with transformers
+                    (gpu_check_tensor_parallel.py)
 
 What keeps the results:
 
@@ -16,9 +20,10 @@ What keeps the results:
   part (1-kernels.jsonl, ...: one JSON row per line), so a run that dies later keeps them.
 - A case that fails becomes a FAILED row, and the run goes on to the next.
 
-The run is planned for about five minutes on one GPU: each part's estimate is printed
-before it starts, and --smoke (the same code on the CPU at tiny sizes, the kernels through
-Triton's interpreter: it tests this script and measures nothing) prints the same plan.
+The run is planned for about six minutes on one GPU (a minute more with two): each part's
+estimate is printed before it starts, and --smoke (the same code on the CPU at tiny sizes,
+the kernels through Triton's interpreter, tensor parallelism over gloo: it tests this
+script and measures nothing) prints the same plan.
 Without a GPU and without --smoke it says so and exits with status 2.
 
     python benchmarks/gpu_check.py --out DIR [--append BENCHMARKS.md]
@@ -46,11 +51,13 @@ if "--smoke" in sys.argv:
 # The modules of the run itself (what they import in turn is imported with them), beyond the
 # distributions tinyserve depends on (pyproject.toml), which are looked up first.
 RUN_MODULES = ("torch", "triton", "gpu_check_common", "gpu_check_kernels", "gpu_check_end_to_end",
-               "tinyserve.entrypoints.llm", "tinyserve.engine.engine_core")
+               "gpu_check_tensor_parallel", "tinyserve.entrypoints.llm", "tinyserve.engine.engine_core")
 
 # What a GPU run of each part costs, roughly: Triton compiles each kernel specialization once
 # (~1.5 s), triton.testing.do_bench times a call for ~0.15 s, and part 3 is dominated by two
-# engine starts (profiling, ~33 CUDA-graph captures, compiling) and 4 generates per contender.
+# engine starts (profiling, ~33 CUDA-graph captures, compiling) and 4 generates per contender;
+# part 4 by two eager engine starts and 3 small generates each (on two GPUs, two more starts
+# of two ranks each, ~25 s apiece: a process that imports torch and joins NCCL).
 COMPILE_SECONDS, BENCH_SECONDS = 1.5, 0.15
 
 
@@ -87,6 +94,7 @@ def plan() -> list[tuple[str, object, float]]:
     """(name, function, estimated seconds of a GPU run) of each part, in order; --smoke runs fewer cases."""
     import gpu_check_end_to_end
     import gpu_check_kernels
+    import gpu_check_tensor_parallel
 
     import tests.paged_batches as cases
 
@@ -96,9 +104,11 @@ def plan() -> list[tuple[str, object, float]]:
     kernels = gpu_check_kernels.specializations(params) * COMPILE_SECONDS + timings * BENCH_SECONDS
     speed = 5 * COMPILE_SECONDS + 5 * BENCH_SECONDS + 10  # + filling 2 GiB of K/V and a 1 GiB copy
     end_to_end = 20 + 3 * 40 + 30  # model and tokenizer; 3 contenders (start + 4 generates); fp32 parity
+    tensor_parallel = 15 + 2 * 15  # model and tokenizer; 2 eager engines (start + 3 generates)
     return [("kernels", gpu_check_kernels.check_kernels, kernels),
             ("speed", gpu_check_kernels.kernel_speed, speed),
-            ("end to end", gpu_check_end_to_end.end_to_end, end_to_end)]
+            ("end to end", gpu_check_end_to_end.end_to_end, end_to_end),
+            ("tensor parallel", gpu_check_tensor_parallel.tensor_parallel, tensor_parallel)]
 
 
 def write_rows(path: Path, rows) -> None:

@@ -12,11 +12,12 @@ import sys
 import time
 
 import pytest
+import torch
 
 from tests.pythons import ROOT
 
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-PART_FILES = ["1-kernels.jsonl", "2-speed.jsonl", "3-end-to-end.jsonl"]
+PART_FILES = ["1-kernels.jsonl", "2-speed.jsonl", "3-end-to-end.jsonl", "4-tensor-parallel.jsonl"]
 
 
 def read_rows(path) -> list[dict]:
@@ -27,14 +28,14 @@ def read_rows(path) -> list[dict]:
 @pytest.mark.interpreter
 def test_smoke_runs_every_part_prints_the_plan_and_writes_one_file_per_part(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
+                          text=True, timeout=480, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     assert out.startswith("device: CPU (smoke run")
-    for number, name in enumerate(["kernels", "speed", "end to end"], 1):
+    for number, name in enumerate(["kernels", "speed", "end to end", "tensor parallel"], 1):
         assert f"  part {number}, {name}: about " in out and f"  part {number} done in " in out
     assert sorted(path.name for path in tmp_path.iterdir()) == PART_FILES
-    kernels, speed, end_to_end = (read_rows(tmp_path / name) for name in PART_FILES)
+    kernels, speed, end_to_end, tensor_parallel = (read_rows(tmp_path / name) for name in PART_FILES)
     assert kernels[0]["result"] == "all within tolerance"
     assert {row["what"].split()[0] for row in kernels[1:]} == {"decode", "prefill", "store_kv"}
     assert any(row["what"] == "device copy bandwidth (read + write)" for row in speed)
@@ -44,7 +45,15 @@ def test_smoke_runs_every_part_prints_the_plan_and_writes_one_file_per_part(tmp_
         assert "identical 2/2, mean matched prefix 4.0/4 tokens" in results[contender], contender
     assert results["fp32 parity: tinyserve (CUDA graphs) against transformers"].startswith("identical 2/2")
     assert any(what.startswith("DecodeGraphs.run alone") for what in results)
-    assert not any(row["result"].startswith("FAILED") for rows in (kernels, speed, end_to_end) for row in rows)
+    results = {row["what"]: row["result"] for row in tensor_parallel}
+    for contender in ("TP=1, a one-rank gloo group", "TP=2 over gloo"):
+        assert "identical 2/2, mean matched prefix 4.0/4 tokens" in results[contender], contender
+    assert results["TP=2 over gloo: per rank, per step"].startswith("rank 0 (cpu): execute ")
+    assert "; rank 1 (cpu): execute " in results["TP=2 over gloo: per rank, per step"]
+    assert any(what.startswith("one all_reduce alone over the one-rank group") for what in results)
+    assert results["fp32 parity: TP=2 against transformers"].startswith("identical 2/2")
+    parts = (kernels, speed, end_to_end, tensor_parallel)
+    assert not any(row["result"].startswith("FAILED") for rows in parts for row in rows)
 
 
 @pytest.mark.slow
@@ -81,6 +90,30 @@ def test_a_failing_case_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch):
     [failed] = read_rows(tmp_path / "1-broken.jsonl")
     assert failed["result"].startswith("FAILED: RuntimeError: out of resources: shared memory")
     assert read_rows(tmp_path / "2-fine.jsonl") == [{"part": "fine", "what": "a measurement", "result": "42"}]
+
+
+def test_an_engine_that_fails_to_start_is_a_failed_row_and_the_tensor_parallel_part_goes_on(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_check_tensor_parallel as part
+
+    def no_engine(*args, **kwargs):
+        raise RuntimeError("NCCL error: unhandled system error")
+
+    monkeypatch.setattr(part, "run_engine", no_engine)
+    rows = part.tensor_parallel(torch.device("cpu"), smoke=True)
+    failed = {row.what: row.result for row in rows if row.failed}
+    assert list(failed) == ["TP=1, no process group", "TP=1, a one-rank gloo group", "TP=2 over gloo", "fp32 parity"]
+    assert all(result.startswith("FAILED: RuntimeError: NCCL error") for result in failed.values())
+
+
+def test_a_one_rank_group_whose_tokens_differ_from_the_plain_paths_is_a_failed_row(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check_tensor_parallel import PLAIN, Run, compared
+
+    runs = {PLAIN: Run([[1, 2, 3]], 1.0, []), "one rank": Run([[1, 2, 4]], 1.0, [])}
+    row = compared("one rank", runs, output_tokens=3, must_match=True)
+    assert row.failed and "identical 0/1, mean matched prefix 2.0/3 tokens" in row.result
+    assert not compared("one rank", runs, output_tokens=3, must_match=False).failed
 
 
 def test_a_missing_package_stops_the_run_before_anything_runs_with_one_message(tmp_path):

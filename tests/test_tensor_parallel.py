@@ -62,6 +62,20 @@ def test_greedy_matches_transformers(tp_llm, family, size, extra):
     assert llm.engine_core.model_runner.kv_caches[0].shape[3] == 1
 
 
+def test_a_one_rank_group_runs_the_tensor_parallel_path_with_the_plain_paths_tokens(tp_llm):
+    from tinyserve.models.tensor_parallel import RowParallelLinear
+
+    folder = tiny_model_with_tokenizer("llama")
+    prompts = prompts_for(folder)
+    llm = tp_llm(folder, 1, force_tensor_parallel=True)
+    workers = llm.engine_core.tp_workers
+    assert workers.processes == [] and workers.tp.size == 1
+    row_parallel = [m for m in llm.engine_core.model_runner.model.modules() if isinstance(m, RowParallelLinear)]
+    assert row_parallel and all(m.tp is workers.tp for m in row_parallel)  # every one of them all-reduces
+    assert generate(llm, prompts) == generate(LLM(str(folder), num_kv_blocks=64), prompts)
+    assert workers.tp.timer.seconds > 0
+
+
 def test_seeded_sampling_is_the_same_split_or_not(tp_llm):
     folder = tiny_model_with_tokenizer("llama")
     prompts = prompts_for(folder)

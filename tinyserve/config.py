@@ -48,6 +48,9 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs one request may ask for (vLLM's default)
     tensor_parallel_size: int = 1  # ranks each engine's model is split over (worker/tensor_parallel_workers.py)
+    # The tensor-parallel path even at size 1: a one-rank process group, its all-reduces
+    # included (benchmarks/gpu_check.py runs NCCL so on a machine with one GPU).
+    force_tensor_parallel: bool = False
     structured_outputs_backend: str = "xgrammar"  # the grammar library: xgrammar or llguidance
     # Tracing of the engine process(es): the run folder for engine-<i>.jsonl, and/or an OTLP/HTTP endpoint.
     trace_run_dir: str | None = None

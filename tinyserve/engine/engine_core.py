@@ -41,9 +41,10 @@ class EngineCore:
         backend = get_attention_backend(backend_name, device, self.model_info.max_model_len)
         gpu_at_start = MemorySnapshot.take(device) if device.type == "cuda" else None
         # Tensor parallelism: ranks 1..N-1 start now and load their shards while this one
-        # loads rank 0's (worker/tensor_parallel_workers.py).
+        # loads rank 0's (worker/tensor_parallel_workers.py); force_tensor_parallel takes
+        # that path with one rank too.
         self.tp_workers = TensorParallelWorkers(args, self.model_info, engine_index) \
-            if args.tensor_parallel_size > 1 else None
+            if args.tensor_parallel_size > 1 or args.force_tensor_parallel else None
         try:
             model, _ = load_model(
                 self.model_info.path, self.model_info.torch_dtype, device, backend,

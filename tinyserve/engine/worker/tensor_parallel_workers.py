@@ -23,6 +23,9 @@ The process group is set up by rendezvous on a torch.distributed TCPStore that r
 hosts: an address and a port are all a rank needs, so ranks could be on other hosts.
 A rank that dies breaks the next collective on the others: the engine's step raises and
 the engine fails every request, as when an engine process dies.
+
+With one rank (EngineArgs.force_tensor_parallel) no process starts: the group is rank 0
+alone, and the same layers call the same all-reduce, a collective of one.
 """
 
 import contextlib
