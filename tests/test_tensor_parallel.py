@@ -152,3 +152,23 @@ def test_each_traced_step_has_one_execute_span_per_rank_with_its_all_reduce_time
         # two all-reduces per layer on every rank; waiting in them is part of each rank's forward pass
         assert all(0 < r["all_reduce_s"] < r["execute_s"] for r in step.ranks)
         assert step.execute_s == step.ranks[0]["execute_s"]
+
+
+def test_an_engine_that_fails_after_its_group_formed_ends_the_group(tp_llm, monkeypatch):
+    """A failure between the weights and the first step (the KV cache, say) leaves no process group behind."""
+    import torch.distributed as dist
+
+    from tinyserve.engine import engine_core
+
+    folder = tiny_model_with_tokenizer("llama")
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("no room for the KV cache")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine_core, "KVCacheManager", no_memory)
+        with pytest.raises(MemoryError, match="no room for the KV cache"):
+            LLM(str(folder), tensor_parallel_size=2, num_kv_blocks=64)
+    assert not dist.is_initialized()
+    prompts = prompts_for(folder)
+    assert generate(tp_llm(folder, 2), prompts) == generate(LLM(str(folder), num_kv_blocks=64), prompts)

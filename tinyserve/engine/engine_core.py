@@ -45,44 +45,46 @@ class EngineCore:
         # that path with one rank too.
         self.tp_workers = TensorParallelWorkers(args, self.model_info, engine_index) \
             if args.tensor_parallel_size > 1 or args.force_tensor_parallel else None
+        # Until the engine is whole, a failure must also end the process group: the other
+        # ranks would wait for this one for ever, and this process could not form another.
         try:
             model, _ = load_model(
                 self.model_info.path, self.model_info.torch_dtype, device, backend,
                 max_model_len=self.model_info.max_model_len, tp=self.tp_workers.tp if self.tp_workers else None,
             )
+            # The Triton kernels read every shape from tensors, so a decode step can be
+            # recorded once per batch-size bucket and replayed (CUDA graphs); not yet with
+            # the collectives of tensor parallelism inside.
+            decode_graphs = backend.name == "triton" and not args.enforce_eager and self.tp_workers is None
+            num_blocks = args.num_kv_blocks or self._blocks_from_memory(model, gpu_at_start, decode_graphs)
+            if self.tp_workers is not None:
+                self.tp_workers.start(num_blocks)
+            self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+            self.scheduler = Scheduler(
+                self.kv_cache_manager,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs,
+                max_model_len=self.model_info.max_model_len,
+                policy=args.scheduling_policy,
+            )
+            self.model_runner = ModelRunner(
+                model,
+                num_blocks=num_blocks,
+                block_size=args.block_size,
+                dtype=self.model_info.torch_dtype,
+                device=device,
+                seed=args.seed,
+                decode_graphs=decode_graphs,
+                max_num_seqs=args.max_num_seqs,
+                max_model_len=self.model_info.max_model_len,
+            )
+            if self.tp_workers is not None:
+                self.model_runner = TensorParallelRunner(self.model_runner, self.tp_workers)
+            self.model_runner.warm_up()
         except BaseException:
-            if self.tp_workers is not None:  # the other ranks would wait for this one for ever
+            if self.tp_workers is not None:
                 self.tp_workers.shutdown()
             raise
-        # The Triton kernels read every shape from tensors, so a decode step can be
-        # recorded once per batch-size bucket and replayed (CUDA graphs); not yet with
-        # the collectives of tensor parallelism inside.
-        decode_graphs = backend.name == "triton" and not args.enforce_eager and self.tp_workers is None
-        num_blocks = args.num_kv_blocks or self._blocks_from_memory(model, gpu_at_start, decode_graphs)
-        if self.tp_workers is not None:
-            self.tp_workers.start(num_blocks)
-        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.kv_cache_manager,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=self.model_info.max_model_len,
-            policy=args.scheduling_policy,
-        )
-        self.model_runner = ModelRunner(
-            model,
-            num_blocks=num_blocks,
-            block_size=args.block_size,
-            dtype=self.model_info.torch_dtype,
-            device=device,
-            seed=args.seed,
-            decode_graphs=decode_graphs,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=self.model_info.max_model_len,
-        )
-        if self.tp_workers is not None:
-            self.model_runner = TensorParallelRunner(self.model_runner, self.tp_workers)
-        self.model_runner.warm_up()
         # Grammars for structured outputs, compiled in threads of their own (structured_output.py).
         self.structured_output = StructuredOutputManager(args.structured_outputs_backend, self.model_info.path,
                                                          self.model_info.vocab_size, self.model_info.eos_token_ids)
