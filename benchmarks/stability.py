@@ -1,0 +1,100 @@
+"""How steady is each contender's throughput from one fresh process to the next?
+
+    python benchmarks/stability.py [--runs 5] [--contenders "tinyserve,transformers static"] [--quick]
+
+The model and workload are compare.py's (bench_models.py: the ~27M-parameter Llama with
+random weights, 32 prompts of 16–256 tokens, 64 new tokens each, greedy, EOS ignored).
+Each run is a fresh interpreter: it loads its contender, runs the workload once to warm
+up, then times it once (the one number it reports). Contenders alternate run by run, so
+a slow minute of the machine falls on all of them. Printed: every run, then per
+contender the median and the spread, (max - min) / median.
+
+"tinyserve second LLM" builds an LLM, runs it, shuts it down, builds a second one in
+the same process and times that one: two LLMs one after another should run alike.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CONTENDERS = ("transformers static", "tinyserve", "transformers static bf16", "tinyserve bf16",
+              "tinyserve second LLM")
+
+
+def child(name: str, folder: str, quick: bool) -> None:
+    """One run in this fresh process: warm up once, time once, print the result as JSON."""
+    import bench_models
+    import compare
+
+    workload = bench_models.make_workloads(bench_models.QUICK if quick else bench_models.FULL, quick)[0]
+    blocks = bench_models.num_kv_blocks_for([workload])
+    if name == "tinyserve second LLM":
+        first = bench_models.make_llm(folder, blocks)
+        bench_models.tinyserve_generate(first, workload)
+        first.shutdown()
+        del first
+        name = "tinyserve"
+    run = compare.make_runner(name, folder, blocks, trace_dir="")
+    run(workload)
+    start = time.perf_counter()
+    outputs = run(workload)
+    seconds = time.perf_counter() - start
+    print(json.dumps({"tokens_per_s": sum(len(o) for o in outputs) / seconds}), flush=True)
+
+
+def one_run(name: str, folder: str, quick: bool) -> float:
+    command = [sys.executable, __file__, "--child", name, "--model", folder, *(["--quick"] if quick else [])]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["tokens_per_s"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma-separated, of: {', '.join(CONTENDERS)}")
+    parser.add_argument("--quick", action="store_true", help="a tiny model and workload: checks the script only")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        child(args.child, args.model, args.quick)
+        return 0
+    names = [name.strip() for name in args.contenders.split(",")]
+    unknown = [name for name in names if name not in CONTENDERS]
+    if unknown:
+        parser.error(f"unknown contender(s) {unknown}; choose from {list(CONTENDERS)}")
+    import bench_models
+
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    results: dict[str, list[float]] = {name: [] for name in names}
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = str(Path(scratch) / "model")
+        bench_models.build_model(folder, bench_models.QUICK if args.quick else bench_models.FULL, args.quick)
+        for number in range(args.runs):
+            for name in names[number % len(names):] + names[:number % len(names)]:  # who goes first rotates
+                results[name].append(one_run(name, folder, args.quick))
+                print(f"run {number + 1}: {name:<26} {results[name][-1]:8.1f} tok/s", flush=True)
+    print(f"\n{'contender':<26}{'runs (tok/s)':<44}{'median':>8}{'spread':>8}")
+    for name, values in results.items():
+        median = statistics.median(values)
+        runs = ", ".join(f"{v:.0f}" for v in values)
+        print(f"{name:<26}{runs:<44}{median:>8.0f}{(max(values) - min(values)) / median:>8.0%}")
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
