@@ -16,6 +16,7 @@ the same process and times that one: two LLMs one after another should run alike
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -47,18 +48,26 @@ def child(name: str, folder: str, quick: bool) -> None:
         name = "tinyserve"
     run = compare.make_runner(name, folder, blocks, trace_dir="")
     run(workload)
-    start = time.perf_counter()
+    before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     outputs = run(workload)
     seconds = time.perf_counter() - start
-    print(json.dumps({"tokens_per_s": sum(len(o) for o in outputs) / seconds}), flush=True)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    print(json.dumps({"tokens_per_s": sum(len(o) for o in outputs) / seconds,
+                      "minor_faults": after.ru_minflt - before.ru_minflt,
+                      "involuntary_switches": after.ru_nivcsw - before.ru_nivcsw,
+                      "cpu_per_wall": cpu / seconds}), flush=True)
 
 
-def one_run(name: str, folder: str, quick: bool) -> float:
+def one_run(name: str, folder: str, quick: bool) -> dict:
+    """tokens_per_s, and what the timed run cost the process: minor page faults, involuntary
+    context switches (the kernel took a core away), CPU seconds per wall second (2.0: both
+    cores busy throughout, spinning included)."""
     command = [sys.executable, __file__, "--child", name, "--model", folder, *(["--quick"] if quick else [])]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])["tokens_per_s"]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
@@ -85,8 +94,11 @@ def main() -> int:
         bench_models.build_model(folder, bench_models.QUICK if args.quick else bench_models.FULL, args.quick)
         for number in range(args.runs):
             for name in names[number % len(names):] + names[:number % len(names)]:  # who goes first rotates
-                results[name].append(one_run(name, folder, args.quick))
-                print(f"run {number + 1}: {name:<26} {results[name][-1]:8.1f} tok/s", flush=True)
+                run = one_run(name, folder, args.quick)
+                results[name].append(run["tokens_per_s"])
+                print(f"run {number + 1}: {name:<26} {run['tokens_per_s']:8.1f} tok/s, {run['minor_faults']:7d} "
+                      f"minor faults, {run['involuntary_switches']:5d} involuntary switches, "
+                      f"{run['cpu_per_wall']:.2f} CPU s / s", flush=True)
     print(f"\n{'contender':<26}{'runs (tok/s)':<44}{'median':>8}{'spread':>8}")
     for name, values in results.items():
         median = statistics.median(values)
