@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from tests.required_tools import missing, system_binary
 from tests.server_checks import long_context_model, wait_until
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.lifecycle import schema
@@ -36,10 +37,11 @@ ENGINE_FLAGS = ("--served-model-name", MODEL, "--num-kv-blocks", "2048")
 class HeadlessProcess:
     """`tinyserve serve MODEL --headless ...` (optionally inside a network namespace)."""
 
-    def __init__(self, model, *flags: str, netns: str | None = None) -> None:
+    def __init__(self, model, *flags: str, netns: tuple[str, str] | None = None) -> None:
+        """netns: (ip's path, the namespace) to run the node in."""
         command = [sys.executable, "-m", "tinyserve.cli.main", "serve", str(model), "--headless", *ENGINE_FLAGS, *flags]
         if netns is not None:
-            command = ["ip", "netns", "exec", netns, *command]
+            command = [netns[0], "netns", "exec", netns[1], *command]
         self.log = tempfile.TemporaryFile()
         self.process = subprocess.Popen(command, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=self.log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
@@ -200,36 +202,38 @@ def _running(url: str, engine: str) -> float:
 @pytest.fixture
 def veth_namespace():
     """A network namespace `tsnode<pid>` joined to this one by a veth pair: 10.231.0.1 here, 10.231.0.2 there."""
-    if os.geteuid() != 0 and os.environ.get("CI") != "true":
-        pytest.skip("network namespaces need root (CI runs as root)")
+    if os.geteuid() != 0:
+        missing("network namespaces need root (CI runs as root)")
+    ip = system_binary("ip", "iproute2")
     name = f"tsnode{os.getpid()}"
     here, there = f"tsh{os.getpid()}"[:15], f"tsn{os.getpid()}"[:15]
     commands = [
-        ["ip", "netns", "add", name],
-        ["ip", "link", "add", here, "type", "veth", "peer", "name", there],
-        ["ip", "link", "set", there, "netns", name],
-        ["ip", "addr", "add", "10.231.0.1/24", "dev", here],
-        ["ip", "link", "set", here, "up"],
-        ["ip", "netns", "exec", name, "ip", "addr", "add", "10.231.0.2/24", "dev", there],
-        ["ip", "netns", "exec", name, "ip", "link", "set", there, "up"],
-        ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
+        [ip, "netns", "add", name],
+        [ip, "link", "add", here, "type", "veth", "peer", "name", there],
+        [ip, "link", "set", there, "netns", name],
+        [ip, "addr", "add", "10.231.0.1/24", "dev", here],
+        [ip, "link", "set", here, "up"],
+        [ip, "netns", "exec", name, ip, "addr", "add", "10.231.0.2/24", "dev", there],
+        [ip, "netns", "exec", name, ip, "link", "set", there, "up"],
+        [ip, "netns", "exec", name, ip, "link", "set", "lo", "up"],
     ]
     try:
         for command in commands:
             subprocess.run(command, check=True, capture_output=True, text=True)
-        yield name, here
+        yield name, here, ip
     except subprocess.CalledProcessError as error:
         pytest.fail(f"{' '.join(error.cmd)} failed: {error.stderr.strip()}")
     finally:
-        subprocess.run(["ip", "link", "del", here], capture_output=True)
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        subprocess.run([ip, "link", "del", here], capture_output=True)
+        subprocess.run([ip, "netns", "del", name], capture_output=True)
 
 
 def test_a_headless_node_in_another_network_namespace_serves_and_a_cut_link_is_a_missed_heartbeat(veth_namespace):
-    namespace, link = veth_namespace
+    namespace, link, ip = veth_namespace
     model = long_context_model()
     port = free_port()
-    node = HeadlessProcess(model, *dp_flags("10.231.0.1", port), "--data-parallel-start-rank", "1", netns=namespace)
+    node = HeadlessProcess(model, *dp_flags("10.231.0.1", port), "--data-parallel-start-rank", "1",
+                           netns=(ip, namespace))
     head = ServerProcess(str(model), *ENGINE_FLAGS, *dp_flags("10.231.0.1", port), "--keep-alive-on-engine-death")
     try:
         burst(head.url, count=8)
@@ -240,7 +244,7 @@ def test_a_headless_node_in_another_network_namespace_serves_and_a_cut_link_is_a
         thread.start()
         wait_until(lambda: _running(head.url, "0") + _running(head.url, "1") > 0, 30, "the long request runs")
         cut = time.monotonic()
-        subprocess.run(["ip", "link", "set", link, "down"], check=True)  # no FIN, no RST: silence
+        subprocess.run([ip, "link", "set", link, "down"], check=True)  # no FIN, no RST: silence
         thread.join(timeout=10)
         assert outcome["ended"] - cut < 2.0
         assert "missed its heartbeats" in outcome["text"], outcome
