@@ -23,7 +23,7 @@ from tinyserve.testing import ServerProcess
 
 pytestmark = pytest.mark.server
 
-EXAMPLES_PER_OPERATION = 25  # per operation and mode: ~10 operations × 2 modes, about half a minute
+EXAMPLES_PER_OPERATION = 15  # per operation and mode: ~20 operations × 2 modes, about a minute
 
 
 @pytest.fixture(scope="module")

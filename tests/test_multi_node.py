@@ -173,7 +173,8 @@ def test_killing_the_headless_node_fails_its_requests_within_2_s_and_health_says
         threads = [threading.Thread(target=stream_until_failure, args=(head.url, o)) for o in outcomes]
         for thread in threads:
             thread.start()
-        wait_until(lambda: _running(head.url, "1") > 0, 30, "the headless node runs a request")
+        wait_until(lambda: _running(head.url, "1") > 0 and _running(head.url, "0") + _running(head.url, "1") == 4,
+                   30, "all four requests run, some on the headless node")
         killed = time.monotonic()
         node.kill()
         for thread in threads:

@@ -49,5 +49,5 @@ def test_an_offline_install_beside_the_images_torch_runs_the_gpu_check_smoke(tmp
     assert {"tinyserve", "msgspec", "pyzmq", "opentelemetry_sdk", "fastapi"} <= installed
     assert not installed & {"torch", "triton", "numpy", "transformers"}  # the image's own, kept
     assert sorted(path.name for path in (tmp_path / "gpu-check").iterdir()) == [
-        "1-kernels.jsonl", "2-speed.jsonl", "3-end-to-end.jsonl"]
+        "1-kernels.jsonl", "2-speed.jsonl", "3-end-to-end.jsonl", "4-tensor-parallel.jsonl"]
     assert "FAILED" not in done.stdout

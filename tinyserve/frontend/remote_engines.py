@@ -87,6 +87,9 @@ class RemoteEngines:
             raise ValueError(f"cannot listen for headless nodes on {endpoint} (--data-parallel-address, "
                              f"--data-parallel-rpc-port): {error}") from None
         self.endpoint = endpoint
+        # The same socket seen as a plain one, for sends: a ROUTER never blocks (it drops what
+        # it cannot route), so a send needs no future and works after the event loop is gone.
+        self._sender = zmq.Socket.shadow(self._socket.underlying)
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -174,7 +177,7 @@ class RemoteEngines:
 
     def _send(self, identity: bytes, kind: NodeMessageKind, message) -> None:
         try:
-            self._socket.send_multipart([identity, kind.value, self._encoder.encode(message)], flags=zmq.NOBLOCK)
+            self._sender.send_multipart([identity, kind.value, self._encoder.encode(message)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as error:
             logger.warning("could not reach a headless node: %s", error)
 
