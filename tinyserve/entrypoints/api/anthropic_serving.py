@@ -183,17 +183,8 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request
     constraint = constraint or body.format_constraint
 
     def make_params(max_tokens: int) -> SamplingParams:
-        defaults = ctx.sampling_defaults
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=defaults["temperature"] if body.temperature is None else body.temperature,
-            top_p=defaults["top_p"] if body.top_p is None else body.top_p,
-            top_k=defaults["top_k"] if body.top_k is None else body.top_k,
-            min_p=defaults["min_p"],
-            repetition_penalty=defaults["repetition_penalty"],
-            stop=body.stop_sequences or None,
-            structured_outputs=constraint,
-        )
+        return ctx.sampling_params(max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                   stop=body.stop_sequences or None, structured_outputs=constraint)
 
     try:
         prompt, params = await render_and_tokenize(ctx, spans, body.conversation(), not body.prefilled,

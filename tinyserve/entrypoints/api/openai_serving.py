@@ -33,6 +33,7 @@ from tinyserve.entrypoints.api.sse import (
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import start_request_spans
 from tinyserve.outputs import CompletionOutput, RequestOutput
+from tinyserve.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -54,6 +55,12 @@ class ServingContext:
         defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
         model = self.engine.model_info.generation_defaults
         return defaults | {name: model[name] for name in defaults if name in model}
+
+    def sampling_params(self, max_tokens: int, **given) -> SamplingParams:
+        """SamplingParams of the request's values (temperature=, top_p=, top_k=, stop=, structured_outputs=),
+        each one it left out (None) taken from sampling_defaults: the Responses and Messages APIs' rule."""
+        chosen = {name: value for name, value in given.items() if value is not None}
+        return SamplingParams(max_tokens=max_tokens, **(self.sampling_defaults | chosen))
 
     def max_tokens_for(self, num_prompt_tokens: int, requested: int | None) -> int:
         """vLLM's rule: default to the rest of the context, capped by the model's max_new_tokens

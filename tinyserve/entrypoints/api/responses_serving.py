@@ -131,14 +131,8 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
     spans = start_request_spans(schema.OPERATION_CHAT, model, answer.id, redact_inputs=ctx.redact_inputs)
 
     def make_params(max_tokens: int) -> SamplingParams:
-        defaults = ctx.sampling_defaults
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=defaults["temperature"] if body.temperature is None else body.temperature,
-            top_p=defaults["top_p"] if body.top_p is None else body.top_p,
-            top_k=defaults["top_k"], min_p=defaults["min_p"], repetition_penalty=defaults["repetition_penalty"],
-            structured_outputs=constraint,
-        )
+        return ctx.sampling_params(max_tokens, temperature=body.temperature, top_p=body.top_p,
+                                   structured_outputs=constraint)
 
     try:
         prompt, params = await render_and_tokenize(ctx, spans, instructions + conversation, True,
