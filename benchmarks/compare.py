@@ -31,7 +31,12 @@ Each contender lives in its own process (tinyserve's tracing is a process-wide s
 and runs the workload once to warm up; then the contenders take turns, --repeats rounds,
 who goes first rotating, so a slow moment of a shared machine is spread over all of
 them. The figures are the median time and the best run (medians resist one slow run;
-the best run is the closest to an idle machine).
+the best run is the closest to an idle machine), and next to the median the spread of
+the contender's timed rounds, (max - min) / median. The spread is how far the same
+contender moved from round to round on this machine during this run: a difference
+between two contenders smaller than their spreads is not shown to be real (rerun with
+more --repeats, or on a quieter machine, before reading anything into it). A single
+round (--quick) has no spread, shown as "-" (null in the JSON).
 Throughput is generated tokens per second. tinyserve's time includes detokenizing its
 outputs, which transformers' generate does not do.
 
@@ -90,6 +95,13 @@ class Measurement:
     @property
     def best(self) -> float:
         return min(self.times)
+
+    @property
+    def spread(self) -> float | None:
+        """(max - min) / median of the timed rounds; None from a single round, which has none to show."""
+        if len(self.times) < 2:
+            return None
+        return (max(self.times) - self.best) / self.median
 
 
 # ---- the contenders: each returns the generated token ids of every request ------------
@@ -232,19 +244,23 @@ def roofline_line(label: str, line: Roofline, m: Measurement) -> str:
             f"{m.name} reaches {line.bound / m.median:.1%} of it ({line.bound / m.best:.1%} in its best run)")
 
 
+def spread_text(m: Measurement) -> str:
+    return "-" if m.spread is None else f"{m.spread:.1%}"
+
+
 def report(workload: Workload, results: list[Measurement], lines: dict[str, Roofline]) -> tuple[str, dict]:
     base = results[0].median
     rows = [workload.describe(), "",
-            f"{'contender':<26} {'median s':>9} {'best s':>7} {'output tok/s':>13} {'total tok/s':>12} "
+            f"{'contender':<26} {'median s':>9} {'spread':>7} {'best s':>7} {'output tok/s':>13} {'total tok/s':>12} "
             f"{'vs HF static':>13} {'(best)':>7}"]
     figures = {}
     for m in results:
         out_rate = workload.output_tokens / m.median
         total_rate = (workload.output_tokens + workload.prompt_tokens) / m.median
-        rows.append(f"{m.name:<26} {m.median:>9.2f} {m.best:>7.2f} {out_rate:>13.1f} {total_rate:>12.1f} "
-                    f"{base / m.median:>12.2f}x {results[0].best / m.best:>6.2f}x")
-        figures[m.name] = {"times": m.times, "median_s": m.median, "best_s": m.best, "output_tok_s": out_rate,
-                           "total_tok_s": total_rate, "vs_hf_static": base / m.median,
+        rows.append(f"{m.name:<26} {m.median:>9.2f} {spread_text(m):>7} {m.best:>7.2f} {out_rate:>13.1f} "
+                    f"{total_rate:>12.1f} {base / m.median:>12.2f}x {results[0].best / m.best:>6.2f}x")
+        figures[m.name] = {"times": m.times, "median_s": m.median, "spread": m.spread, "best_s": m.best,
+                           "output_tok_s": out_rate, "total_tok_s": total_rate, "vs_hf_static": base / m.median,
                            "vs_hf_static_best": results[0].best / m.best}
     by_name = {m.name: m for m in results}
     tiny, traced = by_name["tinyserve"], by_name["tinyserve traced"]
