@@ -49,9 +49,15 @@ workload's FLOPs at the fp32 matmul rate measured here (and at the bf16 rate for
 bf16 contenders), and the bytes an ideal batched engine must move at the copy bandwidth
 measured here; the larger of the two times is the bound.
 
-    python benchmarks/compare.py [--repeats 3] [--quick] [--output-json FILE]
+    python benchmarks/compare.py [--repeats 3] [--quick] [--contend K] [--output-json FILE]
 
 --quick runs a tiny model (4 prompts, 8 tokens, 1 repeat) for the test suite.
+
+--contend K runs everything beside K busy processes (background.py: separate Python
+processes, each keeping one core busy with turns of pure-Python work, a single-threaded
+numpy matmul and a 32 MB array copy, like the programs a laptop runs in the background).
+They start before the warm-ups and are killed when the timing ends, by error or Ctrl-C
+included. K = 0 (the default) starts none. The run prints K and the load average.
 """
 
 import argparse
@@ -73,6 +79,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaForCausalLM  # noqa: E402
 
+from background import busy_processes  # noqa: E402
 from bench_models import (  # noqa: E402
     BYTES_PER_PARAM, FULL, MAX_NUM_BATCHED_TOKENS, QUICK, Workload, build_model, make_llm, make_workloads,
     num_kv_blocks_for, tinyserve_generate,
@@ -180,11 +187,12 @@ def contender_process(name: str, folder: str, num_kv_blocks: int, trace_dir: str
 
 
 def run_contenders(folder: str, num_kv_blocks: int, trace_dir: str, workloads: list[Workload],
-                   repeats: int) -> dict[str, list[Measurement]]:
+                   repeats: int, contend: int = 0) -> dict[str, list[Measurement]]:
     """Warm each contender up, then run them in turn, repeat after repeat, rotating who goes first.
 
     Only one contender runs at any moment; interleaving spreads the machine's slow
-    moments over all of them instead of over whichever ran during them.
+    moments over all of them instead of over whichever ran during them. With contend > 0,
+    that many busy processes run from before the first warm-up to the end of the timing.
     """
     context = multiprocessing.get_context("spawn")
     workers = {}
@@ -205,16 +213,18 @@ def run_contenders(folder: str, num_kv_blocks: int, trace_dir: str, workloads: l
             return conn.recv()
 
         results = {}
-        for workload in workloads:
-            times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-            outputs = {name: run(name, workload)[1] for name in CONTENDERS}  # warm-up
-            for repeat in range(repeats):
-                shift = repeat % len(CONTENDERS)
-                for name in CONTENDERS[shift:] + CONTENDERS[:shift]:
-                    elapsed, outputs[name] = run(name, workload)
-                    times[name].append(elapsed)
-                    print(f"  {workload.name} {name:<26} {elapsed:.2f}s", file=sys.stderr, flush=True)
-            results[workload.name] = [Measurement(name, times[name], outputs[name]) for name in CONTENDERS]
+        with busy_processes(contend):
+            for workload in workloads:
+                times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+                outputs = {name: run(name, workload)[1] for name in CONTENDERS}  # warm-up
+                print(f"  {workload.name}: warmed up, load average {load_text(os.getloadavg())}", file=sys.stderr)
+                for repeat in range(repeats):
+                    shift = repeat % len(CONTENDERS)
+                    for name in CONTENDERS[shift:] + CONTENDERS[:shift]:
+                        elapsed, outputs[name] = run(name, workload)
+                        times[name].append(elapsed)
+                        print(f"  {workload.name} {name:<26} {elapsed:.2f}s", file=sys.stderr, flush=True)
+                results[workload.name] = [Measurement(name, times[name], outputs[name]) for name in CONTENDERS]
         return results
     finally:
         for process, conn in workers.values():
@@ -292,20 +302,36 @@ def report(workload: Workload, results: list[Measurement], lines: dict[str, Roof
     return "\n".join(rows), figures
 
 
+def load_text(load: tuple[float, float, float]) -> str:
+    """The 1-, 5- and 15-minute load averages (processes running or waiting for a core)."""
+    return " / ".join(f"{x:.2f}" for x in load)
+
+
+def contention_text(k: int) -> str:
+    if k == 0:
+        return "none (--contend 0)"
+    return f"{k} busy background process{'es' if k > 1 else ''} (background.py) from before the warm-ups to the end"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed runs per contender (default 3; 1 with --quick)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 4 prompts, 8 tokens: a smoke test")
+    parser.add_argument("--contend", type=int, default=0, metavar="K",
+                        help="run beside K busy background processes (default 0; see above)")
     parser.add_argument("--output-json", default=None, help="also write every figure here")
     args = parser.parse_args(argv)
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if repeats < 1:
         parser.error(f"--repeats must be at least 1, got {repeats}")
+    if args.contend < 0:
+        parser.error(f"--contend must be 0 or more, got {args.contend}")
     shape = QUICK if args.quick else FULL
 
     machine = describe_machine()
     print(f"machine: {machine}")
+    load_at_start = os.getloadavg()
     flops_per_second = matmul_flops_per_second(256 if args.quick else 2048)
     bf16_flops_per_second = matmul_flops_per_second(256 if args.quick else 2048, torch.bfloat16)
     bytes_per_second = copy_bytes_per_second((16 if args.quick else 256) << 20)
@@ -321,11 +347,14 @@ def main(argv: list[str] | None = None) -> int:
               f"({num_params * BYTES_PER_PARAM / 1e6:.0f} MB fp32)")
         print(f"timing: each contender in its own process, 1 warm-up + {repeats} runs each, interleaved, median; "
               f"tinyserve budget {MAX_NUM_BATCHED_TOKENS} tokens/step, prefix caching off")
+        print(f"contention: {contention_text(args.contend)}; load average at the start {load_text(load_at_start)}",
+              flush=True)
         workloads = make_workloads(shape, args.quick)
         results = run_contenders(folder, num_kv_blocks_for(workloads), os.path.join(tmp, "traces"), workloads,
-                                 repeats)
+                                 repeats, args.contend)
 
-    figures = {"machine": machine, "num_parameters": num_params, "repeats": repeats,
+    figures = {"machine": machine, "num_parameters": num_params, "repeats": repeats, "contend": args.contend,
+               "load_average_start": load_at_start, "load_average_end": os.getloadavg(),
                "matmul_flops_per_second": flops_per_second, "bf16_matmul_flops_per_second": bf16_flops_per_second,
                "copy_bytes_per_second": bytes_per_second}
     for w in workloads:
@@ -333,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                  "bf16": roofline(shape, w, bf16_flops_per_second, bytes_per_second, bytes_per_value=2)}
         text, figures[w.name] = report(w, results[w.name], lines)
         print("\n" + text)
-    print(f"\nat the end: load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"\nat the end: load average {load_text(os.getloadavg())} (contention: {args.contend} busy processes)")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(figures, f, indent=2)
