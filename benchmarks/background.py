@@ -31,12 +31,13 @@ import time
 from collections.abc import Iterator
 
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None  # loaded here, not in the forked child
 
 
 def die_with_parent() -> None:
     """In a child process, before exec: ask Linux to send SIGKILL when the parent dies (elsewhere: nothing)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if LIBC is not None:
+        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def python_turn(seconds: float) -> None:
