@@ -1,4 +1,4 @@
-"""tinyserve beside Hugging Face transformers, on one machine, in one run.
+"""tinyserve beside Hugging Face transformers (and llama.cpp, with --llama-cpp), on one machine, in one run.
 
 The model and the two workloads are bench_models.py's: a ~27M-parameter Llama with
 random weights and its own 8192-id tokenizer, built here in a temporary folder;
@@ -26,6 +26,16 @@ Contenders:
                             AMX) matmuls run several times faster than in fp32. Ratios in
                             the table stay against fp32 transformers; the bf16 pair is also
                             compared with each other.
+    llama.cpp, llama.cpp bf16   with --llama-cpp only: llama.cpp's llama-server (built once
+                            from source, benchmarks/llama_cpp.py) on the same checkpoint
+                            converted to GGUF, f32 weights and KV cache, or bf16 weights and
+                            KV cache; one slot per request, all requests sent at once as
+                            token ids to /completion over loopback (greedy, EOS ignored,
+                            no prompt caching). Its time includes the HTTP round trips. The
+                            report adds tinyserve / llama.cpp in each dtype, and how often
+                            their greedy outputs agree (random weights: near-ties flip).
+
+Every row says the contender's KV cache dtype (the weights' dtype too).
 
 Each contender lives in its own process (tinyserve's tracing is a process-wide setting)
 and runs the workload once to warm up; then the contenders take turns, --repeats rounds,
@@ -49,7 +59,7 @@ workload's FLOPs at the fp32 matmul rate measured here (and at the bf16 rate for
 bf16 contenders), and the bytes an ideal batched engine must move at the copy bandwidth
 measured here; the larger of the two times is the bound.
 
-    python benchmarks/compare.py [--repeats 3] [--quick] [--contend K] [--output-json FILE]
+    python benchmarks/compare.py [--repeats 3] [--quick] [--contend K] [--llama-cpp] [--output-json FILE]
 
 --quick runs a tiny model (4 prompts, 8 tokens, 1 repeat) for the test suite.
 
@@ -58,6 +68,10 @@ processes, each keeping one core busy with turns of pure-Python work, a single-t
 numpy matmul and a 32 MB array copy, like the programs a laptop runs in the background).
 They start before the warm-ups and are killed when the timing ends, by error or Ctrl-C
 included. K = 0 (the default) starts none. The run prints K and the load average.
+
+--llama-cpp adds the two llama.cpp contenders. The first run builds llama-server (a C/C++
+compiler and cmake needed; pip install -e '.[bench]' brings cmake and ninja), which takes
+minutes; later runs reuse the build from ~/.cache/tinyserve-bench/.
 """
 
 import argparse
@@ -71,6 +85,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -87,6 +102,9 @@ from bench_models import (  # noqa: E402
 from roofline import (  # noqa: E402
     Roofline, copy_bytes_per_second, describe_machine, matmul_flops_per_second, roofline,
 )
+
+if TYPE_CHECKING:
+    import llama_cpp  # imported for --llama-cpp only (a benchmark extra)
 
 
 @dataclass
@@ -154,9 +172,19 @@ def hf_continuous(model: LlamaForCausalLM, workload: Workload) -> list[list[int]
 
 CONTENDERS = ("transformers static", "transformers continuous", "tinyserve", "tinyserve traced",
               "transformers static bf16", "tinyserve bf16", "tinyserve bf16 traced")
+LLAMA_CPP = ("llama.cpp", "llama.cpp bf16")  # with --llama-cpp
 
 
-def make_runner(name: str, folder: str, num_kv_blocks: int, trace_dir: str) -> Callable[[Workload], list[list[int]]]:
+def kv_dtype(name: str) -> str:
+    """The KV cache's dtype, the weights' too: bf16 for the bf16 contenders, f32 for the others."""
+    return "bf16" if "bf16" in name.split() else "f32"
+
+
+def make_runner(name: str, folder: str, num_kv_blocks: int, trace_dir: str,
+                llama: "llama_cpp.Setup | None" = None) -> Callable[[Workload], list[list[int]]]:
+    """The contender's runner; one with a close() (llama.cpp's server) must be closed after."""
+    if name in LLAMA_CPP:
+        return llama.server(kv_dtype(name))
     if name in ("transformers static", "transformers static bf16"):
         model = load_hf(folder, torch.bfloat16 if name.endswith("bf16") else torch.float32)
         return lambda workload: hf_static(model, workload)
@@ -168,18 +196,23 @@ def make_runner(name: str, folder: str, num_kv_blocks: int, trace_dir: str) -> C
     return lambda workload: tinyserve_generate(llm, workload)
 
 
-def contender_process(name: str, folder: str, num_kv_blocks: int, trace_dir: str, conn) -> None:
+def contender_process(name: str, folder: str, num_kv_blocks: int, trace_dir: str, conn,
+                      llama: "llama_cpp.Setup | None" = None) -> None:
     """One contender in its own process: built once, then timing each workload the parent sends.
 
     A process each keeps tracing (a process-wide setting in tinyserve) on in one and off
     in the other, and lets the parent interleave the contenders' runs.
     """
-    run = make_runner(name, folder, num_kv_blocks, trace_dir)
-    conn.send("ready")
-    while (workload := conn.recv()) is not None:
-        start = time.perf_counter()
-        outputs = run(workload)
-        conn.send((time.perf_counter() - start, outputs))
+    run = make_runner(name, folder, num_kv_blocks, trace_dir, llama)
+    try:
+        conn.send("ready")
+        while (workload := conn.recv()) is not None:
+            start = time.perf_counter()
+            outputs = run(workload)
+            conn.send((time.perf_counter() - start, outputs))
+    finally:
+        if hasattr(run, "close"):
+            run.close()
     if name.endswith("traced"):
         from tinyserve.lifecycle.tracing import shutdown_tracing
 
@@ -187,20 +220,23 @@ def contender_process(name: str, folder: str, num_kv_blocks: int, trace_dir: str
 
 
 def run_contenders(folder: str, num_kv_blocks: int, trace_dir: str, workloads: list[Workload],
-                   repeats: int, contend: int = 0) -> dict[str, list[Measurement]]:
+                   repeats: int, contend: int = 0, llama: "llama_cpp.Setup | None" = None,
+                   ) -> dict[str, list[Measurement]]:
     """Warm each contender up, then run them in turn, repeat after repeat, rotating who goes first.
 
     Only one contender runs at any moment; interleaving spreads the machine's slow
     moments over all of them instead of over whichever ran during them. With contend > 0,
     that many busy processes run from before the first warm-up to the end of the timing.
+    With llama (--llama-cpp), llama.cpp's two contenders take their turns too.
     """
+    names = CONTENDERS + (LLAMA_CPP if llama is not None else ())
     context = multiprocessing.get_context("spawn")
     workers = {}
     try:
-        for name in CONTENDERS:
+        for name in names:
             conn, child_conn = context.Pipe()
             process = context.Process(target=contender_process, args=(name, folder, num_kv_blocks, trace_dir,
-                                                                      child_conn), daemon=True)
+                                                                      child_conn, llama), daemon=True)
             process.start()
             workers[name] = (process, conn)
         for name, (_, conn) in workers.items():
@@ -215,16 +251,16 @@ def run_contenders(folder: str, num_kv_blocks: int, trace_dir: str, workloads: l
         results = {}
         with busy_processes(contend):
             for workload in workloads:
-                times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-                outputs = {name: run(name, workload)[1] for name in CONTENDERS}  # warm-up
+                times: dict[str, list[float]] = {name: [] for name in names}
+                outputs = {name: run(name, workload)[1] for name in names}  # warm-up
                 print(f"  {workload.name}: warmed up, load average {load_text(os.getloadavg())}", file=sys.stderr)
                 for repeat in range(repeats):
-                    shift = repeat % len(CONTENDERS)
-                    for name in CONTENDERS[shift:] + CONTENDERS[:shift]:
+                    shift = repeat % len(names)
+                    for name in names[shift:] + names[:shift]:
                         elapsed, outputs[name] = run(name, workload)
                         times[name].append(elapsed)
                         print(f"  {workload.name} {name:<26} {elapsed:.2f}s", file=sys.stderr, flush=True)
-                results[workload.name] = [Measurement(name, times[name], outputs[name]) for name in CONTENDERS]
+                results[workload.name] = [Measurement(name, times[name], outputs[name]) for name in names]
         return results
     finally:
         for process, conn in workers.values():
@@ -261,17 +297,18 @@ def spread_text(m: Measurement) -> str:
 def report(workload: Workload, results: list[Measurement], lines: dict[str, Roofline]) -> tuple[str, dict]:
     base = results[0].median
     rows = [workload.describe(), "",
-            f"{'contender':<26} {'median s':>9} {'spread':>7} {'best s':>7} {'output tok/s':>13} {'total tok/s':>12} "
-            f"{'vs HF static':>13} {'(best)':>7}"]
+            f"{'contender':<26} {'KV':<4} {'median s':>9} {'spread':>7} {'best s':>7} {'output tok/s':>13} "
+            f"{'total tok/s':>12} {'vs HF static':>13} {'(best)':>7}"]
     figures = {}
     for m in results:
         out_rate = workload.output_tokens / m.median
         total_rate = (workload.output_tokens + workload.prompt_tokens) / m.median
-        rows.append(f"{m.name:<26} {m.median:>9.2f} {spread_text(m):>7} {m.best:>7.2f} {out_rate:>13.1f} "
-                    f"{total_rate:>12.1f} {base / m.median:>12.2f}x {results[0].best / m.best:>6.2f}x")
-        figures[m.name] = {"times": m.times, "median_s": m.median, "spread": m.spread, "best_s": m.best,
-                           "output_tok_s": out_rate, "total_tok_s": total_rate, "vs_hf_static": base / m.median,
-                           "vs_hf_static_best": results[0].best / m.best}
+        vs_base, vs_base_best = base / m.median, results[0].best / m.best
+        rows.append(f"{m.name:<26} {kv_dtype(m.name):<4} {m.median:>9.2f} {spread_text(m):>7} {m.best:>7.2f} "
+                    f"{out_rate:>13.1f} {total_rate:>12.1f} {vs_base:>12.2f}x {vs_base_best:>6.2f}x")
+        figures[m.name] = {"kv_dtype": kv_dtype(m.name), "times": m.times, "median_s": m.median, "spread": m.spread,
+                           "best_s": m.best, "output_tok_s": out_rate, "total_tok_s": total_rate,
+                           "vs_hf_static": vs_base, "vs_hf_static_best": vs_base_best}
     by_name = {m.name: m for m in results}
     tiny, traced = by_name["tinyserve"], by_name["tinyserve traced"]
     tiny_bf16, traced_bf16 = by_name["tinyserve bf16"], by_name["tinyserve bf16 traced"]
@@ -299,7 +336,34 @@ def report(workload: Workload, results: list[Measurement], lines: dict[str, Roof
         for dtype, line, m in (("fp32", lines["fp32"], tiny), ("bf16", lines["bf16"], tiny_bf16))
     }
     figures["tracing_overhead"] = overhead
+    if "llama.cpp" in by_name:
+        text, figures["vs_llama_cpp"] = llama_cpp_lines(by_name)
+        rows += text
     return "\n".join(rows), figures
+
+
+def llama_cpp_lines(by_name: dict[str, Measurement]) -> tuple[list[str], dict]:
+    """tinyserve's throughput over llama.cpp's in each dtype, and how often their greedy outputs agree."""
+    pairs = {"fp32": (by_name["tinyserve"], by_name["llama.cpp"]),
+             "bf16": (by_name["tinyserve bf16"], by_name["llama.cpp bf16"])}
+    figures = {dtype: {"medians": llama.median / tiny.median, "paired": paired_ratio(llama, tiny),
+                       "greedy_outputs_equal": agreement(llama.outputs, tiny.outputs)}
+               for dtype, (tiny, llama) in pairs.items()}
+    lines = [
+        "tinyserve / llama.cpp (throughput: llama.cpp's time over tinyserve's; medians, and the median of the "
+        "per-round ratios): " + ", ".join(f"{dtype} {f['medians']:.2f}x ({f['paired']:.2f}x paired)"
+                                          for dtype, f in figures.items()),
+        f"greedy outputs equal: llama.cpp to tinyserve {figures['fp32']['greedy_outputs_equal']}, llama.cpp bf16 "
+        f"to tinyserve bf16 {figures['bf16']['greedy_outputs_equal']} requests (random weights: near-ties can flip "
+        "between two implementations; and llama.cpp's ignore_eos bans end-of-sequence tokens, where tinyserve's "
+        "generates them and goes on)",
+    ]
+    return lines, figures
+
+
+def log(text: str) -> None:
+    """Progress that is not part of the report: on stderr, with the per-run times."""
+    print(text, file=sys.stderr, flush=True)
 
 
 def load_text(load: tuple[float, float, float]) -> str:
@@ -320,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny model, 4 prompts, 8 tokens: a smoke test")
     parser.add_argument("--contend", type=int, default=0, metavar="K",
                         help="run beside K busy background processes (default 0; see above)")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="add llama.cpp's contenders (built once from source; see benchmarks/llama_cpp.py)")
     parser.add_argument("--output-json", default=None, help="also write every figure here")
     args = parser.parse_args(argv)
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
@@ -328,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.contend < 0:
         parser.error(f"--contend must be 0 or more, got {args.contend}")
     shape = QUICK if args.quick else FULL
+    if args.llama_cpp:  # first: a failing build fails before the minutes of timing
+        import llama_cpp
+
+        llama_cpp.build(log=log)
 
     machine = describe_machine()
     print(f"machine: {machine}")
@@ -350,13 +420,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"contention: {contention_text(args.contend)}; load average at the start {load_text(load_at_start)}",
               flush=True)
         workloads = make_workloads(shape, args.quick)
+        llama = None
+        if args.llama_cpp:
+            llama = llama_cpp.prepare(folder, workloads, Path(tmp) / "llama.cpp", torch.get_num_threads(), log)
+            print(f"llama.cpp: llama-server {llama_cpp.version(llama.binary)}, from the sources of llama-cpp-python "
+                  f"{llama_cpp.LLAMA_CPP_PYTHON}, {' '.join(llama_cpp.CMAKE_FLAGS)}; {llama.settings()}", flush=True)
         results = run_contenders(folder, num_kv_blocks_for(workloads), os.path.join(tmp, "traces"), workloads,
-                                 repeats, args.contend)
+                                 repeats, args.contend, llama)
+        if llama is not None:
+            flash = {dtype: llama_cpp.flash_attention(llama.log_file(dtype)) for dtype in llama.ggufs}
+            print("llama.cpp flash attention (its choice, from its log): "
+                  + ", ".join(f"{dtype} KV {choice}" for dtype, choice in flash.items()))
 
     figures = {"machine": machine, "num_parameters": num_params, "repeats": repeats, "contend": args.contend,
                "load_average_start": load_at_start, "load_average_end": os.getloadavg(),
                "matmul_flops_per_second": flops_per_second, "bf16_matmul_flops_per_second": bf16_flops_per_second,
                "copy_bytes_per_second": bytes_per_second}
+    if llama is not None:
+        figures["llama_cpp"] = {"version": llama_cpp.version(llama.binary), "cmake_flags": llama_cpp.CMAKE_FLAGS,
+                                "settings": llama.settings(), "flash_attention": flash}
     for w in workloads:
         lines = {"fp32": roofline(shape, w, flops_per_second, bytes_per_second),
                  "bf16": roofline(shape, w, bf16_flops_per_second, bytes_per_second, bytes_per_value=2)}

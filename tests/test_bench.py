@@ -259,8 +259,9 @@ def test_compare_quick_runs_every_contender_and_prints_the_roofline():
         assert workload in out
     for contender in ("transformers static", "transformers continuous", "tinyserve", "tinyserve traced",
                       "transformers static bf16", "tinyserve bf16", "tinyserve bf16 traced"):
-        # median, spread ("-": one round has none), best, output and total tok/s, the two ratios
-        row = rf"^{contender} +[\d.]+ +- +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+x +[\d.]+x$"
+        # KV dtype, median, spread ("-": one round has none), best, output and total tok/s, the two ratios
+        kv = "bf16" if "bf16" in contender else "f32"
+        row = rf"^{contender} +{kv} +[\d.]+ +- +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+x +[\d.]+x$"
         assert len(re.findall(row, out, re.MULTILINE)) == 2
     assert out.count("roofline fp32: ") == 2 and out.count("roofline bf16: ") == 2
     assert len(re.findall(r"^tracing overhead \(traced / untraced, median of the per-round ratios\): "
