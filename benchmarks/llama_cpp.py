@@ -12,7 +12,8 @@ This module does what a user would do to run compare.py's model on it:
 2. build()    cmake, Release, CPU only (GGML_NATIVE: tuned to this machine's CPU, the
               way llama.cpp builds by default), only the llama-server target, no web UI
               (it would be downloaded), no OpenSSL (we talk HTTP over loopback). Built
-              once into ~/.cache/tinyserve-bench/llama.cpp-<version>/ and reused after.
+              once into ~/.cache/tinyserve-bench/llama.cpp-<version>/ (the cache folder
+              is $TINYSERVE_BENCH_CACHE where set) and reused after.
 3. convert()  HF folder -> GGUF with the sdist's convert_hf_to_gguf.py, in the model's
               dtype (f32 or bf16), run by convert_main() (see there: two methods of the
               converter are replaced, as it does not know our tokenizer's pre-tokenizer).
