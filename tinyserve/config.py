@@ -45,6 +45,9 @@ class EngineArgs:
     seed: int = 0
     device: str | None = None  # None: cuda if available, else cpu
     enforce_eager: bool = False  # on CUDA: no CUDA graphs for decode steps
+    # On CPU: the forward pass's threads. None: all the engine's cores, fewer while other
+    # programs take them away (engine/worker/cpu_threads.py); a number fixes the count.
+    cpu_threads: int | None = None
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs one request may ask for (vLLM's default)
     tensor_parallel_size: int = 1  # ranks each engine's model is split over (worker/tensor_parallel_workers.py)
@@ -74,7 +77,7 @@ class EngineArgs:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}")
-        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len"):
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "cpu_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")

@@ -41,6 +41,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="the most logprobs (or prompt logprobs) one request may ask for (default 20)")
     group.add_argument("--structured-outputs-backend", choices=STRUCTURED_OUTPUT_BACKENDS, default="xgrammar",
                        help="the grammar library that constrains structured outputs (default xgrammar)")
+    group.add_argument("--cpu-threads", type=int, default=None,
+                       help="on CPU: threads of the forward pass, fixed (default: all the engine's cores, "
+                            "fewer while other programs keep them busy)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="on CUDA: run decode steps eagerly instead of replaying CUDA graphs")
 
@@ -75,6 +78,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         seed=args.seed,
         device=args.device,
         enforce_eager=args.enforce_eager,
+        cpu_threads=args.cpu_threads,
         max_logprobs=args.max_logprobs,
         tensor_parallel_size=args.tensor_parallel_size,
         structured_outputs_backend=args.structured_outputs_backend,

@@ -11,12 +11,15 @@ import atexit
 import gc
 import time
 
+import torch
+
 from tinyserve.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs, ModelInfo, check_kv_fit
 from tinyserve.engine.core.kv_cache_manager import KVCacheManager
 from tinyserve.engine.core.request import Request
 from tinyserve.engine.core.scheduler import Scheduler
 from tinyserve.engine.core.scheduler_output import SchedulerOutput
 from tinyserve.engine.structured_output import StructuredOutputManager
+from tinyserve.engine.worker.cpu_threads import ThreadGovernor, engine_cores
 from tinyserve.engine.worker.gpu_memory import MemorySnapshot, kv_cache_budget
 from tinyserve.engine.worker.model_runner import ModelRunner
 from tinyserve.engine.worker.tensor_parallel_workers import TensorParallelRunner, TensorParallelWorkers
@@ -85,6 +88,7 @@ class EngineCore:
             if self.tp_workers is not None:
                 self.tp_workers.shutdown()
             raise
+        self.thread_governor = self._govern_threads(args, device)
         # Grammars for structured outputs, compiled in threads of their own (structured_output.py).
         self.structured_output = StructuredOutputManager(args.structured_outputs_backend, self.model_info.path,
                                                          self.model_info.vocab_size, self.model_info.eos_token_ids)
@@ -103,6 +107,19 @@ class EngineCore:
         gc.collect()
         gc.freeze()
         atexit.register(gc.unfreeze)  # let the interpreter's last collection free them at exit
+
+    def _govern_threads(self, args: EngineArgs, device) -> ThreadGovernor | None:
+        """On CPU, the forward pass's thread count: args.cpu_threads, or a ThreadGovernor's (cpu_threads.py).
+
+        Under tensor parallelism each rank keeps the count it started with (its share of the cores).
+        """
+        self.fixed_cpu_threads = None
+        if device.type != "cpu" or self.tp_workers is not None:
+            return None
+        if args.cpu_threads is not None:
+            self.fixed_cpu_threads = args.cpu_threads  # set before every execute, as the governor's count
+            return None
+        return ThreadGovernor(engine_cores())
 
     def _blocks_from_memory(self, model, gpu_at_start: MemorySnapshot | None, decode_graphs: bool) -> int:
         """--kv-cache-memory if given; else on a GPU what --gpu-memory-utilization leaves; else 1 GiB."""
@@ -182,8 +199,15 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         self.structured_output.grammar_bitmask(scheduler_output, self.scheduler.requests)
         scheduled = time.time()
+        threads = self.thread_governor.threads if self.thread_governor is not None else self.fixed_cpu_threads
+        if threads is not None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        cpu_before = time.process_time()
         runner_output = self.model_runner.execute_model(scheduler_output)
         executed = time.time()
+        execute_cpu = time.process_time() - cpu_before
+        if self.thread_governor is not None:
+            self.thread_governor.observe(executed - scheduled, execute_cpu)
         outputs = failed + self.scheduler.update_from_output(
             scheduler_output, runner_output.sampled_token_ids, runner_output.logprobs, runner_output.prompt_logprobs
         )
@@ -191,7 +215,7 @@ class EngineCore:
         stats = self.scheduler.make_stats()
         ranks = getattr(self.model_runner, "last_rank_times", None)  # tensor parallelism: every rank's execute
         self.last_scheduler_output = scheduler_output
-        self.last_step_times = StepTimes(start, scheduled, executed, end, ranks)
+        self.last_step_times = StepTimes(start, scheduled, executed, end, ranks, threads, execute_cpu)
         if self.span_builder is not None:
             self.span_builder.record_step(scheduler_output, self.last_step_times, stats, outputs)
         return EngineCoreOutputs(engine_index=self.engine_index, timestamp=end, outputs=outputs, scheduler_stats=stats)

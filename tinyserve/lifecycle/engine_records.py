@@ -30,6 +30,9 @@ class StepTimes:
     executed: float
     end: float
     ranks: list[RankTimes] | None = None  # under tensor parallelism: every rank's execute, rank 0 first
+    # On CPU: the forward pass's thread count in this step, and the process's CPU seconds during execute.
+    cpu_threads: int | None = None
+    execute_cpu_s: float | None = None
 
 
 @dataclass(slots=True)

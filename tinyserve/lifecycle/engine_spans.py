@@ -257,7 +257,8 @@ class EngineSpanBuilder:
                                       attributes=attributes, links=links)
         step_context = trace.set_span_in_context(step)
         phases = [(schema.SCHEDULE, times.start, times.scheduled, None),
-                  (schema.EXECUTE, times.scheduled, times.executed, None),
+                  (schema.EXECUTE, times.scheduled, times.executed, None if times.cpu_threads is None else {
+                      schema.EXECUTE_CPU_THREADS: times.cpu_threads, schema.EXECUTE_CPU_TIME: times.execute_cpu_s}),
                   (schema.UPDATE, times.executed, times.end, None)]
         if times.ranks:  # one execute per rank, each with its own clock
             phases[1:2] = [(schema.EXECUTE, r.start, r.end, {

@@ -146,6 +146,11 @@ STEP_NUM_NEW_BLOCK_IDS = "tinyserve.step.num_new_block_ids"
 STEP_NEW_BLOCK_IDS = "tinyserve.step.new_block_ids"
 STEP_BLOCK_TABLE_IS_FULL = "tinyserve.step.block_table_is_full"
 STEP_RELEASED_REQUEST_IDS = "tinyserve.step.released_request_ids"
+# on tinyserve.execute, on CPU: the forward pass's thread count (engine/worker/cpu_threads.py: fewer
+# while other programs take the cores) and the CPU seconds the process used during it
+# (threads that own their cores use about cpu_threads CPU seconds per wall second).
+EXECUTE_CPU_THREADS = "tinyserve.execute.cpu_threads"
+EXECUTE_CPU_TIME = "tinyserve.execute.cpu_time_s"
 # on tinyserve.execute, under tensor parallelism: which rank, on what, how long it waited in all-reduces
 TP_RANK = "tinyserve.tp.rank"
 TP_SIZE = "tinyserve.tp.size"

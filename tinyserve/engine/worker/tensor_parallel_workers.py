@@ -128,7 +128,9 @@ class TensorParallelWorkers:
         self.traced = tracing_enabled()
         self.device = str(rank_device(args, engine_index, 0))
         spawn = multiprocessing.get_context("spawn")
-        num_threads = max(1, (os.cpu_count() or 1) // self.size) if args.torch_device.type == "cpu" else None
+        num_threads = None
+        if args.torch_device.type == "cpu":  # each rank its share of the cores, or --cpu-threads each
+            num_threads = args.cpu_threads or max(1, (os.cpu_count() or 1) // self.size)
         self.processes = []
         for rank, address in zip(range(1, self.size), addresses):
             process = spawn.Process(target=run_worker, name=f"tinyserve-engine-{engine_index}-tp{rank}", daemon=True,

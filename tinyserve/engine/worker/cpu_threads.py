@@ -1,0 +1,105 @@
+"""How many CPU threads the forward pass uses: all the engine's cores, fewer while it cannot have them.
+
+torch runs each op of the forward pass on a team of OpenMP threads (libgomp), one per
+core the engine was given. Every op ends at a barrier: the team waits for its slowest
+thread, spinning. A decode step of the ~27M-parameter model is some 400 such ops.
+
+On a machine shared with other programs, a thread of the team is often off its core,
+waiting for its time slice behind someone else's process, and every op waits for it.
+The cost is not the share of the core that was lost but a multiple of it. Measured on
+the 2-core machine BENCHMARKS.md describes, beside two busy processes in another
+session, in generated tokens per second:
+
+    2 threads   37 tok/s  (0.65 CPU seconds per wall second)
+    1 thread   142 tok/s  (0.67)
+
+The team got two-thirds of one core either way, and two threads used it four times
+worse than one. transformers' generate falls the same way (37 against 96), so this is
+not tinyserve's own: it is what spinning at a barrier costs when a core is taken away.
+
+The governor watches what each execute got: the process's CPU seconds per wall second
+of the forward pass. A team of T threads that owns its cores uses about T (waiting
+threads spin, and spinning counts), so falling well short of T is the sign of cores
+taken away. Then it gives up a thread, one window at a time, down to one. With fewer
+threads than cores it tries one more now and then (a probe, one window long) and keeps
+it if the team got its cores; a failed probe waits twice as long for the next one, up
+to MAX_PROBE_INTERVAL_S. On a quiet machine it never moves.
+
+The engine applies the count with torch.set_num_threads before each execute (a setting of
+the whole process: two LLMs in one process each set their own; the caller's torch code
+gets whatever the last step used). EngineArgs.cpu_threads fixes the count instead (a
+benchmark that must compare like with like).
+"""
+
+import time
+
+import torch
+
+WINDOW_S = 0.2  # wall time of execute to average over before deciding
+MIN_STEPS = 3  # nor fewer steps than this
+SHORTFALL = 0.5  # T threads using less than T - 0.5 CPU seconds a second: cores were taken away
+FIRST_PROBE_INTERVAL_S = 2.0  # wall time in execute before trying one more thread
+MAX_PROBE_INTERVAL_S = 16.0
+
+
+class ThreadGovernor:
+    """Decides the forward pass's thread count from what each execute got; see the module's docstring."""
+
+    def __init__(self, max_threads: int) -> None:
+        self.max_threads = max_threads
+        self.threads = max_threads  # what the next execute should run with
+        self._steps = 0
+        self._wall = 0.0
+        self._cpu = 0.0
+        self._probing_from: int | None = None  # the count to go back to if the probe fails
+        self._probe_interval = FIRST_PROBE_INTERVAL_S
+        self._since_probe = 0.0  # wall time in execute since the last probe or drop
+        self.changes: list[tuple[float, int, float]] = []  # (time.time(), new count, CPU per wall that moved it)
+
+    def observe(self, wall_s: float, cpu_s: float) -> None:
+        """One execute took wall_s seconds, in which the process used cpu_s seconds of CPU."""
+        self._steps += 1
+        self._wall += wall_s
+        self._cpu += cpu_s
+        self._since_probe += wall_s
+        if self._wall < WINDOW_S or self._steps < MIN_STEPS:
+            return
+        usage = self._cpu / self._wall
+        self._steps, self._wall, self._cpu = 0, 0.0, 0.0
+        self._decide(usage)
+
+    def _decide(self, usage: float) -> None:
+        got_its_cores = usage >= self.threads - SHORTFALL
+        if self._probing_from is not None:  # the probe's window is over
+            back_to, self._probing_from = self._probing_from, None
+            if got_its_cores:
+                self._probe_interval = FIRST_PROBE_INTERVAL_S
+            else:
+                self._probe_interval = min(2 * self._probe_interval, MAX_PROBE_INTERVAL_S)
+                self._change(back_to, usage)
+            self._since_probe = 0.0
+        elif not got_its_cores and self.threads > 1:
+            self._change(self.threads - 1, usage)
+            self._since_probe = 0.0
+        elif self.threads < self.max_threads and self._since_probe >= self._probe_interval:
+            self._probing_from = self.threads
+            self._change(self.threads + 1, usage)
+
+    def _change(self, threads: int, usage: float) -> None:
+        self.threads = threads
+        self.changes.append((time.time(), threads, usage))
+
+
+_cores_found: int | None = None
+
+
+def engine_cores() -> int:
+    """The thread count torch had when this process's first engine started: the engine's cores.
+
+    Later engines in the same process (the offline LLM, built again) start from it too,
+    not from whatever count the previous engine's governor left behind.
+    """
+    global _cores_found
+    if _cores_found is None:
+        _cores_found = torch.get_num_threads()
+    return _cores_found
