@@ -14,7 +14,9 @@ with a mix of what those programs do, in turns of about 50 ms each:
 
 Each one is single-threaded (BLAS held to one thread), so K busy processes take about K
 cores' worth of time from whatever else runs. They start at the niceness of the process
-that starts them (nice -n 19 on compare.py applies to them too).
+that starts them (nice -n 19 on compare.py applies to them too), each in a session of its
+own, as another program would be: Linux's scheduler (with autogroup, the default) shares
+the cores fairly between sessions before it shares them between threads.
 
 busy_processes(K) starts K of them and kills them when its block ends, by error or
 Ctrl-C included; die_with_parent, run in each child before it starts, has the kernel
@@ -87,7 +89,8 @@ def busy_processes(k: int) -> Iterator[list[subprocess.Popen]]:
     try:
         for _ in range(k):
             processes.append(subprocess.Popen([sys.executable, __file__], env={**os.environ, **ONE_THREAD},
-                                              stdin=subprocess.DEVNULL, preexec_fn=die_with_parent))
+                                              stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
+                                              start_new_session=True))
         yield processes
     finally:
         for process in processes:

@@ -144,11 +144,13 @@ def num_kv_blocks_for(workloads: list[Workload]) -> int:
     return len(workloads[0].prompts) * -(-longest // BLOCK_SIZE) + 8
 
 
-def make_llm(folder: str, num_kv_blocks: int, trace_dir: str | None = None, dtype: str = "float32"):
+def make_llm(folder: str, num_kv_blocks: int, trace_dir: str | None = None, dtype: str = "float32",
+             cpu_threads: int | None = None):
     from tinyserve import LLM
 
     return LLM(folder, trace_dir=trace_dir, num_kv_blocks=num_kv_blocks, block_size=BLOCK_SIZE,
-               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_prefix_caching=False, dtype=dtype)
+               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_prefix_caching=False, dtype=dtype,
+               cpu_threads=cpu_threads)
 
 
 def tinyserve_generate(llm, workload: Workload) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """How steady is each contender's throughput from one fresh process to the next?
 
-    python benchmarks/stability.py [--runs 5] [--contenders "tinyserve,transformers static"] [--quick]
+    python benchmarks/stability.py [--runs 5] [--contenders "tinyserve,transformers static"] [--contend K] [--quick]
 
 The model and workload are compare.py's (bench_models.py: the ~27M-parameter Llama with
 random weights, 32 prompts of 16–256 tokens, 64 new tokens each, greedy, EOS ignored).
@@ -8,6 +8,10 @@ Each run is a fresh interpreter: it loads its contender, runs the workload once 
 up, then times it once (the one number it reports). Contenders alternate run by run, so
 a slow minute of the machine falls on all of them. Printed: every run, then per
 contender the median and the spread, (max - min) / median.
+
+--contend K runs every contender beside K busy processes (background.py, as compare.py's
+--contend). "tinyserve 2 threads" is tinyserve with the thread count fixed at two
+(--cpu-threads 2): what it did before it gave up threads on a busy machine.
 
 "tinyserve second LLM" builds an LLM, runs it, shuts it down, builds a second one in
 the same process and times that one: two LLMs one after another should run alike.
@@ -30,7 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 CONTENDERS = ("transformers static", "tinyserve", "transformers static bf16", "tinyserve bf16",
-              "tinyserve second LLM")
+              "tinyserve second LLM", "tinyserve 2 threads")
 
 
 def child(name: str, folder: str, quick: bool) -> None:
@@ -46,7 +50,11 @@ def child(name: str, folder: str, quick: bool) -> None:
         first.shutdown()
         del first
         name = "tinyserve"
-    run = compare.make_runner(name, folder, blocks, trace_dir="")
+    if name == "tinyserve 2 threads":
+        llm = bench_models.make_llm(folder, blocks, cpu_threads=2)
+        run = lambda workload: bench_models.tinyserve_generate(llm, workload)  # noqa: E731
+    else:
+        run = compare.make_runner(name, folder, blocks, trace_dir="")
     run(workload)
     before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     outputs = run(workload)
@@ -75,6 +83,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma-separated, of: {', '.join(CONTENDERS)}")
     parser.add_argument("--quick", action="store_true", help="a tiny model and workload: checks the script only")
+    parser.add_argument("--contend", type=int, default=0, metavar="K", help="beside K busy processes (default 0)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -85,11 +94,15 @@ def main() -> int:
     unknown = [name for name in names if name not in CONTENDERS]
     if unknown:
         parser.error(f"unknown contender(s) {unknown}; choose from {list(CONTENDERS)}")
+    if args.contend < 0:
+        parser.error(f"--contend must be 0 or more, got {args.contend}")
+    import background
     import bench_models
 
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     results: dict[str, list[float]] = {name: [] for name in names}
-    with tempfile.TemporaryDirectory() as scratch:
+    print(f"contention: {args.contend} busy background processes", flush=True)
+    with tempfile.TemporaryDirectory() as scratch, background.busy_processes(args.contend):
         folder = str(Path(scratch) / "model")
         bench_models.build_model(folder, bench_models.QUICK if args.quick else bench_models.FULL, args.quick)
         for number in range(args.runs):

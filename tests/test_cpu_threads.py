@@ -83,20 +83,34 @@ def test_a_probe_that_gets_its_cores_is_kept():
     assert [threads for _, threads, _ in governor.changes] == [1, 2]
 
 
+def test_a_probe_lasts_two_steps_however_short():
+    governor = ThreadGovernor(2)
+    run_windows(governor, 1.0)
+    while governor.threads == 1:  # until the probe begins
+        governor.observe(STEP_S, STEP_S)
+    governor.observe(0.001, 0.001)  # one short step, one CPU second a second: not decided yet
+    assert governor.threads == 2
+    governor.observe(0.001, 0.001)  # the second: two threads got one core between them
+    assert governor.threads == 1
+    assert [threads for _, threads, _ in governor.changes] == [1, 2, 1]
+
+
 def test_failed_probes_come_twice_as_rarely_up_to_a_limit():
     governor = ThreadGovernor(2)
     run_windows(governor, 1.0)
-    probes = []  # window numbers at which a probe began
-    for window in range(windows_for(60.0)):
+    probes = []  # execute seconds at which a probe began
+    clock = 0.0
+    while clock < 60.0:
         before = governor.threads
-        run_windows(governor, 1.0)  # busy throughout: every probe fails
+        governor.observe(STEP_S, STEP_S)  # busy throughout: every probe fails
+        clock += STEP_S
         if governor.threads > before:
-            probes.append(window)
+            probes.append(clock)
     assert governor.threads == 1
-    gaps = [(b - a) * WINDOW_S for a, b in zip(probes, probes[1:])]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
     expected = [min(FIRST_PROBE_INTERVAL_S * 2 ** (i + 1), MAX_PROBE_INTERVAL_S) for i in range(len(gaps))]
-    # Each gap: the interval of execute time since the failed probe, plus the probe's own window.
-    assert gaps == pytest.approx([e + WINDOW_S for e in expected], abs=WINDOW_S + 1e-9)
+    # Each gap: the probe's two steps, then the interval of execute time since it failed.
+    assert gaps == pytest.approx([e + 2 * STEP_S for e in expected], abs=WINDOW_S + STEP_S)  # give or take a window
     assert len(probes) >= 5  # and the last gaps are at the limit, not growing
 
 

@@ -21,8 +21,8 @@ The governor watches what each execute got: the process's CPU seconds per wall s
 of the forward pass. A team of T threads that owns its cores uses about T (waiting
 threads spin, and spinning counts), so falling well short of T is the sign of cores
 taken away. Then it gives up a thread, one window at a time, down to one. With fewer
-threads than cores it tries one more now and then (a probe, one window long) and keeps
-it if the team got its cores; a failed probe waits twice as long for the next one, up
+threads than cores it tries one more now and then (a probe, two steps long: on a busy
+machine those are slow steps) and keeps it if the team got its cores; a failed probe waits twice as long for the next one, up
 to MAX_PROBE_INTERVAL_S. On a quiet machine it never moves.
 
 The engine applies the count with torch.set_num_threads before each execute (a setting of
@@ -37,6 +37,7 @@ import torch
 
 WINDOW_S = 0.2  # wall time of execute to average over before deciding
 MIN_STEPS = 3  # nor fewer steps than this
+PROBE_STEPS = 2  # a probe's window: two steps, however short (a failed one costs little)
 SHORTFALL = 0.5  # T threads using less than T - 0.5 CPU seconds a second: cores were taken away
 FIRST_PROBE_INTERVAL_S = 2.0  # wall time in execute before trying one more thread
 MAX_PROBE_INTERVAL_S = 16.0
@@ -62,7 +63,10 @@ class ThreadGovernor:
         self._wall += wall_s
         self._cpu += cpu_s
         self._since_probe += wall_s
-        if self._wall < WINDOW_S or self._steps < MIN_STEPS:
+        if self._probing_from is not None:
+            if self._steps < PROBE_STEPS:
+                return
+        elif self._wall < WINDOW_S or self._steps < MIN_STEPS:
             return
         usage = self._cpu / self._wall
         self._steps, self._wall, self._cpu = 0, 0.0, 0.0
