@@ -22,8 +22,11 @@ of the forward pass. A team of T threads that owns its cores uses about T (waiti
 threads spin, and spinning counts), so falling well short of T is the sign of cores
 taken away. Then it gives up a thread, one window at a time, down to one. With fewer
 threads than cores it tries one more now and then (a probe, two steps long: on a busy
-machine those are slow steps) and keeps it if the team got its cores; a failed probe waits twice as long for the next one, up
-to MAX_PROBE_INTERVAL_S. On a quiet machine it never moves.
+machine those are slow steps) and keeps it if the team got its cores; a failed probe
+waits twice as long for the next one, up to MAX_PROBE_INTERVAL_S. On a quiet machine it
+does not move, except for a model so small that torch splits none of its ops: then the
+other threads sleep, the team uses one CPU second a second, and one thread is all it
+needed anyway.
 
 The engine applies the count with torch.set_num_threads before each execute (a setting of
 the whole process: two LLMs in one process each set their own; the caller's torch code
