@@ -88,7 +88,15 @@ class EngineCore:
             if self.tp_workers is not None:
                 self.tp_workers.shutdown()
             raise
-        self.thread_governor = self._govern_threads(args, device)
+        # On CPU, the forward pass's thread count: --cpu-threads, or a governor's (worker/cpu_threads.py).
+        # Under tensor parallelism each rank keeps the count it started with (its share of the cores).
+        self.fixed_cpu_threads = None
+        self.thread_governor = None
+        if device.type == "cpu" and self.tp_workers is None:
+            if args.cpu_threads is not None:
+                self.fixed_cpu_threads = args.cpu_threads  # set before every execute, as the governor's count
+            else:
+                self.thread_governor = ThreadGovernor(engine_cores())
         # Grammars for structured outputs, compiled in threads of their own (structured_output.py).
         self.structured_output = StructuredOutputManager(args.structured_outputs_backend, self.model_info.path,
                                                          self.model_info.vocab_size, self.model_info.eos_token_ids)
@@ -107,19 +115,6 @@ class EngineCore:
         gc.collect()
         gc.freeze()
         atexit.register(gc.unfreeze)  # let the interpreter's last collection free them at exit
-
-    def _govern_threads(self, args: EngineArgs, device) -> ThreadGovernor | None:
-        """On CPU, the forward pass's thread count: args.cpu_threads, or a ThreadGovernor's (cpu_threads.py).
-
-        Under tensor parallelism each rank keeps the count it started with (its share of the cores).
-        """
-        self.fixed_cpu_threads = None
-        if device.type != "cpu" or self.tp_workers is not None:
-            return None
-        if args.cpu_threads is not None:
-            self.fixed_cpu_threads = args.cpu_threads  # set before every execute, as the governor's count
-            return None
-        return ThreadGovernor(engine_cores())
 
     def _blocks_from_memory(self, model, gpu_at_start: MemorySnapshot | None, decode_graphs: bool) -> int:
         """--kv-cache-memory if given; else on a GPU what --gpu-memory-utilization leaves; else 1 GiB."""
