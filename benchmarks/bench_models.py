@@ -145,12 +145,12 @@ def num_kv_blocks_for(workloads: list[Workload]) -> int:
 
 
 def make_llm(folder: str, num_kv_blocks: int, trace_dir: str | None = None, dtype: str = "float32",
-             cpu_threads: int | None = None):
+             cpu_threads: int | None = None, kv_cache_dtype: str = "auto"):
     from tinyserve import LLM
 
     return LLM(folder, trace_dir=trace_dir, num_kv_blocks=num_kv_blocks, block_size=BLOCK_SIZE,
                max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_prefix_caching=False, dtype=dtype,
-               cpu_threads=cpu_threads)
+               cpu_threads=cpu_threads, kv_cache_dtype=kv_cache_dtype)
 
 
 def tinyserve_generate(llm, workload: Workload) -> list[list[int]]:

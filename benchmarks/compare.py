@@ -20,6 +20,10 @@ Contenders:
     tinyserve               `LLM.generate` (prefix caching off, so a repetition cannot
                             reuse the previous one's KV blocks)
     tinyserve traced        the same with `trace_dir=` (every span written to a file)
+    tinyserve bf16 KV       fp32 weights over a bfloat16 KV cache (--kv-cache-dtype
+                            bfloat16): half the bytes a decode step reads from the cache,
+                            as llama.cpp's default f16 cache; reported against tinyserve
+                            fp32, with how often their greedy outputs agree
     transformers static bf16, tinyserve bf16, tinyserve bf16 traced
                             the static batch and tinyserve again with bf16 weights and KV
                             cache: on a CPU with bf16 matrix instructions (AVX-512 BF16,
@@ -35,7 +39,7 @@ Contenders:
                             report adds tinyserve / llama.cpp in each dtype, and how often
                             their greedy outputs agree (random weights: near-ties flip).
 
-Every row says the contender's KV cache dtype (the weights' dtype too).
+Every row says the contender's KV cache dtype (the weights' dtype too, but for tinyserve bf16 KV's).
 
 Each contender lives in its own process (tinyserve's tracing is a process-wide setting)
 and runs the workload once to warm up; then the contenders take turns, --repeats rounds,
@@ -171,12 +175,16 @@ def hf_continuous(model: LlamaForCausalLM, workload: Workload) -> list[list[int]
 
 
 CONTENDERS = ("transformers static", "transformers continuous", "tinyserve", "tinyserve traced",
-              "transformers static bf16", "tinyserve bf16", "tinyserve bf16 traced")
+              "tinyserve bf16 KV", "transformers static bf16", "tinyserve bf16", "tinyserve bf16 traced")
 LLAMA_CPP = ("llama.cpp", "llama.cpp bf16")  # with --llama-cpp
+BF16_KV = "tinyserve bf16 KV"  # float32 weights, a bfloat16 KV cache (--kv-cache-dtype bfloat16)
 
 
 def kv_dtype(name: str) -> str:
-    """The KV cache's dtype, the weights' too: bf16 for the bf16 contenders, f32 for the others."""
+    """The KV cache's dtype: bf16 for the bf16 contenders, f32 for the others.
+
+    The weights' dtype is the same, except for BF16_KV's, which are float32.
+    """
     return "bf16" if "bf16" in name.split() else "f32"
 
 
@@ -191,6 +199,9 @@ def make_runner(name: str, folder: str, num_kv_blocks: int, trace_dir: str,
     if name == "transformers continuous":
         model = load_hf(folder)
         return lambda workload: hf_continuous(model, workload)
+    if name == BF16_KV:
+        llm = make_llm(folder, num_kv_blocks, kv_cache_dtype="bfloat16")
+        return lambda workload: tinyserve_generate(llm, workload)
     llm = make_llm(folder, num_kv_blocks, trace_dir if name.endswith("traced") else None,
                    "bfloat16" if "bf16" in name else "float32")
     return lambda workload: tinyserve_generate(llm, workload)
@@ -312,7 +323,7 @@ def report(workload: Workload, results: list[Measurement], lines: dict[str, Roof
     by_name = {m.name: m for m in results}
     tiny, traced = by_name["tinyserve"], by_name["tinyserve traced"]
     tiny_bf16, traced_bf16 = by_name["tinyserve bf16"], by_name["tinyserve bf16 traced"]
-    hf_bf16 = by_name["transformers static bf16"]
+    hf_bf16, bf16_kv = by_name["transformers static bf16"], by_name[BF16_KV]
     overhead = {"fp32": paired_ratio(traced, tiny), "bf16": paired_ratio(traced_bf16, tiny_bf16)}
     rows += [
         "",
@@ -328,6 +339,8 @@ def report(workload: Workload, results: list[Measurement], lines: dict[str, Roof
         f"greedy outputs equal between the two: {agreement(hf_bf16.outputs, tiny_bf16.outputs)} requests "
         "(bf16 rounding differs between the two implementations, so near-ties can flip); "
         f"tinyserve bf16 traced equal to tinyserve bf16: {agreement(traced_bf16.outputs, tiny_bf16.outputs)}",
+        f"a bf16 KV cache under fp32 weights: {BF16_KV} / tinyserve = {tiny.median / bf16_kv.median:.2f}x "
+        f"(medians); greedy outputs equal to tinyserve's fp32: {agreement(bf16_kv.outputs, tiny.outputs)} requests",
     ]
     figures["roofline"] = {
         dtype: {"flops": line.flops, "bytes": line.bytes, "bound_s": line.bound,
@@ -336,6 +349,8 @@ def report(workload: Workload, results: list[Measurement], lines: dict[str, Roof
         for dtype, line, m in (("fp32", lines["fp32"], tiny), ("bf16", lines["bf16"], tiny_bf16))
     }
     figures["tracing_overhead"] = overhead
+    figures["bf16_kv"] = {"vs_tinyserve": tiny.median / bf16_kv.median,
+                          "outputs_equal_to_fp32": agreement(bf16_kv.outputs, tiny.outputs)}
     if "llama.cpp" in by_name:
         text, figures["vs_llama_cpp"] = llama_cpp_lines(by_name)
         rows += text

@@ -258,7 +258,7 @@ def test_compare_quick_runs_every_contender_and_prints_the_roofline():
     for workload in ("workload A: 4 prompts", "workload B: 4 prompts"):
         assert workload in out
     for contender in ("transformers static", "transformers continuous", "tinyserve", "tinyserve traced",
-                      "transformers static bf16", "tinyserve bf16", "tinyserve bf16 traced"):
+                      "tinyserve bf16 KV", "transformers static bf16", "tinyserve bf16", "tinyserve bf16 traced"):
         # KV dtype, median, spread ("-": one round has none), best, output and total tok/s, the two ratios
         kv = "bf16" if "bf16" in contender else "f32"
         row = rf"^{contender} +{kv} +[\d.]+ +- +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+x +[\d.]+x$"
@@ -270,6 +270,8 @@ def test_compare_quick_runs_every_contender_and_prints_the_roofline():
     assert out.count("transformers static 4/4, continuous 4/4, tinyserve traced 4/4 requests") == 2
     assert out.count("bf16: tinyserve bf16 / transformers static bf16 = ") == 2
     assert out.count("tinyserve bf16 traced equal to tinyserve bf16: 4/4") == 2
+    assert len(re.findall(r"^a bf16 KV cache under fp32 weights: tinyserve bf16 KV / tinyserve = [\d.]+x \(medians\); "
+                          r"greedy outputs equal to tinyserve's fp32: \d/4 requests$", out, re.MULTILINE)) == 2
 
 
 # ---- benchmarks/tracing_cost.py ----------------------------------------------------------------

@@ -62,6 +62,14 @@ def test_greedy_matches_transformers(tp_llm, family, size, extra):
     assert llm.engine_core.model_runner.kv_caches[0].shape[3] == 1
 
 
+def test_each_rank_keeps_its_share_of_an_fp8_kv_cache_and_the_tokens_are_transformers_rounding_the_same_way(tp_llm):
+    folder = tiny_model_with_tokenizer("llama")
+    prompts = prompts_for(folder)
+    llm = tp_llm(folder, 2, kv_cache_dtype="fp8")
+    assert generate(llm, prompts) == [hf_greedy(folder, p, kv_dtype=torch.float8_e4m3fn) for p in prompts]
+    assert llm.engine_core.model_runner.kv_caches[0].dtype == torch.float8_e4m3fn
+
+
 def test_a_one_rank_group_runs_the_tensor_parallel_path_with_the_plain_paths_tokens(tp_llm):
     from tinyserve.models.tensor_parallel import RowParallelLinear
 

@@ -127,8 +127,9 @@ def test_prefill_half_precision_dot_variant_on_8_warps_matches_reference():
     torch.testing.assert_close(out, reference_attention(batch), **TOLERANCE[torch.float32])
 
 
-def test_the_fp32_path_is_the_default_for_fp32_caches_and_under_the_interpreter():
+def test_the_fp32_path_is_the_default_for_fp32_and_fp8_caches_and_under_the_interpreter():
     assert default_fp32_dot(torch.float32)
+    assert default_fp32_dot(torch.float8_e4m3fn) and default_fp32_dot(torch.float8_e5m2)
     assert default_fp32_dot(torch.bfloat16) is (os.environ.get("TRITON_INTERPRET") == "1")
 
 

@@ -16,6 +16,13 @@ import torch
 from tinyserve.utils import cdiv
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --kv-cache-dtype, as vLLM names them: "auto" stores keys and values in the model's dtype.
+# A 16-bit cache under a float32 model halves the bytes a decode step reads (llama.cpp's
+# default); fp8 (E4M3, or E5M2 for range) quarters them. The fp8 caches use per-tensor
+# scales of 1.0, vLLM's default without a calibrated checkpoint: values are stored as they
+# are, E4M3 saturating at +-448.
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                   "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of KV cache when neither a block count nor a budget is given
 
 logger = logging.getLogger(__name__)
@@ -42,6 +49,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # the KV pool's dtype (KV_CACHE_DTYPES); auto: the model's
     seed: int = 0
     device: str | None = None  # None: cuda if available, else cpu
     enforce_eager: bool = False  # on CUDA: no CUDA graphs for decode steps
@@ -88,6 +96,8 @@ class EngineArgs:
         get_backend_module(self.structured_outputs_backend)  # a clear error if unknown or not installed
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -104,6 +114,7 @@ class ModelInfo:
     max_model_len: int
     eos_token_ids: list[int]
     torch_dtype: torch.dtype
+    kv_cache_dtype: torch.dtype  # the KV pool's: torch_dtype unless --kv-cache-dtype says otherwise
     # Sampling defaults from the checkpoint's generation_config.json, under SamplingParams'
     # names: used where a request leaves a parameter out (vLLM's generation_config="auto").
     generation_defaults: dict = field(default_factory=dict)
@@ -121,6 +132,7 @@ class ModelInfo:
         max_model_len = args.max_model_len or max_position
         if max_model_len > max_position:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {max_position}")
+        torch_dtype = _resolve_dtype(args, config)
         generation_defaults = _generation_defaults(generation_config)
         if generation_defaults:
             logger.info("sampling defaults from the model's generation_config.json: %s", generation_defaults)
@@ -130,7 +142,8 @@ class ModelInfo:
             vocab_size=config["vocab_size"],
             max_model_len=max_model_len,
             eos_token_ids=_eos_token_ids(generation_config, config),
-            torch_dtype=_resolve_dtype(args, config),
+            torch_dtype=torch_dtype,
+            kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype] or torch_dtype,
             generation_defaults=generation_defaults,
         )
 

@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from tinyserve.config import DTYPES, EngineArgs
+from tinyserve.config import DTYPES, KV_CACHE_DTYPES, EngineArgs
 from tinyserve.kernels.backend import ATTENTION_BACKENDS
 from tinyserve.structured_output import STRUCTURED_OUTPUT_BACKENDS
 
@@ -29,7 +29,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse KV blocks of identical prompt prefixes (default on)")
     group.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
-                       help="weights and KV dtype (auto: float32 on CPU, the checkpoint's on GPU)")
+                       help="weights dtype, and the KV cache's unless --kv-cache-dtype says otherwise "
+                            "(auto: float32 on CPU, the checkpoint's on GPU)")
+    group.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                       help="the KV cache's dtype (auto: the model's); a 16-bit cache under a float32 model "
+                            "holds twice the tokens and halves what a decode step reads; fp8 = fp8_e4m3, with "
+                            "per-tensor scales of 1.0")
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
                        help="attention kernels (default: triton on CUDA, torch elsewhere)")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -75,6 +80,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=args.enable_prefix_caching,
         attention_backend=args.attention_backend,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
         device=args.device,
         enforce_eager=args.enforce_eager,

@@ -74,7 +74,7 @@ class EngineCore:
                 model,
                 num_blocks=num_blocks,
                 block_size=args.block_size,
-                dtype=self.model_info.torch_dtype,
+                dtype=self.model_info.kv_cache_dtype,
                 device=device,
                 seed=args.seed,
                 decode_graphs=decode_graphs,
@@ -123,12 +123,12 @@ class EngineCore:
             budget = kv_cache_budget(
                 model, gpu_at_start, utilization=args.gpu_memory_utilization,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                max_model_len=info.max_model_len, block_size=args.block_size, dtype=info.torch_dtype,
+                max_model_len=info.max_model_len, block_size=args.block_size, dtype=info.kv_cache_dtype,
                 device=args.torch_device, cuda_graphs=decode_graphs,
             )
         else:
             budget = args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-        per_block = ModelRunner.kv_bytes_per_block(model, self.args.block_size, self.model_info.torch_dtype)
+        per_block = ModelRunner.kv_bytes_per_block(model, self.args.block_size, self.model_info.kv_cache_dtype)
         # No point in more blocks than every seat filled to the full context length.
         blocks_per_seq = cdiv(self.model_info.max_model_len, self.args.block_size)
         return max(1, min(budget // per_block, self.args.max_num_seqs * blocks_per_seq))

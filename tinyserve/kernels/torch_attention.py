@@ -41,6 +41,7 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     """One sequence's q_len queries, at positions seq_len - q_len .. seq_len - 1, causally."""
     q_len = query.shape[0]
     k, v = gather_kv(kv_cache, block_table, seq_len)
+    k, v = k.to(query.dtype), v.to(query.dtype)  # a --kv-cache-dtype cache is read in the model's dtype
     # [1, heads, tokens, head_dim]: with a batch axis, the CPU picks its flash kernel;
     # without one it falls back to the plain math path, 2-3x slower.
     q, k, v = query.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
@@ -90,8 +91,9 @@ class TorchAttentionBackend:
     def write_kv(self, key, value, kv_cache, metadata: AttentionMetadata) -> None:
         # View the pool as one long array of slots; slot = block_id * block_size + offset.
         num_kv_heads, head_dim = kv_cache.shape[-2:]
-        kv_cache[0].view(-1, num_kv_heads, head_dim)[metadata.slot_mapping] = key
-        kv_cache[1].view(-1, num_kv_heads, head_dim)[metadata.slot_mapping] = value
+        # .to: a --kv-cache-dtype cache rounds them to its own dtype (E4M3 saturates at +-448).
+        kv_cache[0].view(-1, num_kv_heads, head_dim)[metadata.slot_mapping] = key.to(kv_cache.dtype)
+        kv_cache[1].view(-1, num_kv_heads, head_dim)[metadata.slot_mapping] = value.to(kv_cache.dtype)
 
     def attention(self, query, kv_cache, metadata: AttentionMetadata, scale: float):
         out = torch.empty_like(query)

@@ -29,8 +29,12 @@ import triton.language as tl
 
 
 def default_fp32_dot(cache_dtype: torch.dtype) -> bool:
-    """Whether the kernels should upcast to fp32 for this cache (see the module docstring)."""
-    return cache_dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether the kernels should upcast to fp32 for this cache (see the module docstring).
+
+    An fp8 cache (--kv-cache-dtype fp8) is upcast too: a dot in its dtype would round the
+    queries and the softmax weights to its 2-3 mantissa bits, and needs fp8 tensor cores.
+    """
+    return cache_dtype.itemsize != 2 or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit

@@ -236,7 +236,7 @@ def run_worker(args: EngineArgs, model_info: ModelInfo, engine_index: int, rank:
     num_blocks, traced = msgspec.msgpack.decode(message)
     times = context.socket(zmq.PUSH)
     times.connect(times_address)
-    runner = ModelRunner(model, num_blocks=num_blocks, block_size=args.block_size, dtype=model_info.torch_dtype,
+    runner = ModelRunner(model, num_blocks=num_blocks, block_size=args.block_size, dtype=model_info.kv_cache_dtype,
                          device=device, seed=args.seed, max_num_seqs=args.max_num_seqs,
                          max_model_len=model_info.max_model_len)
     runner.warm_up()

@@ -141,7 +141,7 @@ class ServerMetrics:
     def record_cache_config(self, engine_args, num_kv_blocks: list[int]) -> None:
         """vLLM's cache_config_info: a gauge at 1 whose labels are the KV cache's configuration, per engine."""
         info = {"block_size": engine_args.block_size, "enable_prefix_caching": engine_args.enable_prefix_caching,
-                "gpu_memory_utilization": engine_args.gpu_memory_utilization, "cache_dtype": engine_args.dtype}
+                "gpu_memory_utilization": engine_args.gpu_memory_utilization, "cache_dtype": engine_args.kv_cache_dtype}
         self.cache_config_info = Gauge("tinyserve:cache_config_info", "Information of the engine's KV cache config.",
                                        [*info, "num_gpu_blocks", "engine"], registry=self.registry)
         for engine, num_blocks in zip(self.engine_indices, num_kv_blocks, strict=True):
