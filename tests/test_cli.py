@@ -195,6 +195,35 @@ def test_a_model_with_a_broken_config_names_the_file(tmp_path, capsys):
     assert f"{folder / 'config.json'} is not valid JSON" in capsys.readouterr().err
 
 
+def test_serve_listens_with_nagles_algorithm_off_on_every_connection():
+    # A response's body follows its headers in a second write; with Nagle's algorithm on it
+    # waits for the client's delayed ACK of the headers (40 ms on Linux): every response late.
+    # The listener is served the way uvicorn serves it: loop.create_server(sock=...).
+    import asyncio
+
+    from tinyserve.cli.serve import bind_listener
+
+    async def accepted_socket_nodelay() -> int:
+        loop = asyncio.get_running_loop()
+        accepted = loop.create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                sock = transport.get_extra_info("socket")
+                accepted.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        listener = bind_listener("127.0.0.1", 0)
+        server = await loop.create_server(Probe, sock=listener)
+        _, writer = await asyncio.open_connection(*listener.getsockname())
+        try:
+            return await asyncio.wait_for(accepted, 10)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(accepted_socket_nodelay()) == 1
+
+
 def test_serve_on_a_taken_port_or_a_bad_one_exits_2_before_loading_the_model(tmp_path, capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
