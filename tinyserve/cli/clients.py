@@ -11,14 +11,22 @@ application would, so what they show is what any OpenAI-compatible caller gets:
 Without --model (vLLM's --model-name) they use the first model the server lists, as vLLM's CLI does.
 Failures (no server at the URL, a 4xx answer, an error in the stream) end the
 command with one line on stderr and exit code 1, never a traceback.
+
+`openai` is imported when a command runs, not with this module: `tinyserve serve`
+builds its parser from here too, and so does every engine process it spawns
+(multiprocessing imports the parent's main module again in each child).
 """
+
+from __future__ import annotations
 
 import argparse
 import os
 import sys
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import openai
+if TYPE_CHECKING:
+    import openai
 
 DEFAULT_URL = "http://localhost:8000/v1"
 PROMPT = "> "
@@ -98,6 +106,8 @@ def _sampling(args: argparse.Namespace) -> dict:
 
 def _run(args: argparse.Namespace, say) -> int:
     """Connect, then call say(client, model, line) for --quick or for each line typed."""
+    import openai
+
     # No retries: a person at a terminal wants to hear at once that the server is not there.
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
     client = openai.OpenAI(base_url=args.url, api_key=api_key, max_retries=0)
