@@ -20,6 +20,7 @@ import pytest
 
 from tests.pythons import ROOT, find_pythons
 from tests.required_tools import missing
+from tests.test_gpu_check import check_smoke_run
 
 TARGET = "3.12"  # the Python of the GPU images this rehearses
 
@@ -48,6 +49,4 @@ def test_an_offline_install_beside_the_images_torch_runs_the_gpu_check_smoke(tmp
                  (tmp_path / "venv" / "lib" / f"python{TARGET}" / "site-packages").glob("*.dist-info")}
     assert {"tinyserve", "msgspec", "pyzmq", "opentelemetry_sdk", "fastapi"} <= installed
     assert not installed & {"torch", "triton", "numpy", "transformers"}  # the image's own, kept
-    assert sorted(path.name for path in (tmp_path / "gpu-check").iterdir()) == [
-        "1-kernels.jsonl", "2-speed.jsonl", "3-end-to-end.jsonl", "4-tensor-parallel.jsonl"]
-    assert "FAILED" not in done.stdout
+    check_smoke_run(done.stdout, tmp_path / "gpu-check")
