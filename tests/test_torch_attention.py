@@ -94,3 +94,18 @@ def test_length_groups_cover_every_row_once_and_cut_the_padding():
     assert padded < 0.8 * len(rows) * max(seq_lens)
     assert length_groups([3, 1], seq_lens) == [[1, 3]]  # too few to split: one group
     assert length_groups([], seq_lens) == []
+
+
+def test_one_backend_over_successive_steps_plans_each_step_once_and_anew():
+    # The first layer of a step works out the step's plan; the others reuse it; the next
+    # step (a new metadata, other lengths) gets its own.
+    backend = TorchAttentionBackend()
+    first = paged_batch([1] * 12, list(range(5, 125, 10)), seed=3)
+    second = paged_batch([1] * 9 + [4], [3 + 20 * i for i in range(10)], seed=4)
+    for query, kv_cache, metadata in (first, second, first):
+        for _layer in range(2):
+            out = backend.attention(query, kv_cache, metadata, 0.2)
+            torch.testing.assert_close(out, one_at_a_time(query, kv_cache, metadata, 0.2), rtol=1e-5, atol=1e-5)
+        plan = backend._plan
+        backend.attention(query, kv_cache, metadata, 0.2)
+        assert backend._plan is plan  # not rebuilt within the step
