@@ -27,6 +27,7 @@ from torch import nn
 
 from tinyserve.kernels.backend import AttentionBackend
 from tinyserve.kernels.metadata import AttentionMetadata
+from tinyserve.models.packed_linear import Linear
 from tinyserve.models.rope import RotaryEmbedding, get_rope_parameters
 from tinyserve.models.tensor_parallel import RowParallelLinear, TensorParallel, split_heads, split_width
 
@@ -80,7 +81,7 @@ class LlamaAttention(nn.Module):
         # q, k and v projections stacked into one matrix, [q; k; v] by rows: one matmul
         # instead of three. The loader copies q_proj/k_proj/v_proj into their rows.
         self.qkv_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=attention_bias, tp=tp)
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -118,7 +119,7 @@ class LlamaMLP(nn.Module):
         width = split_width(config.intermediate_size, tp.size, "intermediate_size") if tp else config.intermediate_size
         # gate_proj and up_proj stacked by rows, [gate; up]: one matmul instead of two.
         self.gate_up_sizes = [width, width]
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * width, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * width, bias=bias)
         self.down_proj = RowParallelLinear(width, config.hidden_size, bias=bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_heads = self.layers[0].self_attn.num_heads  # this rank's, under tensor parallelism
         self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             # Small models reuse the input embedding matrix as the output projection;
             # the checkpoint then stores it once, as model.embed_tokens.weight.

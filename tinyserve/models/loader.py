@@ -31,6 +31,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from tinyserve.kernels.backend import AttentionBackend
 from tinyserve.models.llama import LlamaForCausalLM
+from tinyserve.models.packed_linear import pack_linear_weights, packs_weights
 from tinyserve.models.tensor_parallel import TensorParallel, checkpoint_slice
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -84,6 +85,8 @@ def load_model(
     with torch.device(device), default_dtype(dtype):
         model = LlamaForCausalLM(config, attention_backend, tp)
     load_weights(model, path)
+    if packs_weights(torch.device(device), dtype):  # a bf16 model on a CPU: weights in oneDNN's layout
+        pack_linear_weights(model)
     # Serving never trains: no autograd bookkeeping, whatever context forward runs in.
     model.requires_grad_(False)
     model.eval()

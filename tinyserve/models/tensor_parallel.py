@@ -31,6 +31,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from tinyserve.models.packed_linear import Linear, linear
+
 
 @dataclass
 class TensorParallel:
@@ -76,10 +78,10 @@ def split_width(width: int, tp_size: int, what: str) -> int:
     return width // tp_size
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """y = all_reduce(x_r @ W_r^T) + b: this rank holds the input columns of its shard.
 
-    With one rank (tp None) it is nn.Linear. The bias is added once, after the sum.
+    With one rank (tp None) it is a plain Linear. The bias is added once, after the sum.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel | None):
@@ -89,7 +91,7 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return super().forward(x)
-        out = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        out = self.tp.all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 

@@ -1,0 +1,76 @@
+"""bf16 linear weights packed for oneDNN at load (models/packed_linear.py): the same numbers, bit for bit."""
+
+import pytest
+import torch
+
+import tinyserve.models.loader as loader
+from tinyserve.kernels.metadata import AttentionMetadata
+from tinyserve.kernels.torch_attention import TorchAttentionBackend
+from tinyserve.models.packed_linear import Linear, pack_linear_weights, packs_weights
+from tests.tiny_checkpoints import tiny_checkpoint
+
+pytestmark = pytest.mark.skipif(not packs_weights(torch.device("cpu"), torch.bfloat16),
+                                reason="this torch has no oneDNN linear for bf16 on the CPU")
+
+
+def load(path, dtype, monkeypatch=None, pack=True):
+    if not pack:
+        monkeypatch.setattr(loader, "packs_weights", lambda device, dtype: False)
+    model, _ = loader.load_model(path, dtype, torch.device("cpu"), TorchAttentionBackend())
+    if not pack:
+        monkeypatch.undo()
+    return model
+
+
+def prefill_logits(model, num_tokens: int, num_blocks: int = 8) -> torch.Tensor:
+    """Logits of every position of one prompt, through the paged cache."""
+    config = model.config
+    head_dim = model.head_dim
+    kv_caches = [torch.zeros(2, num_blocks, 16, model.num_kv_heads, head_dim, dtype=model.embed_tokens.weight.dtype)
+                 for _ in range(config.num_hidden_layers)]
+    blocks = -(-num_tokens // 16)
+    metadata = AttentionMetadata.from_lengths([num_tokens], [num_tokens], torch.arange(blocks, dtype=torch.int32)[None],
+                                              torch.arange(num_tokens, dtype=torch.int64))
+    input_ids = torch.randint(0, config.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        hidden = model(input_ids, torch.arange(num_tokens), kv_caches, metadata)
+        return model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_bf16_model_computes_the_same_logits_bit_for_bit(monkeypatch, tied):
+    dtype = torch.bfloat16
+    path = tiny_checkpoint("qwen2", tie_word_embeddings=tied)  # qwen2: biases on q, k, v too
+    packed, plain = load(path, dtype), load(path, dtype, monkeypatch, pack=False)
+    layers = packed.config.num_hidden_layers
+    mkldnn = [name for name, p in packed.named_parameters() if p.layout == torch._mkldnn]
+    # qkv, o, gate_up and down of every layer, and the LM head unless it is the embedding.
+    assert len(mkldnn) == 4 * layers + (0 if tied else 1)
+    assert all(p.layout == torch.strided for p in plain.parameters())
+    assert ("lm_head.weight" in mkldnn) is not tied
+    # Same shapes and dtypes, nothing copied twice.
+    assert [(n, p.shape, p.dtype) for n, p in packed.named_parameters()] == \
+           [(n, p.shape, p.dtype) for n, p in plain.named_parameters()]
+    for num_tokens in (1, 7, 40):  # a decode-sized batch and prefill-sized ones
+        assert torch.equal(prefill_logits(packed, num_tokens), prefill_logits(plain, num_tokens))
+
+
+def test_float32_and_float16_weights_stay_plain():
+    for dtype in (torch.float32, torch.float16):
+        model = load(tiny_checkpoint("llama"), dtype)
+        assert all(p.layout == torch.strided for p in model.parameters())
+        assert not packs_weights(torch.device("cpu"), dtype)
+    assert not packs_weights(torch.device("meta"), torch.bfloat16)
+
+
+def test_only_linears_that_own_their_weight_are_packed():
+    shared = Linear(8, 4, bias=False).to(torch.bfloat16)
+    own = Linear(8, 4, bias=True).to(torch.bfloat16)
+    model = torch.nn.ModuleDict({"a": shared, "b": own, "embed": torch.nn.Embedding(4, 8).to(torch.bfloat16)})
+    model["embed"].weight = shared.weight
+    x = torch.randn(3, 8).to(torch.bfloat16)
+    wants = own(x)
+    assert pack_linear_weights(model) == 1
+    assert own.weight.layout == torch._mkldnn and shared.weight.layout == torch.strided
+    assert torch.equal(own(x), wants)
+    assert pack_linear_weights(model) == 0  # packing twice is a no-op
