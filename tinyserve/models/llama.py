@@ -33,7 +33,13 @@ from tinyserve.models.tensor_parallel import RowParallelLinear, TensorParallel, 
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 then rounded back, as transformers does."""
+    """x / rms(x) * weight, computed in float32 then rounded back, as transformers does.
+
+    In float32 that is what torch's fused `F.rms_norm` computes, bit for bit, in one op
+    instead of six (4x faster over a 2048-token prefill on a CPU). A 16-bit model keeps
+    the six: transformers rounds the normalized x before the product with the weight,
+    which the fused op does not.
+    """
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -41,6 +47,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x_fp32 = x.to(torch.float32)
         variance = x_fp32.pow(2).mean(-1, keepdim=True)
         return self.weight * (x_fp32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
@@ -92,18 +100,23 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [T, hidden_size]
-        positions: torch.Tensor,  # [T]
+        rope: tuple[torch.Tensor, torch.Tensor],  # RoPE's cos and sin of each token (RotaryEmbedding.lookup)
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_sizes, dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        num_tokens, heads, kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(hidden)
+        v = qkv[:, -self.qkv_sizes[2]:].reshape(num_tokens, kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k sit side by side in each row of qkv: rotated as one tensor of
+            # heads + kv_heads heads, half the ops of rotating them one by one.
+            qk = self.rotary_emb.rotate(rope, qkv[:, : -self.qkv_sizes[2]].view(num_tokens, heads + kv_heads, -1))
+            q, k = qk.split([heads, kv_heads], dim=1)
+        else:  # Qwen3 normalizes each head of q and k first, with a weight of its own for each
+            q, k, _ = qkv.split(self.qkv_sizes, dim=-1)
+            q = self.q_norm(q.reshape(num_tokens, heads, self.head_dim))
+            k = self.k_norm(k.reshape(num_tokens, kv_heads, self.head_dim))
+            q, k = self.rotary_emb.rotate(rope, q), self.rotary_emb.rotate(rope, k)
         # Keys are cached *after* RoPE: a cached key never needs its position again.
         self.backend.write_kv(k, v, kv_cache, metadata)
         out = self.backend.attention(q, kv_cache, metadata, scale=self.scale)
@@ -138,8 +151,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
-    def forward(self, hidden, positions, kv_cache, metadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, kv_cache, metadata)
+    def forward(self, hidden, rope, kv_cache, metadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -188,8 +201,9 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.lookup(positions, hidden.dtype)  # the same rotation in every layer
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, positions, kv_cache, metadata)
+            hidden = layer(hidden, rope, kv_cache, metadata)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -106,15 +106,24 @@ class RotaryEmbedding(nn.Module):
         self.cos_cache = nn.Buffer(angles.cos(), persistent=False)
         self.sin_cache = nn.Buffer(angles.sin(), persistent=False)
 
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for each token, [num_tokens, 1, head_dim] (broadcast over its heads), in `dtype`.
+
+        The same for every layer: the model looks them up once per step.
+        """
+        return self.cos_cache[positions].to(dtype)[:, None, :], self.sin_cache[positions].to(dtype)[:, None, :]
+
+    @staticmethod
+    def rotate(cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, heads, head_dim] rotated by its tokens' angles (any number of heads)."""
+        cos, sin = cos_sin
+        return x * cos + rotate_half(x) * sin
+
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens] int64
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # One row per token, broadcast over its heads.
-        cos = self.cos_cache[positions].to(query.dtype)[:, None, :]
-        sin = self.sin_cache[positions].to(query.dtype)[:, None, :]
-        query = query * cos + rotate_half(query) * sin
-        key = key * cos + rotate_half(key) * sin
-        return query, key
+        cos_sin = self.lookup(positions, query.dtype)
+        return self.rotate(cos_sin, query), self.rotate(cos_sin, key)
