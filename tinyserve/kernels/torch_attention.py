@@ -78,6 +78,7 @@ class StepPlan:
 
 
 def plan_step(metadata: AttentionMetadata, block_size: int) -> StepPlan:
+    """The step's decodes in length groups, with their block lists and masks, and its prefills."""
     starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
     device = metadata.block_tables.device
     decode_rows = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
