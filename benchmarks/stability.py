@@ -15,6 +15,13 @@ contender the median and the spread, (max - min) / median.
 
 "tinyserve second LLM" builds an LLM, runs it, shuts it down, builds a second one in
 the same process and times that one: two LLMs one after another should run alike.
+
+Each run also times a fixed probe just before and just after its timed run: the same
+bf16 and fp32 matmuls, small enough to stay in the cache, so their time moves only with
+the speed the machine gives this process at that moment (its clock, a neighbour on the
+same core). The summary prints the probe's own spread over all runs and each
+contender's spread with every run scaled by its probe ("at probe speed"): a spread the
+probe explains is the machine's; one it does not is the contender's own.
 """
 
 import argparse
@@ -56,15 +63,35 @@ def child(name: str, folder: str, quick: bool) -> None:
     else:
         run = compare.make_runner(name, folder, blocks, trace_dir="")
     run(workload)
+    probe_before = machine_probe()
     before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     outputs = run(workload)
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF)
+    probe_after = machine_probe()
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     print(json.dumps({"tokens_per_s": sum(len(o) for o in outputs) / seconds,
                       "minor_faults": after.ru_minflt - before.ru_minflt,
                       "involuntary_switches": after.ru_nivcsw - before.ru_nivcsw,
-                      "cpu_per_wall": cpu / seconds}), flush=True)
+                      "cpu_per_wall": cpu / seconds,
+                      "probe_s": (probe_before + probe_after) / 2}), flush=True)
+
+
+def machine_probe(repeats: int = 25) -> float:
+    """Seconds for a fixed set of cache-resident matmuls (bf16 and fp32, [512 x 512] @ [512 x 2752]), best of three."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(512, 512, generator=generator), torch.randn(512, 2752, generator=generator)
+    pairs = [(a.bfloat16(), b.bfloat16()), (a, b)]
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            for x, y in pairs:
+                torch.mm(x, y)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def one_run(name: str, folder: str, quick: bool) -> dict:
@@ -76,6 +103,11 @@ def one_run(name: str, folder: str, quick: bool) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def spread(values: list[float]) -> float:
+    """(max - min) / median."""
+    return (max(values) - min(values)) / statistics.median(values)
 
 
 def main() -> int:
@@ -101,6 +133,7 @@ def main() -> int:
 
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     results: dict[str, list[float]] = {name: [] for name in names}
+    probes: dict[str, list[float]] = {name: [] for name in names}
     print(f"contention: {args.contend} busy background processes", flush=True)
     with tempfile.TemporaryDirectory() as scratch, background.busy_processes(args.contend):
         folder = str(Path(scratch) / "model")
@@ -109,14 +142,19 @@ def main() -> int:
             for name in names[number % len(names):] + names[:number % len(names)]:  # who goes first rotates
                 run = one_run(name, folder, args.quick)
                 results[name].append(run["tokens_per_s"])
+                probes[name].append(run["probe_s"])
                 print(f"run {number + 1}: {name:<26} {run['tokens_per_s']:8.1f} tok/s, {run['minor_faults']:7d} "
                       f"minor faults, {run['involuntary_switches']:5d} involuntary switches, "
-                      f"{run['cpu_per_wall']:.2f} CPU s / s", flush=True)
-    print(f"\n{'contender':<26}{'runs (tok/s)':<44}{'median':>8}{'spread':>8}")
+                      f"{run['cpu_per_wall']:.2f} CPU s / s, probe {run['probe_s'] * 1e3:.0f} ms", flush=True)
+    print(f"\n{'contender':<26}{'runs (tok/s)':<44}{'median':>8}{'spread':>8}{'at probe speed':>16}")
     for name, values in results.items():
         median = statistics.median(values)
         runs = ", ".join(f"{v:.0f}" for v in values)
-        print(f"{name:<26}{runs:<44}{median:>8.0f}{(max(values) - min(values)) / median:>8.0%}")
+        scaled = [v * p for v, p in zip(values, probes[name])]  # tokens per probe-time: the machine's speed taken out
+        print(f"{name:<26}{runs:<44}{median:>8.0f}{spread(values):>8.0%}{spread(scaled):>16.0%}")
+    every_probe = [p for values in probes.values() for p in values]
+    print(f"machine probe: {min(every_probe) * 1e3:.0f}-{max(every_probe) * 1e3:.0f} ms over all runs "
+          f"(spread {spread(every_probe):.0%})")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 

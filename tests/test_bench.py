@@ -292,3 +292,23 @@ def test_tracing_cost_quick_prints_the_cost_per_workload_and_dtype():
         low, high = ((1 - 1 / (float(ratio) + d)) * 100 for d in (-0.0005, 0.0005))
         assert low - 0.05 <= float(lost) <= high + 0.05
         assert same == count == "4"  # tracing never changes a token
+
+
+# ---- benchmarks/stability.py ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_stability_quick_prints_each_run_with_its_probe_and_the_spreads():
+    done = run_benchmark("stability.py", "--quick", "--runs", "2", "--contenders", "tinyserve")
+    runs = re.findall(r"^run (\d): tinyserve +([\d.]+) tok/s, +\d+ minor faults, +\d+ involuntary switches, "
+                      r"[\d.]+ CPU s / s, probe (\d+) ms$", done.stdout, re.MULTILINE)
+    assert [number for number, _, _ in runs] == ["1", "2"]
+    speeds = [float(speed) for _, speed, _ in runs]
+    summary = re.search(r"^tinyserve +(\d+), (\d+) +(\d+) +(\d+)% +(\d+)%$", done.stdout, re.MULTILINE)
+    assert summary, done.stdout
+    # Printed to different precisions: equal to within the last digit.
+    assert all(abs(int(summary[i + 1]) - speed) <= 1 for i, speed in enumerate(speeds))
+    assert abs(int(summary[4]) - 100 * (max(speeds) - min(speeds)) / (sum(speeds) / 2)) <= 1  # median of two
+    probes = [int(probe) for _, _, probe in runs]
+    assert re.search(rf"^machine probe: {min(probes)}-{max(probes)} ms over all runs \(spread \d+%\)$",
+                     done.stdout, re.MULTILINE)
