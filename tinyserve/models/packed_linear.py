@@ -45,9 +45,14 @@ class Linear(nn.Linear):
 
 
 def packs_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether pack_linear_weights applies: a bfloat16 model on a CPU that oneDNN serves."""
+    """Whether pack_linear_weights applies: a bfloat16 model on a CPU that oneDNN serves.
+
+    Only where torch's own bf16 F.linear goes through oneDNN (a CPU with oneDNN's bf16
+    support): elsewhere it computes another way, and packing would change the numbers.
+    """
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_linear_weights(model: nn.Module) -> int:
