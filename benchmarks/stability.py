@@ -17,9 +17,9 @@ contender the median and the spread, (max - min) / median.
 the same process and times that one: two LLMs one after another should run alike.
 
 Each run also times a fixed probe just before and just after its timed run: the same
-bf16 and fp32 matmuls, small enough to stay in the cache, so their time moves only with
-the speed the machine gives this process at that moment (its clock, a neighbour on the
-same core). The summary prints the probe's own spread over all runs and each
+fp32 matmuls (and bf16 ones on a CPU with bf16 instructions), small enough to stay in the
+cache, so their time moves only with the speed the machine gives this process at that
+moment (its clock, a neighbour on the same core). The summary prints the probe's own spread over all runs and each
 contender's spread with every run scaled by its probe ("at probe speed"): a spread the
 probe explains is the machine's; one it does not is the contender's own.
 """
@@ -78,12 +78,17 @@ def child(name: str, folder: str, quick: bool) -> None:
 
 
 def machine_probe(repeats: int = 25) -> float:
-    """Seconds for a fixed set of cache-resident matmuls (bf16 and fp32, [512 x 512] @ [512 x 2752]), best of three."""
+    """Seconds for a fixed set of cache-resident matmuls ([512 x 512] @ [512 x 2752]), best of three.
+
+    fp32 and bf16 where the CPU has bf16 matmul instructions (AVX-512 BF16 or AMX); fp32 alone
+    on one without, where a bf16 matmul is emulated, ~100x slower, and would make the probe
+    take longer than the run it measures.
+    """
     import torch
 
     generator = torch.Generator().manual_seed(0)
     a, b = torch.randn(512, 512, generator=generator), torch.randn(512, 2752, generator=generator)
-    pairs = [(a.bfloat16(), b.bfloat16()), (a, b)]
+    pairs = [(a.bfloat16(), b.bfloat16()), (a, b)] if torch.ops.mkldnn._is_mkldnn_bf16_supported() else [(a, b)]
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()

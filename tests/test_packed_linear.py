@@ -1,4 +1,10 @@
-"""bf16 linear weights packed for oneDNN at load (models/packed_linear.py): the same numbers, bit for bit."""
+"""bf16 linear weights packed for oneDNN at load (models/packed_linear.py): the same numbers, bit for bit.
+
+Packing applies only on a CPU whose bf16 matmuls oneDNN serves (AVX-512 BF16 or AMX). That
+is a property of the processor, which no set-up can install: on another CPU (an AVX2-only
+one, say) the bit-for-bit tests skip, in CI too, and the test of what such a CPU does
+instead runs.
+"""
 
 import pytest
 import torch
@@ -7,15 +13,11 @@ import tinyserve.models.loader as loader
 from tinyserve.kernels.metadata import AttentionMetadata
 from tinyserve.kernels.torch_attention import TorchAttentionBackend
 from tinyserve.models.packed_linear import Linear, pack_linear_weights, packs_weights
-from tests.required_tools import missing
 from tests.tiny_checkpoints import tiny_checkpoint
 
 
-@pytest.fixture(autouse=True)
-def onednn_bf16():
-    """A CPU (or torch) without oneDNN's bf16 linear packs nothing: skipped, except under CI=true."""
-    if not packs_weights(torch.device("cpu"), torch.bfloat16):
-        missing("this CPU or torch has no oneDNN bf16 linear")
+ONEDNN_BF16 = packs_weights(torch.device("cpu"), torch.bfloat16)
+needs_onednn_bf16 = pytest.mark.skipif(not ONEDNN_BF16, reason="this CPU has no oneDNN bf16 matmuls (AVX-512 BF16 or AMX)")
 
 
 def load(path, dtype, monkeypatch=None, pack=True):
@@ -42,6 +44,7 @@ def prefill_logits(model, num_tokens: int, num_blocks: int = 8) -> torch.Tensor:
         return model.compute_logits(hidden)
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("tied", [False, True])
 def test_packed_bf16_model_computes_the_same_logits_bit_for_bit(monkeypatch, tied):
     dtype = torch.bfloat16
@@ -68,6 +71,15 @@ def test_float32_and_float16_weights_stay_plain():
     assert not packs_weights(torch.device("meta"), torch.bfloat16)
 
 
+def test_a_bf16_model_is_packed_exactly_where_onednn_serves_bf16_matmuls():
+    """Where oneDNN has no bf16 kernels of the CPU's own, torch computes bf16 another way: packing would change numbers."""
+    assert ONEDNN_BF16 == (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    model = load(tiny_checkpoint("llama"), torch.bfloat16)
+    packed = [name for name, p in model.named_parameters() if p.layout == torch._mkldnn]
+    assert len(packed) == (4 * model.config.num_hidden_layers + 1 if ONEDNN_BF16 else 0)
+
+
+@needs_onednn_bf16
 def test_only_linears_that_own_their_weight_are_packed():
     shared = Linear(8, 4, bias=False).to(torch.bfloat16)
     own = Linear(8, 4, bias=True).to(torch.bfloat16)
