@@ -9,10 +9,12 @@ instead runs.
 import pytest
 import torch
 
+import tinyserve.kernels.torch_attention as torch_attention
 import tinyserve.models.loader as loader
+import tests.test_model_parity as parity
 from tinyserve.kernels.metadata import AttentionMetadata
 from tinyserve.kernels.torch_attention import TorchAttentionBackend
-from tinyserve.models.packed_linear import Linear, pack_linear_weights, packs_weights
+from tinyserve.models.packed_linear import Linear, linear, pack_linear_weights, packs_weights
 from tests.tiny_checkpoints import tiny_checkpoint
 
 
@@ -71,12 +73,14 @@ def test_float32_and_float16_weights_stay_plain():
     assert not packs_weights(torch.device("meta"), torch.bfloat16)
 
 
-def test_a_bf16_model_is_packed_exactly_where_onednn_serves_bf16_matmuls():
-    """Where oneDNN has no bf16 kernels of the CPU's own, torch computes bf16 another way: packing would change numbers."""
+def test_a_bf16_model_is_packed_exactly_where_onednn_serves_bf16_matmuls_and_widened_elsewhere():
+    """Where oneDNN has no bf16 kernels of the CPU's own, packing would change numbers; fp32 is faster there."""
     assert ONEDNN_BF16 == (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     model = load(tiny_checkpoint("llama"), torch.bfloat16)
     packed = [name for name, p in model.named_parameters() if p.layout == torch._mkldnn]
     assert len(packed) == (4 * model.config.num_hidden_layers + 1 if ONEDNN_BF16 else 0)
+    widened = [m for m in model.modules() if isinstance(m, Linear) and m.weight.dtype == torch.float32]
+    assert len(widened) == (0 if ONEDNN_BF16 else 4 * model.config.num_hidden_layers + 1)  # else fp32 (cpu_bf16.py)
 
 
 @needs_onednn_bf16
@@ -91,3 +95,36 @@ def test_only_linears_that_own_their_weight_are_packed():
     assert own.weight.layout == torch._mkldnn and shared.weight.layout == torch.strided
     assert torch.equal(own(x), wants)
     assert pack_linear_weights(model) == 0  # packing twice is a no-op
+
+
+def test_linear_over_a_widened_weight_multiplies_in_fp32_and_rounds_back():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=generator).bfloat16()
+    weight, bias = torch.randn(48, 64, generator=generator).bfloat16(), torch.randn(48, generator=generator).bfloat16()
+    got = linear(x, weight.float(), bias.float())
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, torch.nn.functional.linear(x.float(), weight.float(), bias.float()).bfloat16())
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3-tied"])
+def test_a_bf16_model_on_a_cpu_without_bf16_matmuls_multiplies_in_fp32_and_stays_close_to_transformers(
+        monkeypatch, name):
+    """Forced here on any CPU: what load_model does where cpu_has_bf16_matmuls() is False."""
+    monkeypatch.setattr(loader, "packs_weights", lambda device, dtype: False)
+    monkeypatch.setattr(loader, "computes_bf16_in_fp32", lambda device, dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(torch_attention, "computes_bf16_in_fp32", lambda device, dtype: dtype == torch.bfloat16)
+    path = tiny_checkpoint(**parity.CHECKPOINTS[name])
+    model, _ = loader.load_model(path, torch.bfloat16, torch.device("cpu"), TorchAttentionBackend())
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight.dtype == torch.float32 for m in linears)
+    assert all(torch.equal(m.weight.bfloat16().float(), m.weight) for m in linears)  # bf16 values, exactly
+    assert model.embed_tokens.weight.dtype == torch.bfloat16  # the lookup still reads bf16
+    if model.config.tie_word_embeddings:  # the LM head has an fp32 copy of its own
+        assert model.lm_head.weight is not model.embed_tokens.weight
+        assert torch.equal(model.lm_head.weight, model.embed_tokens.weight.float())
+    prompts = parity.make_prompts(model.vocab_size)
+    ours = parity.forward_in_steps(model, prompts, [[len(p) for p in prompts]], dtype=torch.bfloat16)
+    got, want = torch.cat(ours), torch.cat(parity.reference_logits(path, prompts, dtype=torch.bfloat16))
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
+    assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()

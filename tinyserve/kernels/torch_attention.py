@@ -28,7 +28,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tinyserve.kernels.cpu_bf16 import computes_bf16_in_fp32
 from tinyserve.kernels.metadata import AttentionMetadata
+
+
+def compute_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype attention multiplies in: the model's, or fp32 for bf16 on a CPU without bf16 matmuls (cpu_bf16.py)."""
+    return torch.float32 if computes_bf16_in_fp32(query.device, query.dtype) else query.dtype
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
@@ -45,19 +51,19 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
                       scale: float) -> torch.Tensor:
     """One sequence's q_len queries, at positions seq_len - q_len .. seq_len - 1, causally."""
-    q_len = query.shape[0]
+    q_len, dtype = query.shape[0], compute_dtype(query)
     k, v = gather_kv(kv_cache, block_table, seq_len)
-    k, v = k.to(query.dtype), v.to(query.dtype)  # a --kv-cache-dtype cache is read in the model's dtype
+    k, v = k.to(dtype), v.to(dtype)  # a --kv-cache-dtype cache is read in the model's dtype
     # [1, heads, tokens, head_dim]: with a batch axis, the CPU picks its flash kernel;
     # without one it falls back to the plain math path, 2-3x slower.
-    q, k, v = query.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    q, k, v = query.to(dtype).transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if q_len == seq_len:  # nothing cached before: the usual square causal mask
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:  # query j sits at position seq_len - q_len + j and sees keys 0..that position
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
+    return out[0].transpose(0, 1).to(query.dtype)
 
 
 @dataclass(slots=True)
@@ -111,12 +117,13 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, group: DecodeG
     num_kv_heads = kv_cache.shape[-2]
     k = kv_cache[0].index_select(0, group.blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     v = kv_cache[1].index_select(0, group.blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    k, v = k.to(query.dtype), v.to(query.dtype)  # a --kv-cache-dtype cache is read in the model's dtype
+    dtype = compute_dtype(query)
+    k, v = k.to(dtype), v.to(dtype)  # a --kv-cache-dtype cache is read in the model's dtype
     # Padding slots hold whatever an earlier request left there (finite values: the
     # pool starts zeroed and only ever holds keys and values); the mask gives them weight 0.
-    out = F.scaled_dot_product_attention(query[:, :, None, :], k, v, attn_mask=group.valid, scale=scale,
+    out = F.scaled_dot_product_attention(query.to(dtype)[:, :, None, :], k, v, attn_mask=group.valid, scale=scale,
                                          enable_gqa=True)  # [n, H, 1, D]
-    return out[:, :, 0, :]
+    return out[:, :, 0, :].to(query.dtype)
 
 
 class TorchAttentionBackend:

@@ -30,8 +30,9 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from tinyserve.kernels.backend import AttentionBackend
+from tinyserve.kernels.cpu_bf16 import computes_bf16_in_fp32
 from tinyserve.models.llama import LlamaForCausalLM
-from tinyserve.models.packed_linear import pack_linear_weights, packs_weights
+from tinyserve.models.packed_linear import pack_linear_weights, packs_weights, widen_linear_weights
 from tinyserve.models.tensor_parallel import TensorParallel, checkpoint_slice
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -87,6 +88,8 @@ def load_model(
     load_weights(model, path)
     if packs_weights(torch.device(device), dtype):  # a bf16 model on a CPU: weights in oneDNN's layout
         pack_linear_weights(model)
+    elif computes_bf16_in_fp32(torch.device(device), dtype):  # a CPU without bf16 matmuls: fp32 weights
+        widen_linear_weights(model)
     # Serving never trains: no autograd bookkeeping, whatever context forward runs in.
     model.requires_grad_(False)
     model.eval()

@@ -1,4 +1,4 @@
-"""The model's linear layers, and their weights packed once for oneDNN on a CPU in bfloat16.
+"""The model's linear layers, and their weights prepared once at load for a CPU in bfloat16.
 
 On a CPU, torch computes a bfloat16 `F.linear` with oneDNN, whose matmul kernels read
 the weight in a blocked layout of their own. Handed torch's plain [out_features,
@@ -21,6 +21,15 @@ agreement with transformers' matmuls. Nor for float16, whose `F.linear` on a CPU
 always go through oneDNN (some layers' results changed when packed). Nor for a weight
 another module shares (a tied LM head is the input embedding, which a lookup reads as a
 plain matrix).
+
+On a CPU without bf16 matmul instructions (kernels/cpu_bf16.py) there is no oneDNN bf16
+kernel to pack for, and torch's portable bf16 matmul is 3-6x slower than its fp32 one.
+`widen_linear_weights` then keeps each weight in fp32 (the same values, exactly: a bf16
+number is an fp32 one), and `linear` widens the input, multiplies in fp32 and rounds the
+result back to bf16: the same fp32 products and sums as the emulated bf16 matmul, in
+another order (~0.01 % of outputs one bf16 step apart). A tied LM head gets an fp32 copy of
+the embedding of its own (the lookup keeps reading the bf16 one). It costs the memory of
+an fp32 model's linear weights; it runs at an fp32 model's speed.
 """
 
 from collections import Counter
@@ -28,12 +37,15 @@ from collections import Counter
 import torch
 from torch import nn
 
+from tinyserve.kernels.cpu_bf16 import cpu_has_bf16_matmuls
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T + bias, whether or not the weight was packed."""
+    """x @ weight^T + bias, whether the weight was packed, widened to fp32, or neither."""
     if weight.layout == torch._mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if weight.dtype != x.dtype:  # a bf16 model's weight kept in fp32 (widen_linear_weights)
+        return nn.functional.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
     return nn.functional.linear(x, weight, bias)
 
 
@@ -50,9 +62,8 @@ def packs_weights(device: torch.device, dtype: torch.dtype) -> bool:
     Only where torch's own bf16 F.linear goes through oneDNN (a CPU with oneDNN's bf16
     support): elsewhere it computes another way, and packing would change the numbers.
     """
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return (device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_bf16_matmuls()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 def pack_linear_weights(model: nn.Module) -> int:
@@ -66,3 +77,19 @@ def pack_linear_weights(model: nn.Module) -> int:
             module.weight = nn.Parameter(weight, requires_grad=False)
             packed += 1
     return packed
+
+
+def widen_linear_weights(model: nn.Module) -> int:
+    """Keep every Linear's weight and bias in fp32, for a CPU without bf16 matmuls; returns how many.
+
+    A weight another module shares (a tied LM head's, the embedding) is copied: the Linear
+    gets an fp32 weight of its own and the other module keeps the bf16 one.
+    """
+    widened = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16:
+            module.weight = nn.Parameter(module.weight.detach().float(), requires_grad=False)
+            if module.bias is not None:
+                module.bias = nn.Parameter(module.bias.detach().float(), requires_grad=False)
+            widened += 1
+    return widened
