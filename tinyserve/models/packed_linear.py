@@ -23,7 +23,7 @@ another module shares (a tied LM head is the input embedding, which a lookup rea
 plain matrix).
 
 On a CPU without bf16 matmul instructions (kernels/cpu_bf16.py) there is no oneDNN bf16
-kernel to pack for, and torch's portable bf16 matmul is 3-6x slower than its fp32 one.
+kernel to pack for, and torch's portable bf16 matmul is 2.5-6x slower than its fp32 one.
 `widen_linear_weights` then keeps each weight in fp32 (the same values, exactly: a bf16
 number is an fp32 one), and `linear` widens the input, multiplies in fp32 and rounds the
 result back to bf16: the same fp32 products and sums as the emulated bf16 matmul, in
