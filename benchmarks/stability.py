@@ -87,9 +87,11 @@ def machine_probe(repeats: int = 25) -> float:
     """
     import torch
 
+    from tinyserve.kernels.cpu_bf16 import cpu_has_bf16_matmuls
+
     generator = torch.Generator().manual_seed(0)
     a, b = torch.randn(512, 512, generator=generator), torch.randn(512, 2752, generator=generator)
-    pairs = [(a.bfloat16(), b.bfloat16()), (a, b)] if torch.ops.mkldnn._is_mkldnn_bf16_supported() else [(a, b)]
+    pairs = [(a.bfloat16(), b.bfloat16()), (a, b)] if cpu_has_bf16_matmuls() else [(a, b)]
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
