@@ -1,9 +1,10 @@
-"""bf16 linear weights packed for oneDNN at load (models/packed_linear.py): the same numbers, bit for bit.
+"""Linear weights packed for oneDNN at load (models/packed_linear.py).
 
-Packing applies only on a CPU whose bf16 matmuls oneDNN serves (AVX-512 BF16 or AMX). That
-is a property of the processor, which no set-up can install: on another CPU (an AVX2-only
-one, say) the bit-for-bit tests skip, in CI too, and the test of what such a CPU does
-instead runs.
+bf16: the same numbers, bit for bit; packing applies only on a CPU whose bf16 matmuls
+oneDNN serves (AVX-512 BF16 or AMX). fp32: packed on an AVX-512 CPU, the same numbers to
+float rounding. Both are properties of the processor, which no set-up can install: on
+another CPU (an AVX2-only one, say) the tests of the packed numbers skip, in CI too, and
+the tests of what such a CPU does instead run.
 """
 
 import pytest
@@ -20,6 +21,8 @@ from tests.tiny_checkpoints import tiny_checkpoint
 
 ONEDNN_BF16 = packs_weights(torch.device("cpu"), torch.bfloat16)
 needs_onednn_bf16 = pytest.mark.skipif(not ONEDNN_BF16, reason="this CPU has no oneDNN bf16 matmuls (AVX-512 BF16 or AMX)")
+AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+needs_avx512 = pytest.mark.skipif(not AVX512, reason="this CPU has no AVX-512, where fp32 weights stay MKL's")
 
 
 def load(path, dtype, monkeypatch=None, pack=True):
@@ -65,12 +68,31 @@ def test_packed_bf16_model_computes_the_same_logits_bit_for_bit(monkeypatch, tie
         assert torch.equal(prefill_logits(packed, num_tokens), prefill_logits(plain, num_tokens))
 
 
-def test_float32_and_float16_weights_stay_plain():
-    for dtype in (torch.float32, torch.float16):
-        model = load(tiny_checkpoint("llama"), dtype)
-        assert all(p.layout == torch.strided for p in model.parameters())
-        assert not packs_weights(torch.device("cpu"), dtype)
+def test_float16_weights_stay_plain_and_float32_ones_are_packed_exactly_on_avx512_cpus():
+    model = load(tiny_checkpoint("llama"), torch.float16)
+    assert all(p.layout == torch.strided for p in model.parameters())
+    assert not packs_weights(torch.device("cpu"), torch.float16)
+    model = load(tiny_checkpoint("llama"), torch.float32)
+    packed = [name for name, p in model.named_parameters() if p.layout == torch._mkldnn]
+    assert len(packed) == (4 * model.config.num_hidden_layers + 1 if AVX512 else 0)
+    assert packs_weights(torch.device("cpu"), torch.float32) == AVX512
     assert not packs_weights(torch.device("meta"), torch.bfloat16)
+    assert not packs_weights(torch.device("meta"), torch.float32)
+
+
+@needs_avx512
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_fp32_model_computes_the_same_logits_to_float_rounding(monkeypatch, tied):
+    """oneDNN sums in another order than MKL's sgemm: ~1e-6 relative, and the same greedy tokens."""
+    path = tiny_checkpoint("qwen2", tie_word_embeddings=tied)
+    packed, plain = load(path, torch.float32), load(path, torch.float32, monkeypatch, pack=False)
+    mkldnn = [name for name, p in packed.named_parameters() if p.layout == torch._mkldnn]
+    assert len(mkldnn) == 4 * packed.config.num_hidden_layers + (0 if tied else 1)
+    assert all(p.layout == torch.strided for p in plain.parameters())
+    for num_tokens in (1, 7, 40):
+        got, want = prefill_logits(packed, num_tokens), prefill_logits(plain, num_tokens)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_a_bf16_model_is_packed_exactly_where_onednn_serves_bf16_matmuls_and_widened_elsewhere():

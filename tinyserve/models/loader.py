@@ -86,7 +86,7 @@ def load_model(
     with torch.device(device), default_dtype(dtype):
         model = LlamaForCausalLM(config, attention_backend, tp)
     load_weights(model, path)
-    if packs_weights(torch.device(device), dtype):  # a bf16 model on a CPU: weights in oneDNN's layout
+    if packs_weights(torch.device(device), dtype):  # bf16 or fp32 on a CPU: weights in oneDNN's layout
         pack_linear_weights(model)
     elif computes_bf16_in_fp32(torch.device(device), dtype):  # a CPU without bf16 matmuls: fp32 weights
         widen_linear_weights(model)

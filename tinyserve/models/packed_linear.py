@@ -1,4 +1,4 @@
-"""The model's linear layers, and their weights prepared once at load for a CPU in bfloat16.
+"""The model's linear layers, and their weights prepared once at load for a CPU.
 
 On a CPU, torch computes a bfloat16 `F.linear` with oneDNN, whose matmul kernels read
 the weight in a blocked layout of their own. Handed torch's plain [out_features,
@@ -11,16 +11,20 @@ at one row, 2.1 ms either way at 2048.
 `pack_linear_weights` reorders each weight once, at load, with the op torch's own
 compiler uses when it freezes a model for the CPU (`torch.ops.mkldnn._reorder_linear_weight`);
 the layers then call oneDNN's linear on it directly (`torch.ops.mkldnn._linear_pointwise`).
-The kernels are the same, so the numbers are too, bit for bit (tests/test_packed_linear.py).
-The packed weight replaces the plain one (no second copy): a tensor of torch's `_mkldnn`
-layout, with the same shape and dtype, that only oneDNN's ops can read.
+In bf16 the kernels are the same as F.linear's, so the numbers are too, bit for bit
+(tests/test_packed_linear.py). The packed weight replaces the plain one (no second copy): a
+tensor of torch's `_mkldnn` layout, with the same shape and dtype, that only oneDNN's ops can read.
 
-Not for float32: there torch's `F.linear` is MKL's sgemm, and oneDNN's own fp32 kernels
-sum in another order (results differ by ~1e-5 relative), which would give up bit-for-bit
-agreement with transformers' matmuls. Nor for float16, whose `F.linear` on a CPU does not
-always go through oneDNN (some layers' results changed when packed). Nor for a weight
-another module shares (a tied LM head is the input embedding, which a lookup reads as a
-plain matrix).
+float32 on an AVX-512 CPU is packed too. There torch's `F.linear` is MKL's sgemm, which
+at decode sizes packs the weight afresh on every call as well: oneDNN over a packed weight
+took, at 32 rows, 153 against 217 us for [512 -> 1024], 414 against 588 for [512 -> 2752],
+225 against 273 for [1376 -> 512], and the same within 5 % at 2,048 rows (torch 2.13, the
+2-core Xeon). oneDNN sums in another order than MKL: results differ by ~1e-6 relative,
+so fp32 logits equal transformers' to float rounding, not bit for bit (greedy outputs of
+compare.py's workloads: 32 of 32 equal). Not measured on an AVX2-only CPU, which keeps MKL.
+Nor for float16, whose `F.linear` on a CPU does not always go through oneDNN (some layers'
+results changed when packed). Nor for a weight another module shares (a tied LM head is the
+input embedding, which a lookup reads as a plain matrix).
 
 On a CPU without bf16 matmul instructions (kernels/cpu_bf16.py) there is no oneDNN bf16
 kernel to pack for, and torch's portable bf16 matmul is 2.5-6x slower than its fp32 one.
@@ -57,13 +61,17 @@ class Linear(nn.Linear):
 
 
 def packs_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether pack_linear_weights applies: a bfloat16 model on a CPU that oneDNN serves.
+    """Whether pack_linear_weights applies: bf16 on a CPU that oneDNN serves, fp32 on an AVX-512 one.
 
-    Only where torch's own bf16 F.linear goes through oneDNN (a CPU with oneDNN's bf16
+    bf16 only where torch's own bf16 F.linear goes through oneDNN (a CPU with oneDNN's bf16
     support): elsewhere it computes another way, and packing would change the numbers.
     """
-    return (device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_bf16_matmuls()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    if (device.type != "cpu" or not torch.backends.mkldnn.is_available()
+            or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    if dtype == torch.float32:
+        return torch.backends.cpu.get_cpu_capability() == "AVX512"
+    return dtype == torch.bfloat16 and cpu_has_bf16_matmuls()
 
 
 def pack_linear_weights(model: nn.Module) -> int:
