@@ -21,7 +21,7 @@ from tests.tiny_checkpoints import LLAMA3_ROPE_PARAMETERS, tiny_checkpoint
 from tinyserve.kernels.metadata import AttentionMetadata
 from tinyserve.kernels.torch_attention import TorchAttentionBackend
 from tinyserve.models.loader import load_model, resolve_model_path
-from tinyserve.models.rope import RotaryEmbedding, get_rope_parameters
+from tinyserve.models.rope import RotaryEmbedding, compute_inv_freq, get_rope_parameters, rotate_half
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 24
@@ -185,6 +185,18 @@ def test_rope_rotates_like_transformers(rope_parameters):
     got_q, got_k = ours(positions, q, k)
     torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-6, rtol=0)
     torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rotate_is_rotate_half_bit_for_bit(dtype):
+    """rotate's roll and [-sin | sin] table give x * cos + rotate_half(x) * sin, the same numbers exactly."""
+    rope = RotaryEmbedding(64, 512, {"rope_type": "default", "rope_theta": 10000.0})
+    positions = torch.tensor([0, 3, 17, 64, 300, 511])
+    x = torch.randn(len(positions), 6, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    freqs = positions[:, None].float() * compute_inv_freq(64, {"rope_type": "default", "rope_theta": 10000.0})
+    angles = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
+    assert torch.equal(RotaryEmbedding.rotate(rope.lookup(positions, dtype), x), x * cos + rotate_half(x) * sin)
 
 
 def test_rope_parameters_are_read_from_transformers_4_fields_too():

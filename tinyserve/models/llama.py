@@ -39,6 +39,7 @@ class RMSNorm(nn.Module):
     operations, bit for bit, in one op instead of five (4x faster over a 2048-token prefill
     on a CPU). A 16-bit model then rounds the normalized x before the product with the
     weight, as transformers does (the fused op with the weight would multiply first).
+    Both are tested against transformers' LlamaRMSNorm, in fp32, bf16 and fp16.
     """
 
     def __init__(self, hidden_size: int, eps: float):
@@ -49,9 +50,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # x * rsqrt(mean(x^2) + eps) in float32, rounded back, then times the weight.
-        normalized = nn.functional.rms_norm(x.to(torch.float32), self.weight.shape, None, self.eps)
-        return self.weight * normalized.to(x.dtype)
+        # x * rsqrt(mean(x^2) + eps) in float32, rounded back, then times the weight. Handed a
+        # 16-bit x, F.rms_norm computes in float32 itself and rounds once at the end: the same
+        # numbers as widening x first, without the two conversions.
+        return self.weight * nn.functional.rms_norm(x, self.weight.shape, None, self.eps)
 
 
 def head_dim_of(config) -> int:
