@@ -10,7 +10,8 @@ This module does what a user would do to run compare.py's model on it:
               Python bindings are not used: the sdist is simply a pinned llama.cpp tree
               that PyPI serves, with its converter and its `gguf` package (gguf-py).
 2. build()    cmake, Release, CPU only (GGML_NATIVE: tuned to this machine's CPU, the
-              way llama.cpp builds by default), only the llama-server target, no web UI
+              way llama.cpp builds by default), only the llama-server and llama-batched-bench
+              targets, no web UI
               (it would be downloaded), no OpenSSL (we talk HTTP over loopback). Built
               once into ~/.cache/tinyserve-bench/llama.cpp-<version>/ (the cache folder
               is $TINYSERVE_BENCH_CACHE where set) and reused after.
@@ -57,6 +58,9 @@ CMAKE_FLAGS = [
     "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",  # the web UI is not built, nor fetched
     "-DLLAMA_OPENSSL=OFF",         # HTTP on loopback needs no TLS
 ]
+# llama-server for compare.py; llama-batched-bench, llama.cpp's own batched loop without HTTP
+# or sampling, for llama_batched.py.
+TARGETS = ["llama-server", "llama-batched-bench"]
 
 
 def home() -> Path:
@@ -97,25 +101,28 @@ def run_logged(command: list[str], log_file: Path, **kwargs) -> None:
 
 
 def build(log: Callable[[str], None] = print) -> Path:
-    """llama-server, built once from the sdist's sources (see the module's docstring); its path."""
+    """llama-server and llama-batched-bench, built once from the sdist's sources (see the module's
+    docstring); llama-server's path (llama-batched-bench sits beside it)."""
     build_dir = home() / "build"
     binary = build_dir / "bin" / "llama-server"
     stamp = build_dir / "tinyserve-build.json"
-    if binary.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == CMAKE_FLAGS:
+    recipe = {"flags": CMAKE_FLAGS, "targets": TARGETS}
+    if all((build_dir / "bin" / t).is_file() for t in TARGETS) and stamp.is_file() \
+            and json.loads(stamp.read_text()) == recipe:
         return binary
     cmake = find_tool("cmake")
     if cmake is None:
         raise RuntimeError("building llama.cpp needs cmake: pip install -e '.[bench]' (or the system's cmake)")
     tree = sources(log)
     generator = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={find_tool('ninja')}"] if find_tool("ninja") else []
-    log(f"llama.cpp: building llama-server from {tree} into {build_dir} (once; {BUILD_JOBS} jobs, "
+    log(f"llama.cpp: building {' and '.join(TARGETS)} from {tree} into {build_dir} (once; {BUILD_JOBS} jobs, "
         "several minutes on two cores)")
     start = time.perf_counter()
     build_dir.mkdir(parents=True, exist_ok=True)
     run_logged([cmake, "-S", str(tree), "-B", str(build_dir), *generator, *CMAKE_FLAGS], build_dir / "configure.log")
-    run_logged([cmake, "--build", str(build_dir), "--target", "llama-server", "--parallel", str(BUILD_JOBS)],
+    run_logged([cmake, "--build", str(build_dir), "--target", *TARGETS, "--parallel", str(BUILD_JOBS)],
                build_dir / "build.log")
-    stamp.write_text(json.dumps(CMAKE_FLAGS))
+    stamp.write_text(json.dumps(recipe))
     log(f"llama.cpp: built in {time.perf_counter() - start:.0f} s")
     return binary
 
