@@ -79,6 +79,7 @@ minutes; later runs reuse the build from ~/.cache/tinyserve-bench/.
 """
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -230,17 +231,14 @@ def contender_process(name: str, folder: str, num_kv_blocks: int, trace_dir: str
         shutdown_tracing()
 
 
-def run_contenders(folder: str, num_kv_blocks: int, trace_dir: str, workloads: list[Workload],
-                   repeats: int, contend: int = 0, llama: "llama_cpp.Setup | None" = None,
-                   ) -> dict[str, list[Measurement]]:
-    """Warm each contender up, then run them in turn, repeat after repeat, rotating who goes first.
+@contextlib.contextmanager
+def contender_processes(names, folder: str, num_kv_blocks: int, trace_dir: str,
+                        llama: "llama_cpp.Setup | None" = None):
+    """One started contender_process per name; yields run(name, workload) -> (seconds, outputs).
 
-    Only one contender runs at any moment; interleaving spreads the machine's slow
-    moments over all of them instead of over whichever ran during them. With contend > 0,
-    that many busy processes run from before the first warm-up to the end of the timing.
-    With llama (--llama-cpp), llama.cpp's two contenders take their turns too.
+    Every process is built and ready before the first run; on leaving, each is told to stop
+    and joined.
     """
-    names = CONTENDERS + (LLAMA_CPP if llama is not None else ())
     context = multiprocessing.get_context("spawn")
     workers = {}
     try:
@@ -259,26 +257,40 @@ def run_contenders(folder: str, num_kv_blocks: int, trace_dir: str, workloads: l
             conn.send(workload)
             return conn.recv()
 
-        results = {}
-        with busy_processes(contend):
-            for workload in workloads:
-                times: dict[str, list[float]] = {name: [] for name in names}
-                outputs = {name: run(name, workload)[1] for name in names}  # warm-up
-                print(f"  {workload.name}: warmed up, load average {load_text(os.getloadavg())}", file=sys.stderr)
-                for repeat in range(repeats):
-                    shift = repeat % len(names)
-                    for name in names[shift:] + names[:shift]:
-                        elapsed, outputs[name] = run(name, workload)
-                        times[name].append(elapsed)
-                        print(f"  {workload.name} {name:<26} {elapsed:.2f}s", file=sys.stderr, flush=True)
-                results[workload.name] = [Measurement(name, times[name], outputs[name]) for name in names]
-        return results
+        yield run
     finally:
         for process, conn in workers.values():
             if process.is_alive():
                 conn.send(None)
         for process, _ in workers.values():
             process.join(timeout=60)
+
+
+def run_contenders(folder: str, num_kv_blocks: int, trace_dir: str, workloads: list[Workload],
+                   repeats: int, contend: int = 0, llama: "llama_cpp.Setup | None" = None,
+                   ) -> dict[str, list[Measurement]]:
+    """Warm each contender up, then run them in turn, repeat after repeat, rotating who goes first.
+
+    Only one contender runs at any moment; interleaving spreads the machine's slow
+    moments over all of them instead of over whichever ran during them. With contend > 0,
+    that many busy processes run from before the first warm-up to the end of the timing.
+    With llama (--llama-cpp), llama.cpp's two contenders take their turns too.
+    """
+    names = CONTENDERS + (LLAMA_CPP if llama is not None else ())
+    results = {}
+    with contender_processes(names, folder, num_kv_blocks, trace_dir, llama) as run, busy_processes(contend):
+        for workload in workloads:
+            times: dict[str, list[float]] = {name: [] for name in names}
+            outputs = {name: run(name, workload)[1] for name in names}  # warm-up
+            print(f"  {workload.name}: warmed up, load average {load_text(os.getloadavg())}", file=sys.stderr)
+            for repeat in range(repeats):
+                shift = repeat % len(names)
+                for name in names[shift:] + names[:shift]:
+                    elapsed, outputs[name] = run(name, workload)
+                    times[name].append(elapsed)
+                    print(f"  {workload.name} {name:<26} {elapsed:.2f}s", file=sys.stderr, flush=True)
+            results[workload.name] = [Measurement(name, times[name], outputs[name]) for name in names]
+    return results
 
 
 # ---- the run -------------------------------------------------------------------------

@@ -30,7 +30,6 @@ rounds. The first run builds llama.cpp (benchmarks/llama_cpp.py: minutes, once).
 
 import argparse
 import json
-import multiprocessing
 import os
 import statistics
 import subprocess
@@ -48,6 +47,7 @@ import torch  # noqa: E402
 import bench_models  # noqa: E402
 import compare  # noqa: E402
 import llama_cpp  # noqa: E402
+from stability import spread  # noqa: E402
 
 TINYSERVE = ("tinyserve", "tinyserve bf16")
 LLAMA = {  # name -> (weights and KV dtype, flash attention)
@@ -80,10 +80,6 @@ def batched_bench(binary: Path, gguf: Path, kv_type: str, flash_attn: str, seque
     return json.loads(lines[-1])
 
 
-def spread(values: list[float]) -> float:
-    return (max(values) - min(values)) / statistics.median(values)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
@@ -111,28 +107,15 @@ def main() -> int:
         ggufs = {dtype: llama_cpp.convert(folder, Path(scratch) / f"model-{dtype}.gguf", dtype)
                  for dtype in ("f32", "bf16")}
         blocks = bench_models.num_kv_blocks_for([workload])
-        context = multiprocessing.get_context("spawn")
-        workers = {}
-        try:
-            for name in TINYSERVE:
-                conn, child_conn = context.Pipe()
-                process = context.Process(target=compare.contender_process,
-                                          args=(name, folder, blocks, "", child_conn), daemon=True)
-                process.start()
-                workers[name] = (process, conn)
-            for name, (_, conn) in workers.items():
-                if conn.recv() != "ready":
-                    raise RuntimeError(f"{name} did not start")
-            for name, (_, conn) in workers.items():  # warm-up
-                conn.send(workload)
-                conn.recv()
+        with compare.contender_processes(TINYSERVE, folder, blocks, "") as run:
+            for name in TINYSERVE:  # warm-up
+                run(name, workload)
             names = list(times)
             for repeat in range(args.repeats):
                 shift = repeat % len(names)
                 for name in names[shift:] + names[:shift]:
-                    if name in workers:
-                        workers[name][1].send(workload)
-                        seconds, outputs = workers[name][1].recv()
+                    if name in TINYSERVE:
+                        seconds, outputs = run(name, workload)
                         assert sum(len(o) for o in outputs) == args.sequences * args.new_tokens
                     else:
                         kv_type, flash_attn = LLAMA[name]
@@ -142,12 +125,6 @@ def main() -> int:
                         decode_speed[name].append(result["speed_tg"])
                     times[name].append(seconds)
                     print(f"  round {repeat + 1}: {name:<32} {seconds:.2f}s", file=sys.stderr, flush=True)
-        finally:
-            for process, conn in workers.values():
-                if process.is_alive():
-                    conn.send(None)
-            for process, _ in workers.values():
-                process.join(timeout=60)
     generated = args.sequences * args.new_tokens
     print(f"\n{'contender':<32}{'KV':>5}{'median s':>10}{'spread':>8}{'best s':>8}{'output tok/s':>14}"
           f"{'  decode phase tok/s':>21}")
