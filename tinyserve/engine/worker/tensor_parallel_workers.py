@@ -68,10 +68,21 @@ class GroupTimer:
         return tensor
 
 
-def join_group(rank: int, size: int, host: str, port: int, device: torch.device) -> TensorParallel:
-    """Join the tensor-parallel process group (rank 0 hosts the TCP store the others find it by)."""
-    store = dist.TCPStore(host, port, world_size=size, is_master=rank == 0,
-                          timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+def host_store(host: str, size: int) -> dist.TCPStore:
+    """Rank 0's TCP store, on a port the system picks as it binds (so no other process can take
+    it between picking and binding); the other ranks are told `store.port`."""
+    return dist.TCPStore(host, 0, world_size=size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+
+
+def join_store(host: str, port: int, size: int) -> dist.TCPStore:
+    """A rank other than 0 finds the group by rank 0's store."""
+    return dist.TCPStore(host, port, world_size=size, is_master=False,
+                         timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+
+
+def join_group(rank: int, size: int, store: dist.TCPStore, device: torch.device) -> TensorParallel:
+    """Join the tensor-parallel process group through the store rank 0 hosts."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
@@ -111,7 +122,8 @@ class TensorParallelWorkers:
                              "(LLM.shutdown())")
         check_split(model_info.path, args.tensor_parallel_size)  # before any process starts
         self.size = args.tensor_parallel_size
-        host, port = "127.0.0.1", _free_port()
+        host = "127.0.0.1"
+        store = self._store = host_store(host, self.size)
         self._context = zmq.Context()
         self._sockets, addresses = [], []
         for _ in range(1, self.size):
@@ -134,7 +146,7 @@ class TensorParallelWorkers:
         self.processes = []
         for rank, address in zip(range(1, self.size), addresses):
             process = spawn.Process(target=run_worker, name=f"tinyserve-engine-{engine_index}-tp{rank}", daemon=True,
-                                    args=(args, model_info, engine_index, rank, host, port, address, times_address,
+                                    args=(args, model_info, engine_index, rank, host, store.port, address, times_address,
                                           os.getpid(), num_threads))
             with sigint_ignored(), _may_have_children():
                 process.start()
@@ -142,7 +154,7 @@ class TensorParallelWorkers:
         self._threads_before = torch.get_num_threads()
         if num_threads is not None:
             torch.set_num_threads(num_threads)  # rank 0 shares the cores with the others (until shutdown)
-        self.tp = join_group(0, self.size, host, port, rank_device(args, engine_index, 0))
+        self.tp = join_group(0, self.size, store, rank_device(args, engine_index, 0))
         self._encoder = msgspec.msgpack.Encoder()
 
     def start(self, num_blocks: int) -> None:
@@ -178,6 +190,7 @@ class TensorParallelWorkers:
         self._context.destroy(linger=0)
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._store = None  # closes rank 0's store and frees its port
         torch.set_num_threads(self._threads_before)
 
 
@@ -225,7 +238,7 @@ def run_worker(args: EngineArgs, model_info: ModelInfo, engine_index: int, rank:
     device = rank_device(args, engine_index, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    tp = join_group(rank, args.tensor_parallel_size, host, port, device)
+    tp = join_group(rank, args.tensor_parallel_size, join_store(host, port, args.tensor_parallel_size), device)
     backend = get_attention_backend(args.attention_backend or default_attention_backend(device), device,
                                     model_info.max_model_len)
     model, _ = load_model(model_info.path, model_info.torch_dtype, device, backend,
@@ -261,14 +274,6 @@ def _watch_parent(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(1.0)
     os._exit(1)  # the engine is gone: nobody will send another step
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextlib.contextmanager
