@@ -12,7 +12,8 @@ from tinyserve import LLM, SamplingParams
 from tinyserve.config import EngineArgs
 from tinyserve.engine.worker import cpu_threads
 from tinyserve.engine.worker.cpu_threads import (
-    FIRST_PROBE_INTERVAL_S, MAX_PROBE_INTERVAL_S, MIN_STEPS, WINDOW_S, ThreadGovernor,
+    FIRST_PROBE_INTERVAL_S, MAX_PROBE_INTERVAL_S, MIN_STEPS, SHORT_WINDOWS_TO_DROP, SHORTFALL, WINDOW_S,
+    ThreadGovernor,
 )
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.otlp_json import read_spans
@@ -24,6 +25,11 @@ def run_windows(governor: ThreadGovernor, usage: float, windows: int = 1) -> Non
     """Feed `windows` windows in which the process used `usage` CPU seconds per wall second."""
     for _ in range(windows * MIN_STEPS):
         governor.observe(STEP_S, usage * STEP_S)
+
+
+def drop_a_thread(governor: ThreadGovernor, usage: float) -> None:
+    """Windows short of cores, in a row, as many as a thread is given up after."""
+    run_windows(governor, usage, windows=SHORT_WINDOWS_TO_DROP)
 
 
 def windows_for(seconds: float) -> int:
@@ -49,20 +55,33 @@ def test_a_decision_waits_for_a_whole_window():
     for _ in range(MIN_STEPS * 4 - 1):  # enough steps, but not a window's time together
         too_short.observe(short, 0.0)
     assert too_short.threads == 2
-    too_short.observe(short * 1.01, 0.0)  # now both
+    too_short.observe(short * 1.01, 0.0)  # now both: one window, short of cores
+    assert too_short.threads == 2
+    run_windows(too_short, 0.0, windows=SHORT_WINDOWS_TO_DROP - 1)  # and the next ones in a row
     assert too_short.threads == 1
 
 
-def test_cores_taken_away_cost_one_thread_a_window_down_to_one():
+def test_a_moment_short_of_cores_costs_no_thread():
+    """A quiet VM's hiccup (one window short, as the hypervisor holds a core back) is not a busy machine."""
+    governor = ThreadGovernor(2)
+    for _ in range(50):
+        run_windows(governor, 1.0, windows=SHORT_WINDOWS_TO_DROP - 1)
+        run_windows(governor, 1.95)
+    run_windows(governor, 2 - SHORTFALL + 0.01, windows=100)  # short, but by less than SHORTFALL
+    run_windows(governor, 1.49, windows=100)  # measured on a quiet 2-core VM in bf16: not a core taken
+    assert governor.threads == 2 and governor.changes == []
+
+
+def test_cores_taken_away_cost_one_thread_every_few_windows_down_to_one():
     governor = ThreadGovernor(4)
-    run_windows(governor, 1.2)
+    drop_a_thread(governor, 1.2)
     assert governor.threads == 3
-    run_windows(governor, 1.2)
+    drop_a_thread(governor, 1.2)
     assert governor.threads == 2
-    run_windows(governor, 1.6)  # 1.6 >= 2 - 0.5: two threads got their cores now
+    run_windows(governor, 1.6, windows=SHORT_WINDOWS_TO_DROP)  # 1.6 >= 2 - 0.75: two threads got their cores now
     assert governor.threads == 2
-    run_windows(governor, 0.7)
-    run_windows(governor, 0.3)  # below one thread's half core: never below one thread
+    drop_a_thread(governor, 0.7)
+    drop_a_thread(governor, 0.2)  # below one thread's quarter core: never below one thread
     assert governor.threads == 1
     assert [threads for _, threads, _ in governor.changes] == [3, 2, 1]
     assert [usage for _, _, usage in governor.changes] == pytest.approx([1.2, 1.2, 0.7])
@@ -70,7 +89,7 @@ def test_cores_taken_away_cost_one_thread_a_window_down_to_one():
 
 def test_a_probe_that_gets_its_cores_is_kept():
     governor = ThreadGovernor(2)
-    run_windows(governor, 1.0)
+    drop_a_thread(governor, 1.0)
     assert governor.threads == 1
     waited = 0
     while governor.threads == 1 and waited < 1000:
@@ -86,7 +105,7 @@ def test_a_probe_that_gets_its_cores_is_kept():
 
 def test_a_probe_lasts_two_steps_however_short():
     governor = ThreadGovernor(2)
-    run_windows(governor, 1.0)
+    drop_a_thread(governor, 1.0)
     while governor.threads == 1:  # until the probe begins
         governor.observe(STEP_S, STEP_S)
     governor.observe(0.001, 0.001)  # one short step, one CPU second a second: not decided yet
@@ -98,7 +117,7 @@ def test_a_probe_lasts_two_steps_however_short():
 
 def test_failed_probes_come_twice_as_rarely_up_to_a_limit():
     governor = ThreadGovernor(2)
-    run_windows(governor, 1.0)
+    drop_a_thread(governor, 1.0)
     probes = []  # execute seconds at which a probe began
     clock = 0.0
     while clock < 60.0:
