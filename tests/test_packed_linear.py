@@ -1,10 +1,11 @@
 """Linear weights packed for oneDNN at load (models/packed_linear.py).
 
 bf16: the same numbers, bit for bit; packing applies only on a CPU whose bf16 matmuls
-oneDNN serves (AVX-512 BF16 or AMX). fp32: packed on an AVX-512 CPU, the same numbers to
+oneDNN serves (AVX-512 BF16 or AMX). fp32 (and a bf16 model's weights widened to fp32 on
+a CPU without bf16 matmuls): packed on an x86 CPU with AVX2 or AVX-512, the same numbers to
 float rounding. Both are properties of the processor, which no set-up can install: on
-another CPU (an AVX2-only one, say) the tests of the packed numbers skip, in CI too, and
-the tests of what such a CPU does instead run.
+another CPU the tests of the packed numbers skip, in CI too, and the tests of what such a
+CPU does instead run.
 """
 
 import pytest
@@ -15,14 +16,16 @@ import tinyserve.models.loader as loader
 import tests.test_model_parity as parity
 from tinyserve.kernels.metadata import AttentionMetadata
 from tinyserve.kernels.torch_attention import TorchAttentionBackend
-from tinyserve.models.packed_linear import Linear, linear, pack_linear_weights, packs_weights
+from tinyserve.models.packed_linear import (
+    FP32_PACKING_CAPABILITIES, Linear, linear, pack_linear_weights, packs_weights,
+)
 from tests.tiny_checkpoints import tiny_checkpoint
 
 
 ONEDNN_BF16 = packs_weights(torch.device("cpu"), torch.bfloat16)
 needs_onednn_bf16 = pytest.mark.skipif(not ONEDNN_BF16, reason="this CPU has no oneDNN bf16 matmuls (AVX-512 BF16 or AMX)")
-AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
-needs_avx512 = pytest.mark.skipif(not AVX512, reason="this CPU has no AVX-512, where fp32 weights stay MKL's")
+PACKS_FP32 = torch.backends.cpu.get_cpu_capability() in FP32_PACKING_CAPABILITIES
+needs_fp32_packing = pytest.mark.skipif(not PACKS_FP32, reason="this CPU has neither AVX2 nor AVX-512: fp32 weights stay plain")
 
 
 def load(path, dtype, monkeypatch=None, pack=True):
@@ -68,19 +71,19 @@ def test_packed_bf16_model_computes_the_same_logits_bit_for_bit(monkeypatch, tie
         assert torch.equal(prefill_logits(packed, num_tokens), prefill_logits(plain, num_tokens))
 
 
-def test_float16_weights_stay_plain_and_float32_ones_are_packed_exactly_on_avx512_cpus():
+def test_float16_weights_stay_plain_and_float32_ones_are_packed_exactly_on_avx2_and_avx512_cpus():
     model = load(tiny_checkpoint("llama"), torch.float16)
     assert all(p.layout == torch.strided for p in model.parameters())
     assert not packs_weights(torch.device("cpu"), torch.float16)
     model = load(tiny_checkpoint("llama"), torch.float32)
     packed = [name for name, p in model.named_parameters() if p.layout == torch._mkldnn]
-    assert len(packed) == (4 * model.config.num_hidden_layers + 1 if AVX512 else 0)
-    assert packs_weights(torch.device("cpu"), torch.float32) == AVX512
+    assert len(packed) == (4 * model.config.num_hidden_layers + 1 if PACKS_FP32 else 0)
+    assert packs_weights(torch.device("cpu"), torch.float32) == PACKS_FP32
     assert not packs_weights(torch.device("meta"), torch.bfloat16)
     assert not packs_weights(torch.device("meta"), torch.float32)
 
 
-@needs_avx512
+@needs_fp32_packing
 @pytest.mark.parametrize("tied", [False, True])
 def test_packed_fp32_model_computes_the_same_logits_to_float_rounding(monkeypatch, tied):
     """oneDNN sums in another order than MKL's sgemm: ~1e-6 relative, and the same greedy tokens."""
@@ -100,9 +103,24 @@ def test_a_bf16_model_is_packed_exactly_where_onednn_serves_bf16_matmuls_and_wid
     assert ONEDNN_BF16 == (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     model = load(tiny_checkpoint("llama"), torch.bfloat16)
     packed = [name for name, p in model.named_parameters() if p.layout == torch._mkldnn]
-    assert len(packed) == (4 * model.config.num_hidden_layers + 1 if ONEDNN_BF16 else 0)
+    linears = 4 * model.config.num_hidden_layers + 1
+    assert len(packed) == (linears if ONEDNN_BF16 or PACKS_FP32 else 0)  # widened weights packed as fp32 ones
     widened = [m for m in model.modules() if isinstance(m, Linear) and m.weight.dtype == torch.float32]
-    assert len(widened) == (0 if ONEDNN_BF16 else 4 * model.config.num_hidden_layers + 1)  # else fp32 (cpu_bf16.py)
+    assert len(widened) == (0 if ONEDNN_BF16 else linears)  # else fp32 (cpu_bf16.py)
+
+
+@pytest.mark.skipif(ONEDNN_BF16 or not PACKS_FP32, reason="this CPU packs no widened bf16 weights")
+def test_widened_bf16_weights_packed_compute_what_the_plain_widened_ones_do(monkeypatch):
+    """A CPU without bf16 matmuls but with AVX2: fp32 weights, packed; oneDNN's sums to float rounding, rounded to bf16."""
+    path = tiny_checkpoint("qwen2", tie_word_embeddings=True)
+    packed, plain = load(path, torch.bfloat16), load(path, torch.bfloat16, monkeypatch, pack=False)
+    assert packed.lm_head.weight.layout == torch._mkldnn and packed.lm_head.weight.dtype == torch.float32
+    assert all(p.layout == torch.strided for p in plain.parameters())
+    for num_tokens in (1, 7, 40):
+        got, want = prefill_logits(packed, num_tokens), prefill_logits(plain, num_tokens)
+        assert got.dtype == want.dtype == torch.float32  # compute_logits: bf16 logits, widened
+        assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()  # a bf16 step or two at most
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
 
 
 @needs_onednn_bf16

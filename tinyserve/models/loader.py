@@ -86,10 +86,12 @@ def load_model(
     with torch.device(device), default_dtype(dtype):
         model = LlamaForCausalLM(config, attention_backend, tp)
     load_weights(model, path)
-    if packs_weights(torch.device(device), dtype):  # bf16 or fp32 on a CPU: weights in oneDNN's layout
-        pack_linear_weights(model)
-    elif computes_bf16_in_fp32(torch.device(device), dtype):  # a CPU without bf16 matmuls: fp32 weights
+    weights_dtype = dtype
+    if computes_bf16_in_fp32(torch.device(device), dtype):  # a CPU without bf16 matmuls: fp32 weights
         widen_linear_weights(model)
+        weights_dtype = torch.float32
+    if packs_weights(torch.device(device), weights_dtype):  # bf16 or fp32 on a CPU: weights in oneDNN's layout
+        pack_linear_weights(model)
     # Serving never trains: no autograd bookkeeping, whatever context forward runs in.
     model.requires_grad_(False)
     model.eval()
