@@ -16,6 +16,11 @@ contender the median and the spread, (max - min) / median.
 "tinyserve second LLM" builds an LLM, runs it, shuts it down, builds a second one in
 the same process and times that one: two LLMs one after another should run alike.
 
+Each run also reports what its timed run cost the process (minor page faults, involuntary
+context switches, CPU seconds per wall second) and, for tinyserve, how many times the
+thread governor (engine/worker/cpu_threads.py) changed the thread count during it: a
+thread given up on a quiet machine is a slow run that is the engine's own.
+
 Each run also times a fixed probe just before and just after its timed run: the same
 fp32 matmuls (and bf16 ones on a CPU with bf16 instructions), small enough to stay in the
 cache, so their time moves only with the speed the machine gives this process at that
@@ -52,19 +57,22 @@ def child(name: str, folder: str, quick: bool) -> None:
 
     workload = bench_models.make_workloads(bench_models.QUICK if quick else bench_models.FULL, quick)[0]
     blocks = bench_models.num_kv_blocks_for([workload])
-    if name == "tinyserve second LLM":
-        first = bench_models.make_llm(folder, blocks)
-        bench_models.tinyserve_generate(first, workload)
-        first.shutdown()
-        del first
-        name = "tinyserve"
-    if name == "tinyserve 2 threads":
-        llm = bench_models.make_llm(folder, blocks, cpu_threads=2)
+    governor = None
+    if name.startswith("tinyserve"):
+        if name == "tinyserve second LLM":
+            first = bench_models.make_llm(folder, blocks)
+            bench_models.tinyserve_generate(first, workload)
+            first.shutdown()
+            del first
+        llm = bench_models.make_llm(folder, blocks, dtype="bfloat16" if "bf16" in name.split() else "float32",
+                                    cpu_threads=2 if name == "tinyserve 2 threads" else None)
+        governor = llm.llm_engine.client.engine_core.thread_governor  # None with the count fixed
         run = lambda workload: bench_models.tinyserve_generate(llm, workload)  # noqa: E731
     else:
         run = compare.make_runner(name, folder, blocks, trace_dir="")
     run(workload)
     probe_before = machine_probe()
+    changes_before = len(governor.changes) if governor is not None else 0
     before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     outputs = run(workload)
     seconds = time.perf_counter() - start
@@ -75,6 +83,7 @@ def child(name: str, folder: str, quick: bool) -> None:
                       "minor_faults": after.ru_minflt - before.ru_minflt,
                       "involuntary_switches": after.ru_nivcsw - before.ru_nivcsw,
                       "cpu_per_wall": cpu / seconds,
+                      "thread_changes": len(governor.changes) - changes_before if governor is not None else 0,
                       "probe_s": (probe_before + probe_after) / 2}), flush=True)
 
 
@@ -153,7 +162,8 @@ def main() -> int:
                 probes[name].append(run["probe_s"])
                 print(f"run {number + 1}: {name:<26} {run['tokens_per_s']:8.1f} tok/s, {run['minor_faults']:7d} "
                       f"minor faults, {run['involuntary_switches']:5d} involuntary switches, "
-                      f"{run['cpu_per_wall']:.2f} CPU s / s, probe {run['probe_s'] * 1e3:.0f} ms", flush=True)
+                      f"{run['cpu_per_wall']:.2f} CPU s / s, {run['thread_changes']} thread changes, "
+                      f"probe {run['probe_s'] * 1e3:.0f} ms", flush=True)
     print(f"\n{'contender':<26}{'runs (tok/s)':<44}{'median':>8}{'spread':>8}{'at probe speed':>16}")
     for name, values in results.items():
         median = statistics.median(values)

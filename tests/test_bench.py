@@ -301,7 +301,7 @@ def test_tracing_cost_quick_prints_the_cost_per_workload_and_dtype():
 def test_stability_quick_prints_each_run_with_its_probe_and_the_spreads():
     done = run_benchmark("stability.py", "--quick", "--runs", "2", "--contenders", "tinyserve")
     runs = re.findall(r"^run (\d): tinyserve +([\d.]+) tok/s, +\d+ minor faults, +\d+ involuntary switches, "
-                      r"[\d.]+ CPU s / s, probe (\d+) ms$", done.stdout, re.MULTILINE)
+                      r"[\d.]+ CPU s / s, \d+ thread changes, probe (\d+) ms$", done.stdout, re.MULTILINE)
     assert [number for number, _, _ in runs] == ["1", "2"]
     speeds = [float(speed) for _, speed, _ in runs]
     summary = re.search(r"^tinyserve +(\d+), (\d+) +(\d+) +(\d+)% +(\d+)%$", done.stdout, re.MULTILINE)

@@ -31,11 +31,12 @@ needed anyway.
 A thread is given up only after two windows in a row fell short, by more than three
 quarters of a core. On a quiet 2-core VM a single window sometimes does: the hypervisor
 holds a core back for a moment (no steal time is reported inside the VM), or a stretch
-of small ops lets a thread sleep. Measured there, bf16, a window at 1.49 CPU seconds a
-second cost a thread for the 2.2 s until the next probe, and the run 8 % of its speed: a
-moment of the machine's turned into seconds of the engine's, the run-to-run swing that
-BENCHMARKS.md measures. A core taken by another program stays taken (one CPU second a
-second, or less, for two threads), so the second window costs a busy machine 0.2 s.
+of small ops lets a thread sleep. Measured there, bf16, with the machine otherwise idle,
+one window at 1.49 CPU seconds a second cost a thread for the 2.2 s until the next probe,
+a third of a 7 s run at one thread: a moment of the machine's turned into seconds of the
+engine's, one source of the run-to-run swings BENCHMARKS.md measures. A core taken by
+another program stays taken (one CPU second a second, or less, for two threads), so
+the second window costs a busy machine 0.2 s.
 
 The engine applies the count with torch.set_num_threads before each execute (a setting of
 the whole process: two LLMs in one process each set their own; the caller's torch code
