@@ -109,11 +109,16 @@ def test_a_bf16_model_is_packed_exactly_where_onednn_serves_bf16_matmuls_and_wid
     assert len(widened) == (0 if ONEDNN_BF16 else linears)  # else fp32 (cpu_bf16.py)
 
 
-@pytest.mark.skipif(ONEDNN_BF16 or not PACKS_FP32, reason="this CPU packs no widened bf16 weights")
+@needs_fp32_packing
 def test_widened_bf16_weights_packed_compute_what_the_plain_widened_ones_do(monkeypatch):
-    """A CPU without bf16 matmuls but with AVX2: fp32 weights, packed; oneDNN's sums to float rounding, rounded to bf16."""
+    """A CPU without bf16 matmuls but with AVX2 (forced here on any CPU that packs fp32): fp32
+    weights, packed; oneDNN's sums to float rounding, rounded to bf16."""
+    monkeypatch.setattr(loader, "computes_bf16_in_fp32", lambda device, dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(torch_attention, "computes_bf16_in_fp32", lambda device, dtype: dtype == torch.bfloat16)
     path = tiny_checkpoint("qwen2", tie_word_embeddings=True)
-    packed, plain = load(path, torch.bfloat16), load(path, torch.bfloat16, monkeypatch, pack=False)
+    packed = load(path, torch.bfloat16)
+    monkeypatch.setattr(loader, "packs_weights", lambda device, dtype: False)
+    plain = load(path, torch.bfloat16)
     assert packed.lm_head.weight.layout == torch._mkldnn and packed.lm_head.weight.dtype == torch.float32
     assert all(p.layout == torch.strided for p in plain.parameters())
     for num_tokens in (1, 7, 40):
