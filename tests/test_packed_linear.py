@@ -60,13 +60,14 @@ def test_packed_bf16_model_computes_the_same_logits_bit_for_bit(monkeypatch, tie
     packed, plain = load(path, dtype), load(path, dtype, monkeypatch, pack=False)
     layers = packed.config.num_hidden_layers
     mkldnn = [name for name, p in packed.named_parameters() if p.layout == torch._mkldnn]
-    # qkv, o, gate_up and down of every layer, and the LM head unless it is the embedding.
-    assert len(mkldnn) == 4 * layers + (0 if tied else 1)
+    # qkv, o, gate_up and down of every layer, and the LM head: a tied one as a copy of its own.
+    assert len(mkldnn) == 4 * layers + 1 and "lm_head.weight" in mkldnn
     assert all(p.layout == torch.strided for p in plain.parameters())
-    assert ("lm_head.weight" in mkldnn) is not tied
-    # Same shapes and dtypes, nothing copied twice.
-    assert [(n, p.shape, p.dtype) for n, p in packed.named_parameters()] == \
-           [(n, p.shape, p.dtype) for n, p in plain.named_parameters()]
+    assert packed.embed_tokens.weight.layout == torch.strided  # the lookup reads the plain matrix
+    # Same shapes and dtypes; nothing else copied.
+    shapes = {n: (p.shape, p.dtype) for n, p in packed.named_parameters()}
+    assert shapes.pop("lm_head.weight") == (plain.lm_head.weight.shape, plain.lm_head.weight.dtype)
+    assert shapes == {n: (p.shape, p.dtype) for n, p in plain.named_parameters() if n != "lm_head.weight"}
     for num_tokens in (1, 7, 40):  # a decode-sized batch and prefill-sized ones
         assert torch.equal(prefill_logits(packed, num_tokens), prefill_logits(plain, num_tokens))
 
@@ -90,8 +91,9 @@ def test_packed_fp32_model_computes_the_same_logits_to_float_rounding(monkeypatc
     path = tiny_checkpoint("qwen2", tie_word_embeddings=tied)
     packed, plain = load(path, torch.float32), load(path, torch.float32, monkeypatch, pack=False)
     mkldnn = [name for name, p in packed.named_parameters() if p.layout == torch._mkldnn]
-    assert len(mkldnn) == 4 * packed.config.num_hidden_layers + (0 if tied else 1)
+    assert len(mkldnn) == 4 * packed.config.num_hidden_layers + 1 and "lm_head.weight" in mkldnn
     assert all(p.layout == torch.strided for p in plain.parameters())
+    assert packed.embed_tokens.weight.layout == torch.strided
     for num_tokens in (1, 7, 40):
         got, want = prefill_logits(packed, num_tokens), prefill_logits(plain, num_tokens)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
@@ -128,17 +130,27 @@ def test_widened_bf16_weights_packed_compute_what_the_plain_widened_ones_do(monk
         assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
 
 
-@needs_onednn_bf16
-def test_only_linears_that_own_their_weight_are_packed():
-    shared = Linear(8, 4, bias=False).to(torch.bfloat16)
-    own = Linear(8, 4, bias=True).to(torch.bfloat16)
-    model = torch.nn.ModuleDict({"a": shared, "b": own, "embed": torch.nn.Embedding(4, 8).to(torch.bfloat16)})
-    model["embed"].weight = shared.weight
-    x = torch.randn(3, 8).to(torch.bfloat16)
-    wants = own(x)
-    assert pack_linear_weights(model) == 1
-    assert own.weight.layout == torch._mkldnn and shared.weight.layout == torch.strided
-    assert torch.equal(own(x), wants)
+@pytest.mark.parametrize("dtype", [
+    pytest.param(torch.bfloat16, marks=needs_onednn_bf16),
+    pytest.param(torch.float32, marks=needs_fp32_packing),
+])
+def test_a_shared_weight_is_packed_as_a_copy_and_the_other_module_keeps_the_plain_one(dtype):
+    torch.manual_seed(0)
+    shared = Linear(64, 32, bias=False).to(dtype)
+    own = Linear(64, 32, bias=True).to(dtype)
+    embed = torch.nn.Embedding(32, 64).to(dtype)
+    model = torch.nn.ModuleDict({"a": shared, "b": own, "embed": embed})
+    embed.weight = shared.weight  # tied, as an LM head and the input embedding
+    x, ids = torch.randn(3, 64).to(dtype), torch.tensor([3, 0, 2])
+    wants, looked_up = (own(x), shared(x)), embed(ids)
+    assert pack_linear_weights(model) == 2
+    assert own.weight.layout == shared.weight.layout == torch._mkldnn
+    assert embed.weight.layout == torch.strided and shared.weight is not embed.weight
+    # bf16 packed: bit for bit; fp32: oneDNN's sums against MKL's, to float rounding.
+    tolerance = {"rtol": 0, "atol": 0} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(own(x), wants[0], **tolerance)
+    torch.testing.assert_close(shared(x), wants[1], **tolerance)
+    assert torch.equal(embed(ids), looked_up)
     assert pack_linear_weights(model) == 0  # packing twice is a no-op
 
 

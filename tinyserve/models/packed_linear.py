@@ -27,8 +27,15 @@ where MKL is slower still at decode sizes: at 32 rows, 354 against 296 us for [5
 within -17/+14 % either way at 2,048 rows. compare.py's workload A ran 1.18x as fast packed
 (six rounds, two LLMs in one process alternating, 1.11-1.29x), the greedy outputs the same.
 Not for float16, whose `F.linear` on a CPU does not always go through oneDNN (some layers'
-results changed when packed). Nor for a weight another module shares (a tied LM head is the
-input embedding, which a lookup reads as a plain matrix).
+results changed when packed).
+
+A weight another module shares gets a packed copy of its own: a tied LM head is the input
+embedding, which the lookup keeps reading as a plain matrix, and the head multiplies by the
+packed copy. The LM head is the largest matmul of a decode step, and left plain it ran on
+MKL's sgemm, re-packing its weight on every call: at 32 rows, [512 -> 8192], 3.8 against
+2.1 ms (the AMD EPYC). compare.py's workload A in fp32 ran 1.03x as fast (six rounds, two LLMs
+in one process alternating, 1.00-1.09x), greedy outputs the same. It costs one more copy of
+the embedding matrix (vocab x hidden), as the widened bf16 head below already did.
 
 On a CPU without bf16 matmul instructions (kernels/cpu_bf16.py) there is no oneDNN bf16
 kernel to pack for, and torch's portable bf16 matmul is 2.5-6x slower than its fp32 one.
@@ -39,8 +46,6 @@ another order (~0.01 % of outputs one bf16 step apart). A tied LM head gets an f
 the embedding of its own (the lookup keeps reading the bf16 one). It costs the memory of
 an fp32 model's linear weights; it runs at an fp32 model's speed.
 """
-
-from collections import Counter
 
 import torch
 from torch import nn
@@ -82,12 +87,14 @@ def packs_weights(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def pack_linear_weights(model: nn.Module) -> int:
-    """Pack the weight of every Linear of the model that owns its weight alone; returns how many."""
-    holders = Counter(id(param) for module in model.modules(remove_duplicate=False)
-                      for param in module._parameters.values() if param is not None)
+    """Pack the weight of every Linear of the model; returns how many.
+
+    The packed weight is a new tensor either way (oneDNN's layout): a Linear that shared its
+    weight with another module (a tied LM head) no longer does, and the other keeps the plain one.
+    """
     packed = 0
     for module in model.modules():
-        if isinstance(module, Linear) and holders[id(module.weight)] == 1 and module.weight.layout == torch.strided:
+        if isinstance(module, Linear) and module.weight.layout == torch.strided:
             weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
             module.weight = nn.Parameter(weight, requires_grad=False)
             packed += 1
