@@ -99,6 +99,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaForCausalLM  # noqa: E402
 
+from tinyserve.kernels.cpu_bf16 import computes_bf16_in_fp32  # noqa: E402
+
 from background import busy_processes  # noqa: E402
 from bench_models import (  # noqa: E402
     BYTES_PER_PARAM, FULL, MAX_NUM_BATCHED_TOKENS, QUICK, Workload, build_model, make_llm, make_workloads,
@@ -430,10 +432,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {machine}")
     load_at_start = os.getloadavg()
     flops_per_second = matmul_flops_per_second(256 if args.quick else 2048)
-    bf16_flops_per_second = matmul_flops_per_second(256 if args.quick else 2048, torch.bfloat16)
     bytes_per_second = copy_bytes_per_second((16 if args.quick else 256) << 20)
-    print(f"measured here: fp32 matmul {flops_per_second / 1e9:.1f} GFLOP/s, bf16 matmul "
-          f"{bf16_flops_per_second / 1e9:.1f} GFLOP/s, memory copy {bytes_per_second / 1e9:.1f} GB/s")
+    if computes_bf16_in_fp32(torch.device("cpu"), torch.bfloat16):
+        # No bf16 matmul instructions: torch would emulate them (~0.3 GFLOP/s on a Zen 3, a minute
+        # a call at this size), and a bf16 model multiplies in fp32 instead (kernels/cpu_bf16.py),
+        # so the fp32 rate is what bounds it.
+        bf16_flops_per_second = flops_per_second
+        bf16_rate = "bf16 computed in fp32 (no bf16 matmul instructions)"
+    else:
+        bf16_flops_per_second = matmul_flops_per_second(256 if args.quick else 2048, torch.bfloat16)
+        bf16_rate = f"bf16 matmul {bf16_flops_per_second / 1e9:.1f} GFLOP/s"
+    print(f"measured here: fp32 matmul {flops_per_second / 1e9:.1f} GFLOP/s, {bf16_rate}, "
+          f"memory copy {bytes_per_second / 1e9:.1f} GB/s")
 
     with tempfile.TemporaryDirectory(prefix="tinyserve-compare-") as tmp:
         folder = os.path.join(tmp, "model")
