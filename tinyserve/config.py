@@ -47,7 +47,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
+    attention_backend: str | None = None  # None: triton on CUDA, cpu on the CPU (kernels/backend.py)
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # the KV pool's dtype (KV_CACHE_DTYPES); auto: the model's
     seed: int = 0

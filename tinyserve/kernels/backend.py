@@ -5,8 +5,8 @@ A layer of the model calls two things per step:
     backend.write_kv(key, value, kv_cache, metadata)     # store this step's K/V
     out = backend.attention(query, kv_cache, metadata, scale)
 
-Every backend (the PyTorch reference here, Triton kernels beside it) takes the
-same tensors and must return the same numbers. The model never looks inside.
+Every backend (the PyTorch reference, the CPU's decode kernel, Triton kernels) takes
+the same tensors and must return the same numbers. The model never looks inside.
 """
 
 from typing import Protocol
@@ -36,15 +36,21 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
 
 
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 
 
 def get_attention_backend(name: str, device: torch.device, max_model_len: int) -> AttentionBackend:
-    """Return the backend called `name` ("torch" or "triton"), for sequences of up to max_model_len tokens."""
+    """Return the backend called `name` (ATTENTION_BACKENDS), for sequences of up to max_model_len tokens."""
     if name == "torch":
         from tinyserve.kernels.torch_attention import TorchAttentionBackend
 
         return TorchAttentionBackend()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on the CPU only, not on {device.type}")
+        from tinyserve.kernels.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     if name == "triton":
         from tinyserve.kernels.triton_backend import TritonAttentionBackend
 
@@ -53,5 +59,5 @@ def get_attention_backend(name: str, device: torch.device, max_model_len: int) -
 
 
 def default_attention_backend(device: torch.device) -> str:
-    """Triton kernels on CUDA, the PyTorch reference everywhere else."""
-    return "triton" if device.type == "cuda" else "torch"
+    """Triton kernels on CUDA, the CPU's decode kernel on the CPU, the PyTorch reference elsewhere."""
+    return {"cuda": "triton", "cpu": "cpu"}.get(device.type, "torch")

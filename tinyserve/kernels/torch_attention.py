@@ -1,7 +1,8 @@
 """The readable PyTorch attention backend over the paged KV cache.
 
-It is the definition every other backend is tested against, and the one the CPU
-uses. A batch mixes two kinds of sequences:
+It is the definition every other backend is tested against (`--attention-backend
+torch`). The CPU's default backend (cpu_backend.py) is this one with its decode path
+replaced by a kernel that reads the cache in place. A batch mixes two kinds of sequences:
 
 - prefill (several query tokens): one sequence at a time, gather its keys and
   values out of the paged cache through its block table, then plain causal
@@ -135,8 +136,9 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, group: DecodeG
     32 decodes of 48-288 tokens, one layer, three draws): 1.11-1.34 ms against 1.22-1.48 ms
     for these four groups, within 1e-6; but making the step's BlockMask took 2.6 ms, more than
     eight layers save, and torch.compile wants a C++ compiler at run time and ~7 s (dynamic
-    shapes, compiled once) before the first step. The gather stays: it copies at about the
-    machine's memory bandwidth, and what it costs is the one extra pass over the keys and values.
+    shapes, compiled once) before the first step. Here the gather stays: it copies at about the
+    machine's memory bandwidth, and what it costs is the extra passes over the keys and values.
+    The CPU backend's numba kernel (cpu_decode_attention.py) reads them once, in place.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[-2]

@@ -1,0 +1,106 @@
+"""The CPU backend: its decode kernel reads the paged cache in place and gives the reference's numbers."""
+
+import threading
+
+import numba
+import pytest
+import torch
+from tests.paged_batches import make_paged_batch
+
+from tinyserve.config import KV_CACHE_DTYPES
+from tinyserve.kernels.backend import default_attention_backend, get_attention_backend
+from tinyserve.kernels.cpu_backend import CpuAttentionBackend
+from tinyserve.kernels.torch_attention import TorchAttentionBackend
+
+# A prefill chunk after a cached prefix, a fresh prompt, and decodes of lengths around the block edges.
+SEQ_LENS = [40, 13, 30, 17, 16, 1, 64, 33]
+QUERY_LENS = [11, 13, 1, 1, 1, 1, 1, 1]
+
+
+def reference(batch, dtype=None):
+    # The reference's decode batch reads the padding slots (with weight 0): no NaN there.
+    kv_cache = batch.kv_cache.nan_to_num(0.0).to(dtype or batch.kv_cache.dtype)
+    return TorchAttentionBackend().attention(batch.query, kv_cache, batch.metadata, batch.scale)
+
+
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_name", ["auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"])
+def test_decodes_and_prefills_equal_the_reference_in_every_kv_cache_dtype(cache_name, query_dtype):
+    batch = make_paged_batch(SEQ_LENS, QUERY_LENS, seed=3, head_dim=32, dtype=query_dtype)
+    dtype = KV_CACHE_DTYPES[cache_name] or query_dtype
+    out = CpuAttentionBackend().attention(batch.query, batch.kv_cache.to(dtype), batch.metadata, batch.scale)
+    assert out.dtype == query_dtype
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if query_dtype == torch.float32 else {}  # bf16: one rounding step
+    torch.testing.assert_close(out, reference(batch, dtype), **tolerance)
+
+
+@pytest.mark.parametrize(("num_kv_heads", "queries_per_kv", "head_dim", "block_size"),
+                         [(1, 1, 64, 16), (2, 4, 24, 8), (4, 2, 128, 32), (2, 7, 16, 16)])
+def test_a_decode_only_step_equals_the_reference_for_any_head_layout(num_kv_heads, queries_per_kv, head_dim,
+                                                                     block_size):
+    seq_lens = torch.randint(1, 200, (19,), generator=torch.Generator().manual_seed(1)).tolist()
+    batch = make_paged_batch(seq_lens, [1] * 19, seed=4, num_kv_heads=num_kv_heads, queries_per_kv=queries_per_kv,
+                             head_dim=head_dim, block_size=block_size)
+    assert batch.metadata.is_decode_only
+    out = CpuAttentionBackend().attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+    torch.testing.assert_close(out, reference(batch), rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_reads_no_slot_past_a_sequences_end():
+    # Every slot no sequence owns is NaN (block 0, the tails of last blocks): one read would show.
+    batch = make_paged_batch([5, 16, 17, 31, 1], [1] * 5, seed=5)
+    assert batch.kv_cache.isnan().any()
+    out = CpuAttentionBackend().attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+    assert out.isfinite().all()
+
+
+def test_the_step_is_planned_once_and_the_kernels_threads_follow_torchs():
+    backend, threads = CpuAttentionBackend(), torch.get_num_threads()
+    first, second = make_paged_batch([9, 20, 3], [1, 1, 1], seed=6), make_paged_batch([30, 4], [5, 1], seed=7)
+    try:
+        for batch, count in ((first, 1), (second, threads)):
+            torch.set_num_threads(count)
+            for _layer in range(2):
+                out = backend.attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+                torch.testing.assert_close(out, reference(batch), rtol=1e-5, atol=1e-5)
+                if _layer == 0:
+                    plan = backend._cpu_plan
+            assert backend._cpu_plan is plan  # the second layer reused the first's
+            assert numba.get_num_threads() == min(count, numba.config.NUMBA_NUM_THREADS)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_two_threads_may_run_the_kernel_at_once():
+    # Two engines in one process each run their steps on a thread of their own.
+    batches = [make_paged_batch(torch.randint(1, 300, (24,), generator=torch.Generator().manual_seed(s)).tolist(),
+                                [1] * 24, seed=s) for s in (8, 9)]
+    expected = [reference(batch) for batch in batches]
+    results, errors = {}, []
+
+    def run(i):
+        try:
+            backend = CpuAttentionBackend()
+            for _ in range(20):
+                results[i] = backend.attention(batches[i].query, batches[i].kv_cache, batches[i].metadata,
+                                               batches[i].scale)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert errors == []
+    for i in (0, 1):
+        torch.testing.assert_close(results[i], expected[i], rtol=1e-5, atol=1e-5)
+    assert numba.threading_layer() in ("omp", "tbb")
+
+
+def test_the_cpu_gets_this_backend_by_default_and_a_gpu_cannot_have_it():
+    assert default_attention_backend(torch.device("cpu")) == "cpu"
+    assert default_attention_backend(torch.device("cuda")) == "triton"
+    assert isinstance(get_attention_backend("cpu", torch.device("cpu"), 2048), CpuAttentionBackend)
+    with pytest.raises(ValueError, match="attention_backend='cpu' runs on the CPU only, not on cuda"):
+        get_attention_backend("cpu", torch.device("cuda"), 2048)

@@ -1,0 +1,74 @@
+"""The CPU attention backend: decodes through a kernel that reads the paged cache in place.
+
+    write_kv    -> the reference's index_put into the pool            (torch_attention.py)
+    attention   -> the step's decodes, all at once: paged_decode_attention  (cpu_decode_attention.py)
+                   each prefill:                    prefill_attention       (torch_attention.py)
+
+It is the reference backend with one part replaced: decode attention, where the
+reference copies every decode's keys and values out of the pool before SDPA reads them
+(cpu_decode_attention.py says what that costs). A prefill has many queries per key, so
+there the copy is small beside the attention itself, and SDPA's flash kernel, blocked for
+the cache, stays. tests/test_cpu_attention.py holds the two backends to the same numbers.
+
+As the reference does, the first layer of a step works out what the batch looks like
+(which rows are decodes, their block tables and lengths as the kernel reads them), and
+the other layers reuse it.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tinyserve.kernels.cpu_decode_attention import paged_decode_attention, set_num_threads
+from tinyserve.kernels.metadata import AttentionMetadata
+from tinyserve.kernels.torch_attention import TorchAttentionBackend, prefill_attention
+
+
+@dataclass(slots=True)
+class CpuStepPlan:
+    decode_rows: torch.Tensor | None  # the decodes' rows of the flat batch; None: every row is one
+    block_tables: np.ndarray  # [num_decodes, max_blocks] int32, the decodes' rows of the step's block tables
+    seq_lens: np.ndarray  # [num_decodes] int32
+    prefills: list[tuple[int, int, int]]  # (first query row, end query row, batch row) of each prefill
+
+
+def plan_cpu_step(metadata: AttentionMetadata) -> CpuStepPlan:
+    starts = metadata.query_start_loc_cpu
+    decodes = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
+    prefills = [(starts[i], starts[i + 1], i) for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] > 1]
+    if len(decodes) == metadata.num_seqs:  # a decode-only step: the flat batch is the decodes
+        return CpuStepPlan(None, metadata.block_tables.contiguous().numpy(), metadata.seq_lens.numpy(), prefills)
+    index = torch.tensor(decodes, dtype=torch.long)
+    return CpuStepPlan(
+        decode_rows=torch.tensor([starts[i] for i in decodes], dtype=torch.long),
+        block_tables=metadata.block_tables.index_select(0, index).numpy(),
+        seq_lens=metadata.seq_lens.index_select(0, index).numpy(),
+        prefills=prefills,
+    )
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cpu_plan: CpuStepPlan | None = None
+        self._cpu_plan_for: AttentionMetadata | None = None  # the step it was made for (held: its id stays its own)
+
+    def attention(self, query, kv_cache, metadata: AttentionMetadata, scale: float):
+        if self._cpu_plan_for is not metadata:  # the step's first layer
+            self._cpu_plan, self._cpu_plan_for = plan_cpu_step(metadata), metadata
+            set_num_threads(torch.get_num_threads())  # the kernel's threads follow torch's (cpu_threads.py)
+        plan = self._cpu_plan
+        if plan.decode_rows is None:
+            return paged_decode_attention(query, kv_cache, plan.block_tables, plan.seq_lens, scale).to(query.dtype)
+        out = torch.empty_like(query)
+        if len(plan.seq_lens):
+            decodes = paged_decode_attention(query.index_select(0, plan.decode_rows), kv_cache, plan.block_tables,
+                                             plan.seq_lens, scale)
+            out.index_copy_(0, plan.decode_rows, decodes.to(query.dtype))
+        for start, end, row in plan.prefills:
+            out[start:end] = prefill_attention(query[start:end], kv_cache, metadata.block_tables[row],
+                                               metadata.seq_lens_cpu[row], scale)
+        return out
