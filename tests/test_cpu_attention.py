@@ -5,7 +5,10 @@ import threading
 import numba
 import pytest
 import torch
+from tests.hf_reference import hf_greedy
 from tests.paged_batches import make_paged_batch
+from tests.tiny_checkpoints import tiny_model_with_tokenizer
+from tinyserve import LLM, SamplingParams
 
 from tinyserve.config import KV_CACHE_DTYPES
 from tinyserve.kernels.backend import default_attention_backend, get_attention_backend
@@ -58,14 +61,14 @@ def test_the_step_is_planned_once_and_the_kernels_threads_follow_torchs():
     backend, threads = CpuAttentionBackend(), torch.get_num_threads()
     first, second = make_paged_batch([9, 20, 3], [1, 1, 1], seed=6), make_paged_batch([30, 4], [5, 1], seed=7)
     try:
-        for batch, count in ((first, 1), (second, threads)):
+        for batch, count in ((first, 1), (second, 2)):
             torch.set_num_threads(count)
-            for _layer in range(2):
+            plans = []
+            for _ in range(2):  # two layers of one step
                 out = backend.attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
                 torch.testing.assert_close(out, reference(batch), rtol=1e-5, atol=1e-5)
-                if _layer == 0:
-                    plan = backend._cpu_plan
-            assert backend._cpu_plan is plan  # the second layer reused the first's
+                plans.append(backend._plan)
+            assert plans[0] is plans[1]  # the second layer reused the first's
             assert numba.get_num_threads() == min(count, numba.config.NUMBA_NUM_THREADS)
     finally:
         torch.set_num_threads(threads)
@@ -104,3 +107,19 @@ def test_the_cpu_gets_this_backend_by_default_and_a_gpu_cannot_have_it():
     assert isinstance(get_attention_backend("cpu", torch.device("cpu"), 2048), CpuAttentionBackend)
     with pytest.raises(ValueError, match="attention_backend='cpu' runs on the CPU only, not on cuda"):
         get_attention_backend("cpu", torch.device("cuda"), 2048)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_an_engine_on_the_cpu_runs_it_by_default_and_its_greedy_tokens_equal_transformers(family):
+    folder = tiny_model_with_tokenizer(family)
+    prompts = [[5, 9, 33, 71, 120], list(range(40, 75)), [200, 3, 17]]
+    # A small token budget puts prefill chunks and decodes in one batch: both of its paths run.
+    llm = LLM(str(folder), num_kv_blocks=32, max_num_batched_tokens=24)
+    try:
+        backends = {type(layer.self_attn.backend).__name__ for layer in llm.engine_core.model_runner.model.layers}
+        assert backends == {"CpuAttentionBackend"}
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(folder, p) for p in prompts]

@@ -19,7 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from tests.tiny_checkpoints import LLAMA3_ROPE_PARAMETERS, tiny_checkpoint
 from tinyserve.kernels.metadata import AttentionMetadata
-from tinyserve.kernels.torch_attention import TorchAttentionBackend
+from tinyserve.kernels.backend import get_attention_backend
 from tinyserve.models.loader import load_model, resolve_model_path
 from tinyserve.models.rope import RotaryEmbedding, compute_inv_freq, get_rope_parameters, rotate_half
 
@@ -105,8 +105,9 @@ def reference_logits(path, prompts, dtype=torch.float32) -> list[torch.Tensor]:
         return [hf_model(torch.tensor([p])).logits[0].float() for p in prompts]
 
 
-def load(path, dtype=torch.float32, **kwargs):
-    model, _ = load_model(path, dtype, torch.device("cpu"), TorchAttentionBackend(), **kwargs)
+def load(path, dtype=torch.float32, backend="torch", **kwargs):
+    model, _ = load_model(path, dtype, torch.device("cpu"), get_attention_backend(backend, torch.device("cpu"), 2048),
+                          **kwargs)
     return model
 
 
@@ -121,10 +122,11 @@ def test_batched_prefill_logits_match_transformers(name):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("name", ["llama3-rope", "qwen2-tied", "qwen3"])
-def test_chunked_prefill_then_decode_over_cached_context_matches_transformers(name):
+def test_chunked_prefill_then_decode_over_cached_context_matches_transformers(name, backend):
     path = tiny_checkpoint(**CHECKPOINTS[name])
-    model = load(path)
+    model = load(path, backend=backend)
     prompts = make_prompts(model.vocab_size)
     # Step 1: a prefix (ending mid-block, on a block boundary, past one).
     # Step 2: the rest but the last token. Step 3: one decode token each.

@@ -9,6 +9,7 @@ Every backend (the PyTorch reference, the CPU's decode kernel, Triton kernels) t
 the same tensors and must return the same numbers. The model never looks inside.
 """
 
+import logging
 from typing import Protocol
 
 import torch
@@ -38,6 +39,8 @@ class AttentionBackend(Protocol):
 
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 
+logger = logging.getLogger(__name__)
+
 
 def get_attention_backend(name: str, device: torch.device, max_model_len: int) -> AttentionBackend:
     """Return the backend called `name` (ATTENTION_BACKENDS), for sequences of up to max_model_len tokens."""
@@ -59,5 +62,12 @@ def get_attention_backend(name: str, device: torch.device, max_model_len: int) -
 
 
 def default_attention_backend(device: torch.device) -> str:
-    """Triton kernels on CUDA, the CPU's decode kernel on the CPU, the PyTorch reference elsewhere."""
-    return {"cuda": "triton", "cpu": "cpu"}.get(device.type, "torch")
+    """Triton kernels on CUDA, the CPU's decode kernel on the CPU (if it runs here), the PyTorch reference elsewhere."""
+    if device.type == "cpu":
+        from tinyserve.kernels.cpu_decode_attention import why_unusable
+
+        reason = why_unusable()
+        if reason is None:
+            return "cpu"
+        logger.warning("the CPU's decode attention kernel cannot run here (%s): using the torch backend", reason)
+    return "triton" if device.type == "cuda" else "torch"

@@ -22,11 +22,13 @@ import torch
 
 from tinyserve.kernels.cpu_decode_attention import paged_decode_attention, set_num_threads
 from tinyserve.kernels.metadata import AttentionMetadata
-from tinyserve.kernels.torch_attention import TorchAttentionBackend, prefill_attention
+from tinyserve.kernels.torch_attention import TorchAttentionBackend, attend_prefills, prefill_rows
 
 
 @dataclass(slots=True)
 class CpuStepPlan:
+    """What every layer of one step needs to know about its batch, worked out once."""
+
     decode_rows: torch.Tensor | None  # the decodes' rows of the flat batch; None: every row is one
     block_tables: np.ndarray  # [num_decodes, max_blocks] int32, the decodes' rows of the step's block tables
     seq_lens: np.ndarray  # [num_decodes] int32
@@ -34,33 +36,38 @@ class CpuStepPlan:
 
 
 def plan_cpu_step(metadata: AttentionMetadata) -> CpuStepPlan:
+    """The step's decodes as the kernel reads them (numpy views of the step's tensors), and its prefills."""
+    if metadata.is_decode_only:  # the flat batch is the decodes, one row each
+        return CpuStepPlan(None, metadata.block_tables.contiguous().numpy(), metadata.seq_lens.numpy(), [])
     starts = metadata.query_start_loc_cpu
     decodes = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
-    prefills = [(starts[i], starts[i + 1], i) for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] > 1]
-    if len(decodes) == metadata.num_seqs:  # a decode-only step: the flat batch is the decodes
-        return CpuStepPlan(None, metadata.block_tables.contiguous().numpy(), metadata.seq_lens.numpy(), prefills)
     index = torch.tensor(decodes, dtype=torch.long)
     return CpuStepPlan(
         decode_rows=torch.tensor([starts[i] for i in decodes], dtype=torch.long),
         block_tables=metadata.block_tables.index_select(0, index).numpy(),
         seq_lens=metadata.seq_lens.index_select(0, index).numpy(),
-        prefills=prefills,
+        prefills=prefill_rows(metadata),
     )
 
 
-class CpuAttentionBackend(TorchAttentionBackend):
+class CpuAttentionBackend:
+    """The reference's write_kv and prefills; the step's decodes in one call of the kernel."""
+
     name = "cpu"
 
     def __init__(self) -> None:
-        super().__init__()
-        self._cpu_plan: CpuStepPlan | None = None
-        self._cpu_plan_for: AttentionMetadata | None = None  # the step it was made for (held: its id stays its own)
+        self.reference = TorchAttentionBackend()
+        self._plan: CpuStepPlan | None = None
+        self._plan_for: AttentionMetadata | None = None  # the step it was made for (held: its id stays its own)
+
+    def write_kv(self, key, value, kv_cache, metadata: AttentionMetadata) -> None:
+        self.reference.write_kv(key, value, kv_cache, metadata)
 
     def attention(self, query, kv_cache, metadata: AttentionMetadata, scale: float):
-        if self._cpu_plan_for is not metadata:  # the step's first layer
-            self._cpu_plan, self._cpu_plan_for = plan_cpu_step(metadata), metadata
+        if self._plan_for is not metadata:  # the step's first layer
+            self._plan, self._plan_for = plan_cpu_step(metadata), metadata
             set_num_threads(torch.get_num_threads())  # the kernel's threads follow torch's (cpu_threads.py)
-        plan = self._cpu_plan
+        plan = self._plan
         if plan.decode_rows is None:
             return paged_decode_attention(query, kv_cache, plan.block_tables, plan.seq_lens, scale).to(query.dtype)
         out = torch.empty_like(query)
@@ -68,7 +75,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
             decodes = paged_decode_attention(query.index_select(0, plan.decode_rows), kv_cache, plan.block_tables,
                                              plan.seq_lens, scale)
             out.index_copy_(0, plan.decode_rows, decodes.to(query.dtype))
-        for start, end, row in plan.prefills:
-            out[start:end] = prefill_attention(query[start:end], kv_cache, metadata.block_tables[row],
-                                               metadata.seq_lens_cpu[row], scale)
+        attend_prefills(out, query, kv_cache, metadata, plan.prefills, scale)
         return out

@@ -18,15 +18,17 @@ through memory three times (read, write, read again), and every sequence is padd
 longest of its length group. This kernel reads each key and value once, from its block.
 Measured in the engine (the 27M-parameter benchmark model, fp32, 32 decodes of 16-320
 tokens, the 2-core AMD EPYC of BENCHMARKS.md): 5.8 ms of attention a decode step against
-12.5 ms for the gather and SDPA, and the whole benchmark 1.13x faster.
+12.5 ms for the gather and SDPA; compare.py's workload A in 3.5 s instead of 4.0-4.3.
 
 What numba does for us: it compiles this Python loop nest, on first use, to machine code
 through LLVM, for the CPU it runs on; `fastmath` lets LLVM reorder the sums of the dot
 products, which is what turns them into 8-wide vector multiply-adds. `prange` splits the
 sequences across a team of threads (numba's OpenMP or TBB layer; the engine sets the
-team's size to torch's thread count each step). `cache=True` writes the machine code to
-disk (beside this file, or in ~/.cache when that is read-only): compiling takes ~3 s per
-KV-cache dtype, loading it back ~0.3 s.
+team's size to torch's thread count each step). Its on-disk cache keeps the machine code
+(beside this file, else in ~/.cache/numba, or wherever NUMBA_CACHE_DIR says; with nowhere
+writable it compiles in every process): compiling takes ~3 s per KV-cache dtype, loading
+it back ~0.3 s. `why_unusable` runs the kernel once when the engine picks its backend, so
+a machine where numba cannot start its threads gets the reference backend instead.
 
 The cache's dtype. Keys and values are widened to fp32 one element at a time as they are
 read (`widen`): fp32 as is, bf16 by shifting its 16 bits into the top of an fp32 (a bf16 is
@@ -34,6 +36,9 @@ the top half of one), fp16 and the fp8 formats through a table of what each bit 
 means (numpy has no bf16 or fp8, and numba no fp16 arithmetic, so those arrive as their
 raw bits). The sums are in fp32 whatever the cache holds, like SDPA's flash kernel.
 """
+
+import functools
+import os
 
 import numba
 import numpy as np
@@ -43,7 +48,8 @@ from numba.extending import overload
 
 # A layer whose threads several Python threads may launch at once (two engines in one process):
 # OpenMP or TBB. numba's third, "workqueue", aborts the process on a concurrent launch.
-numba.config.THREADING_LAYER = "threadsafe"
+if "NUMBA_THREADING_LAYER" not in os.environ:  # a user's own choice stands
+    numba.config.THREADING_LAYER = "threadsafe"
 
 
 def widen(code, table):
@@ -60,7 +66,9 @@ def _widen(code, table):
     return lambda code, table: table[code]  # fp16 or fp8, as bits: a table of their values
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+# fastmath: LLVM may reorder sums (vector multiply-adds) and assume no NaN or infinity; keys,
+# values and scores are finite (an fp8_e5m2 cache could hold an infinity: its result is undefined).
+@numba.njit(parallel=True, fastmath=True)
 def _paged_decode(query, k_cache, v_cache, table, block_tables, seq_lens, scale, out):
     """query/out [n, Hkv, G, D] fp32; k_cache/v_cache [num_blocks, block_size, Hkv, D] (codes)."""
     num_seqs, num_kv_heads, group, head_dim = query.shape
@@ -106,7 +114,18 @@ def _paged_decode(query, k_cache, v_cache, table, block_tables, seq_lens, scale,
                             o[h, g, d] += weight * widen(values[i, h, d], table)
 
 
-_TABLES: dict[torch.dtype, np.ndarray] = {}
+try:
+    _paged_decode.enable_caching()
+except RuntimeError:  # no writable cache folder: compile in each process instead
+    pass
+
+
+@functools.cache
+def _bits_and_table(dtype: torch.dtype) -> tuple[torch.dtype, np.ndarray]:
+    """The integer dtype a cache of `dtype` is read as, and the fp32 value of each of its bit patterns."""
+    bits = torch.uint8 if dtype.itemsize == 1 else torch.int16
+    patterns = torch.arange(1 << (8 * dtype.itemsize), dtype=torch.int32).to(bits)
+    return bits, patterns.view(dtype).float().numpy()
 
 
 def _codes(cache: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
@@ -115,12 +134,9 @@ def _codes(cache: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
         return cache.numpy(), None
     if cache.dtype == torch.bfloat16:
         return cache.view(torch.int16).numpy().view(np.uint16), None
-    bits = torch.uint8 if cache.dtype.itemsize == 1 else torch.int16
-    if cache.dtype not in _TABLES:  # every bit pattern of the dtype, and the fp32 value it stands for
-        patterns = torch.arange(1 << (8 * cache.dtype.itemsize), dtype=torch.int32).to(bits)
-        _TABLES[cache.dtype] = patterns.view(cache.dtype).float().numpy()
+    bits, table = _bits_and_table(cache.dtype)  # fp16 and the fp8 formats
     codes = cache.view(bits).numpy()
-    return (codes if bits == torch.uint8 else codes.view(np.uint16)), _TABLES[cache.dtype]
+    return (codes if bits == torch.uint8 else codes.view(np.uint16)), table
 
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: np.ndarray,
@@ -143,3 +159,18 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
 def set_num_threads(threads: int) -> None:
     """The kernel's team size (torch's, each step: the engine's thread governor moves it)."""
     numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+
+
+@functools.cache
+def why_unusable() -> str | None:
+    """None once the kernel has run here (compiled or loaded, its threads started); else what stopped it.
+
+    numba's OpenMP layer needs the system's libgomp (its TBB layer, the tbb package):
+    a slim container may have neither.
+    """
+    try:
+        cache = torch.zeros(2, 1, 16, 1, 8)
+        paged_decode_attention(torch.zeros(1, 1, 8), cache, np.zeros((1, 1), np.int32), np.ones(1, np.int32), 1.0)
+    except Exception as error:  # noqa: BLE001 - any failure means: use the reference instead
+        return f"{type(error).__name__}: {error}"
+    return None

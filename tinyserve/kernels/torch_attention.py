@@ -67,6 +67,20 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     return out[0].transpose(0, 1).to(query.dtype)
 
 
+def prefill_rows(metadata: AttentionMetadata) -> list[tuple[int, int, int]]:
+    """(first query row, end query row, batch row) of each sequence with more than one query."""
+    starts = metadata.query_start_loc_cpu
+    return [(starts[i], starts[i + 1], i) for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] > 1]
+
+
+def attend_prefills(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                    prefills: list[tuple[int, int, int]], scale: float) -> None:
+    """Each prefill's queries, one sequence at a time, into its rows of out."""
+    for start, end, row in prefills:
+        out[start:end] = prefill_attention(query[start:end], kv_cache, metadata.block_tables[row],
+                                           metadata.seq_lens_cpu[row], scale)
+
+
 @dataclass(slots=True)
 class DecodeGroup:
     """Decodes of similar length, attended to in one call."""
@@ -109,8 +123,7 @@ def plan_step(metadata: AttentionMetadata, block_size: int, dtype: torch.dtype) 
         ))
         order += [starts[i] for i in group]
         first += len(group)
-    prefills = [(starts[i], starts[i + 1], i) for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] > 1]
-    return StepPlan(torch.tensor(order, dtype=torch.long, device=device), groups, prefills)
+    return StepPlan(torch.tensor(order, dtype=torch.long, device=device), groups, prefill_rows(metadata))
 
 
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
@@ -182,9 +195,7 @@ class TorchAttentionBackend:
             queries = query.index_select(0, plan.decode_order)
             outs = [decode_attention(queries[group.rows], kv_cache, group, scale) for group in plan.decode_groups]
             out.index_copy_(0, plan.decode_order, torch.cat(outs).to(query.dtype))
-        for start, end, row in plan.prefills:
-            out[start:end] = prefill_attention(query[start:end], kv_cache, metadata.block_tables[row],
-                                               metadata.seq_lens_cpu[row], scale)
+        attend_prefills(out, query, kv_cache, metadata, plan.prefills, scale)
         return out
 
 
