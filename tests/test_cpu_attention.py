@@ -123,3 +123,12 @@ def test_an_engine_on_the_cpu_runs_it_by_default_and_its_greedy_tokens_equal_tra
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(folder, p) for p in prompts]
+
+
+def test_where_the_kernel_cannot_run_the_cpu_gets_the_reference_and_the_log_says_why(monkeypatch, caplog):
+    from tinyserve.kernels import cpu_decode_attention
+
+    monkeypatch.setattr(cpu_decode_attention, "why_unusable", lambda: "ValueError: No threading layer could be loaded")
+    with caplog.at_level("WARNING", logger="tinyserve.kernels.backend"):
+        assert default_attention_backend(torch.device("cpu")) == "torch"
+    assert "No threading layer could be loaded" in caplog.text and "using the torch backend" in caplog.text
