@@ -18,7 +18,7 @@ through memory three times (read, write, read again), and every sequence is padd
 longest of its length group. This kernel reads each key and value once, from its block.
 Measured in the engine (the 27M-parameter benchmark model, fp32, 32 decodes of 16-320
 tokens, the 2-core AMD EPYC of BENCHMARKS.md): 5.8 ms of attention a decode step against
-12.5 ms for the gather and SDPA; compare.py's workload A in 3.5 s instead of 4.0-4.3.
+12.5 ms for the gather and SDPA; compare.py's workload A in 3.5-3.6 s instead of 4.0-4.3.
 
 What numba does for us: it compiles this Python loop nest, on first use, to machine code
 through LLVM, for the CPU it runs on; `fastmath` lets LLVM reorder the sums of the dot
