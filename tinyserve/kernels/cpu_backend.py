@@ -22,7 +22,7 @@ import torch
 
 from tinyserve.kernels.cpu_decode_attention import paged_decode_attention, set_num_threads
 from tinyserve.kernels.metadata import AttentionMetadata
-from tinyserve.kernels.torch_attention import TorchAttentionBackend, attend_prefills, prefill_rows
+from tinyserve.kernels.torch_attention import TorchAttentionBackend, attend_prefills, decode_seqs, prefill_rows
 
 
 @dataclass(slots=True)
@@ -39,11 +39,10 @@ def plan_cpu_step(metadata: AttentionMetadata) -> CpuStepPlan:
     """The step's decodes as the kernel reads them (numpy views of the step's tensors), and its prefills."""
     if metadata.is_decode_only:  # the flat batch is the decodes, one row each
         return CpuStepPlan(None, metadata.block_tables.contiguous().numpy(), metadata.seq_lens.numpy(), [])
-    starts = metadata.query_start_loc_cpu
-    decodes = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
+    decodes = decode_seqs(metadata)
     index = torch.tensor(decodes, dtype=torch.long)
     return CpuStepPlan(
-        decode_rows=torch.tensor([starts[i] for i in decodes], dtype=torch.long),
+        decode_rows=torch.tensor([metadata.query_start_loc_cpu[i] for i in decodes], dtype=torch.long),
         block_tables=metadata.block_tables.index_select(0, index).numpy(),
         seq_lens=metadata.seq_lens.index_select(0, index).numpy(),
         prefills=prefill_rows(metadata),

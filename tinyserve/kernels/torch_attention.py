@@ -67,6 +67,12 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     return out[0].transpose(0, 1).to(query.dtype)
 
 
+def decode_seqs(metadata: AttentionMetadata) -> list[int]:
+    """The batch rows of the sequences with exactly one query: the step's decodes."""
+    starts = metadata.query_start_loc_cpu
+    return [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
+
+
 def prefill_rows(metadata: AttentionMetadata) -> list[tuple[int, int, int]]:
     """(first query row, end query row, batch row) of each sequence with more than one query."""
     starts = metadata.query_start_loc_cpu
@@ -108,9 +114,8 @@ def plan_step(metadata: AttentionMetadata, block_size: int, dtype: torch.dtype) 
     """
     starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
     device = metadata.block_tables.device
-    decode_rows = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
     groups, order, first = [], [], 0
-    for group in length_groups(decode_rows, seq_lens):
+    for group in length_groups(decode_seqs(metadata), seq_lens):
         rows = torch.tensor(group, device=device)
         num_blocks = -(-max(seq_lens[i] for i in group) // block_size)  # the group's longest, no more
         positions = torch.arange(num_blocks * block_size, device=device)
