@@ -132,3 +132,13 @@ def test_where_the_kernel_cannot_run_the_cpu_gets_the_reference_and_the_log_says
     with caplog.at_level("WARNING", logger="tinyserve.kernels.backend"):
         assert default_attention_backend(torch.device("cpu")) == "torch"
     assert "No threading layer could be loaded" in caplog.text and "using the torch backend" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                                   torch.float8_e5m2])
+def test_widen_in_plain_python_reads_each_cache_dtype_as_torch_widens_it(dtype):
+    from tinyserve.kernels.cpu_decode_attention import _codes, widen
+
+    values = torch.randn(64, generator=torch.Generator().manual_seed(10)).to(dtype)
+    codes, table = _codes(values)
+    assert [float(widen(code, table)) for code in codes] == values.float().tolist()

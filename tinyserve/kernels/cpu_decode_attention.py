@@ -53,8 +53,12 @@ if "NUMBA_THREADING_LAYER" not in os.environ:  # a user's own choice stands
 
 
 def widen(code, table):
-    """The fp32 value of one cache element (only its numba implementation below ever runs)."""
-    raise NotImplementedError("widen runs inside numba kernels only")
+    """The fp32 value of one cache element, in plain Python; inside the kernel numba compiles `_widen`'s version."""
+    if isinstance(code, np.floating):  # an fp32 cache
+        return np.float32(code)
+    if table is None:  # bf16, as its bits: they are the top half of the fp32
+        return np.array(np.uint32(code) << np.uint32(16), dtype=np.uint32).view(np.float32)[()]
+    return table[code]  # fp16 or fp8, as bits: a table of their values
 
 
 @overload(widen, inline="always")
