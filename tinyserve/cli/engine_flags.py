@@ -37,7 +37,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                             "per-tensor scales of 1.0")
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
                        help="attention kernels: torch (the PyTorch reference), cpu (the reference with a numba decode "
-                            "kernel over the paged cache), triton (default: triton on CUDA, cpu on the CPU)")
+                            "kernel over the paged cache, and the model's elementwise steps fused by numba), "
+                            "triton (default: triton on CUDA, cpu on the CPU)")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split each engine's model over this many worker processes, one per device "
                             "(torch.distributed: gloo on CPU, NCCL on CUDA; default 1)")

@@ -10,6 +10,10 @@ reference copies every decode's keys and values out of the pool before SDPA read
 there the copy is small beside the attention itself, and SDPA's flash kernel, blocked for
 the cache, stays. tests/test_cpu_attention.py holds the two backends to the same numbers.
 
+Handed this backend, the model fuses its elementwise steps too: each residual add with the
+RMSNorm after it, and SwiGLU's silu with its product (cpu_elementwise.py, whose kernels the
+backend compiles or loads when it is made).
+
 As the reference does, the first layer of a step works out what the batch looks like
 (which rows are decodes, their block tables and lengths as the kernel reads them), and
 the other layers reuse it.
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tinyserve.kernels import cpu_elementwise
 from tinyserve.kernels.cpu_decode_attention import paged_decode_attention, set_num_threads
 from tinyserve.kernels.metadata import AttentionMetadata
 from tinyserve.kernels.torch_attention import TorchAttentionBackend, attend_prefills, decode_seqs, prefill_rows
@@ -55,6 +60,7 @@ class CpuAttentionBackend:
     name = "cpu"
 
     def __init__(self) -> None:
+        cpu_elementwise.warm_up()  # the model's fused steps (llama.py takes them with this backend)
         self.reference = TorchAttentionBackend()
         self._plan: CpuStepPlan | None = None
         self._plan_for: AttentionMetadata | None = None  # the step it was made for (held: its id stays its own)

@@ -12,6 +12,11 @@ only the arithmetic that is the same for every backend:
         h = h + down_proj(silu(gate_proj(x)) * up_proj(x))  (x = post_attention_layernorm(h))
     norm(h) ─► hidden [T, hidden]  ─ compute_logits ─► lm_head ─► logits [n, vocab] fp32
 
+Each `h = h + ...` is done together with the norm that reads h next (`add_and_norm`):
+a layer hands the next its output and the residual stream h separately, as vLLM's do, so
+that on the CPU backend the add and the norm are one pass (kernels/cpu_elementwise.py),
+as are silu and the product with up. The sums are the same either way.
+
 The four families differ only in small switches, all read from the HF config:
     Qwen2:  bias on q/k/v projections (not on o_proj).
     Qwen3:  RMSNorm over each head of q and k, before RoPE.
@@ -25,6 +30,7 @@ Parameter names mirror Hugging Face's without the leading "model." (see loader.p
 import torch
 from torch import nn
 
+from tinyserve.kernels import cpu_elementwise
 from tinyserve.kernels.backend import AttentionBackend
 from tinyserve.kernels.metadata import AttentionMetadata
 from tinyserve.models.packed_linear import Linear
@@ -54,6 +60,17 @@ class RMSNorm(nn.Module):
         # 16-bit x, F.rms_norm computes in float32 itself and rounds once at the end: the same
         # numbers as widening x first, without the two conversions.
         return self.weight * nn.functional.rms_norm(x, self.weight.shape, None, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                     fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): a residual add and the norm of its sum.
+
+        fused: in one pass, by cpu_elementwise's kernel, where it takes the tensors (fp32 on the CPU).
+        """
+        if fused and cpu_elementwise.fusable(x, residual, self.weight):
+            return cpu_elementwise.add_rms_norm(x, residual, self.weight, self.eps)
+        residual = x + residual
+        return self(residual), residual
 
 
 def head_dim_of(config) -> int:
@@ -128,8 +145,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)), with gate and up in one matrix."""
 
-    def __init__(self, config, tp: TensorParallel | None = None):
+    def __init__(self, config, tp: TensorParallel | None = None, fused: bool = False):
         super().__init__()
+        self.fused = fused  # silu and the product in one pass, by cpu_elementwise's kernel, where it takes them
         bias = bool(getattr(config, "mlp_bias", False))
         width = split_width(config.intermediate_size, tp.size, "intermediate_size") if tp else config.intermediate_size
         # gate_proj and up_proj stacked by rows, [gate; up]: one matmul instead of two.
@@ -138,24 +156,38 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(width, config.hidden_size, bias=bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused and cpu_elementwise.fusable(gate_up):
+            return self.down_proj(cpu_elementwise.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm residual block: attention, then MLP, each added back onto the stream."""
+    """Pre-norm residual block: attention, then MLP, each added back onto the stream.
+
+    It takes the previous layer's MLP output and the residual stream before that output
+    was added (None in the first layer, whose input is the embedding itself), and returns
+    its own two: each add happens with the norm that follows it (RMSNorm.add_and_norm).
+    """
 
     def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding, backend: AttentionBackend,
-                 tp: TensorParallel | None = None):
+                 tp: TensorParallel | None = None, fused: bool = False):
         super().__init__()
+        self.fused = fused
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = LlamaMLP(config, tp, fused)
 
-    def forward(self, hidden, rope, kv_cache, metadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, rope, kv_cache, metadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, self.fused)
+        hidden = self.self_attn(hidden, rope, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual, self.fused)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -181,9 +213,11 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             self.head_dim, config.max_position_embeddings, get_rope_parameters(config)
         )
+        # The CPU backend brings its elementwise kernels too (kernels/cpu_elementwise.py); the others, PyTorch's ops.
+        self.fused = attention_backend.name == "cpu"
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb, attention_backend, tp)
+            LlamaDecoderLayer(config, i, self.rotary_emb, attention_backend, tp, self.fused)
             for i in range(config.num_hidden_layers)
         )
         self.num_heads = self.layers[0].self_attn.num_heads  # this rank's, under tensor parallelism
@@ -202,11 +236,11 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary_emb.lookup(positions, hidden.dtype)  # the same rotation in every layer
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, rope, kv_cache, metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, metadata)
+        return self.norm.add_and_norm(hidden, residual, self.fused)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n, vocab_size] float32 (sampling wants full precision)."""

@@ -1,0 +1,116 @@
+"""The elementwise steps between a layer's matmuls, fused, on the CPU: two numba kernels.
+
+Each decoder layer does, besides its four matmuls and attention:
+
+    h = h + attention_out;  x = rms_norm(h) * w        (twice a layer: before attention, before the MLP)
+    y = silu(gate) * up                                (SwiGLU, between gate_up_proj and down_proj)
+
+In PyTorch that is five ops (an add, the fused rms_norm, which is itself pow, mean,
+rsqrt and two muls on a CPU, a silu over a strided half of gate_up, a mul), each a pass
+over the rows through memory and, at decode sizes, each mostly the cost of launching it.
+Here each line is one pass: `add_rms_norm` writes the new residual stream and its
+normalized copy from one read of each input; `silu_and_mul` reads gate and up once and
+writes their product. Measured with torch 2.13 on the 2-core AMD EPYC of BENCHMARKS.md
+(fp32, hidden 512, intermediate 1376): at 2,048 rows, 0.25-0.35 against 0.85 ms for the add
+and norm, 0.9 against 2.2-2.7 ms for silu and mul; at 32 rows (a decode step), 9-12 against
+31 us and 16 against 37 us.
+
+What numba does for us: as for the decode attention kernel (cpu_decode_attention.py), it
+compiles these loops through LLVM for this CPU and caches the machine code on disk;
+`prange` spreads the rows over its threads (their number follows torch's, set each step
+by the CPU backend).
+
+The numbers. The sums of squares are added in another order than torch's (vector lanes,
+`fastmath`), so a normalized row differs from F.rms_norm's by a rounding or two (~1e-7
+relative). The exponential is computed here, as Cephes' expf does (2^n times a degree-5
+polynomial of the remainder, to ~1 ulp), because LLVM turns a call of the C library's
+expf into one call per element, while this vectorizes: 8 at a time. Its constants must not
+be regrouped, so `silu_and_mul` leaves out fastmath's reassociation. Only fp32 takes these
+kernels; a 16-bit model rounds between the steps as transformers does, so it keeps the
+PyTorch ops (which are also the reference here: `--attention-backend torch` uses them).
+"""
+
+import numba
+import numpy as np
+import torch
+from numba import prange
+
+# fastmath without "reassoc": LLVM may contract a*b+c into one multiply-add, but not regroup
+# sums, which would undo the two-part ln 2 of `_exp` below.
+_NO_REASSOC = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
+
+
+@numba.njit(inline="always", fastmath=_NO_REASSOC)
+def _exp(x):
+    """e^x in fp32 as Cephes' expf: x = n ln2 + r (|r| <= ln2 / 2), e^x = 2^n e^r, e^r by a polynomial."""
+    x = min(max(x, np.float32(-87.0)), np.float32(88.0))  # 2^n stays a normal fp32
+    n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
+    r = x - n * np.float32(0.693359375) - n * np.float32(-2.12194440e-4)  # ln 2 in two parts: r stays exact
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    e_r = p * r * r + r + np.float32(1.0)
+    two_n = np.uint32(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23)).view(np.float32)  # exponent bits
+    return e_r * two_n
+
+
+@numba.njit(parallel=True, fastmath=_NO_REASSOC)
+def _silu_and_mul(gate_up, out):
+    """gate_up [T, 2W] ([gate | up] by columns) -> out [T, W] = silu(gate) * up = gate / (1 + e^-gate) * up."""
+    num_rows, width = out.shape
+    for t in prange(num_rows):
+        for j in range(width):
+            gate = gate_up[t, j]
+            out[t, j] = gate / (np.float32(1.0) + _exp(-gate)) * gate_up[t, width + j]
+
+
+@numba.njit(parallel=True, fastmath=True)
+def _add_rms_norm(x, residual, weight, eps, normed, new_residual):
+    """new_residual = x + residual; normed = new_residual / sqrt(mean(new_residual^2) + eps) * weight, by rows."""
+    num_rows, hidden = x.shape
+    for t in prange(num_rows):
+        squares = np.float32(0.0)
+        for j in range(hidden):
+            total = x[t, j] + residual[t, j]
+            new_residual[t, j] = total
+            squares += total * total
+        inverse_rms = np.float32(1.0) / np.sqrt(squares / np.float32(hidden) + eps)
+        for j in range(hidden):
+            normed[t, j] = new_residual[t, j] * inverse_rms * weight[j]
+
+
+for _kernel in (_silu_and_mul, _add_rms_norm):
+    try:
+        _kernel.enable_caching()
+    except RuntimeError:  # no writable cache folder: compile in each process instead
+        pass
+
+
+def fusable(*tensors: torch.Tensor) -> bool:
+    """Whether these kernels take the tensors: contiguous fp32 on the CPU."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2W] -> [T, W]: silu of the first half of each row times its second half (fusable tensors only)."""
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    _silu_and_mul(gate_up.numpy(), out.numpy())
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) * weight, x + residual) for [T, hidden] x and residual (fusable tensors only)."""
+    normed, new_residual = torch.empty_like(x), torch.empty_like(x)
+    _add_rms_norm(x.numpy(), residual.numpy(), weight.detach().numpy(), np.float32(eps), normed.numpy(),
+                  new_residual.numpy())
+    return normed, new_residual
+
+
+def warm_up() -> None:
+    """Compile (or load from the disk cache) both kernels now, not in the first step that needs them."""
+    silu_and_mul(torch.zeros(1, 2))
+    add_rms_norm(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), 1e-6)
