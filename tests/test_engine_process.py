@@ -390,6 +390,35 @@ def test_shutdown_leaves_no_processes_and_no_socket_directory(loop, engine_args,
         run(loop, client.add_request(make_request(input_processor, "after-shutdown", [5, 6])))
 
 
+@pytest.mark.slow
+def test_engines_launched_before_the_event_loop_load_meanwhile_and_start_waits_for_them(
+        loop, engine_args, model_info, input_processor, prompts, inproc_client, tmp_path):
+    """`tinyserve serve` launches its engines first, then sets itself up; start() then only waits."""
+    client = MPClient(engine_args, model_info, ipc_dir=str(tmp_path))
+    try:
+        client.launch()  # before the loop runs: the sockets take the loop that first uses them
+        pids = client.engine_pids
+        assert len(pids) == 1 and psutil.pid_exists(pids[0])
+        client.launch()  # once
+        start_client(loop, client)
+        assert client.engine_pids == pids and client.is_healthy  # start() spawned nothing more
+        tokens, _, _ = run(loop, generate(client, input_processor, prompts[:2], "launched"))
+        expected, _, _ = run(loop, generate(inproc_client, input_processor, prompts[:2], "in-process"))
+        assert tokens == expected and all(tokens)
+    finally:
+        client.shutdown()
+    assert wait_until_gone(pids, 10) and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_engines_launched_but_never_started_are_stopped_by_shutdown(engine_args, model_info, tmp_path):
+    client = MPClient(engine_args, model_info, ipc_dir=str(tmp_path))
+    client.launch()
+    pids = client.engine_pids
+    client.shutdown()
+    assert wait_until_gone(pids, 10) and list(tmp_path.iterdir()) == []
+
+
 PARENT_SCRIPT = """
 import asyncio, json, sys
 from tinyserve.config import EngineArgs, ModelInfo

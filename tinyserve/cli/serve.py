@@ -112,13 +112,6 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tinyserve.frontend.async_llm import AsyncLLM
-    from tinyserve.entrypoints.api.metrics import ServerMetrics
-    from tinyserve.entrypoints.api.openai_serving import ServingContext
-    from tinyserve.entrypoints.api.server import build_app
-    from tinyserve.entrypoints.api.shutdown import GracefulServer
-    from tinyserve.entrypoints.api.slow_clients import DeadlineProtocol
-
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     problem = _check_server_flags(args) or check_load_balancing_flags(args)
     if problem is not None:
@@ -132,16 +125,29 @@ def run(args: argparse.Namespace) -> int:
     except OSError as error:
         print(f"error: cannot listen on {args.host}:{args.port}: {error.strerror or error}", file=sys.stderr)
         return 2
+    client = None
     try:
         engine_args = engine_args_from(args)
         run_dir = start_tracing(args, engine_args, names[0])
+        client = launch_engines(args, engine_args)
+        # The rest of the API process (its modules, the tokenizer, the app) is set up while the engines load.
+        from tinyserve.frontend.async_llm import AsyncLLM
+
         engine = AsyncLLM(engine_args, data_parallel_size=args.data_parallel_size, log_requests=args.log_requests,
-                          max_waiting_requests=args.max_waiting_requests, multi_node=_multi_node(args),
-                          data_parallel_rank=args.data_parallel_rank)
+                          max_waiting_requests=args.max_waiting_requests, multi_node=client.multi_node,
+                          data_parallel_rank=args.data_parallel_rank, client=client)
     except ValueError as error:
+        if client is not None:
+            client.shutdown()
         listener.close()
         print(f"error: {error}", file=sys.stderr)
         return 2
+    from tinyserve.entrypoints.api.metrics import ServerMetrics
+    from tinyserve.entrypoints.api.openai_serving import ServingContext
+    from tinyserve.entrypoints.api.server import build_app
+    from tinyserve.entrypoints.api.shutdown import GracefulServer
+    from tinyserve.entrypoints.api.slow_clients import DeadlineProtocol
+
     ctx = ServingContext(engine, names, redact_inputs=args.trace_redact_inputs,
                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     if run_dir is not None:
@@ -161,6 +167,18 @@ def run(args: argparse.Namespace) -> int:
     # Returns after a graceful shutdown; uvicorn then re-raises the signal that asked for it.
     server.run(sockets=[listener])
     return server.exit_code
+
+
+def launch_engines(args: argparse.Namespace, engine_args):
+    """The server's engine client, its local engines spawned already (MPClient.launch): they import
+    torch and load the model while this process imports the rest of itself and loads the tokenizer."""
+    from tinyserve.config import ModelInfo
+    from tinyserve.frontend.core_client import MPClient
+
+    client = MPClient.for_engines(engine_args, ModelInfo.from_args(engine_args), args.data_parallel_size,
+                                  args.data_parallel_rank, _multi_node(args))
+    client.launch()
+    return client
 
 
 def _multi_node(args: argparse.Namespace):

@@ -65,12 +65,15 @@ class AsyncLLM:
         log_requests: bool = False,
         max_waiting_requests: int | None = None,
         multi_node: MultiNode | None = None,
+        client: MPClient | None = None,
     ) -> None:
         """max_waiting_requests: most engine requests waiting for a seat before new ones are refused (None: no bound).
 
         multi_node: some of the data_parallel_size engines run on headless nodes (remote_engines.py).
+        client: the MPClient.for_engines of the same arguments, made already (`tinyserve serve`
+        launches its engines before it imports this module, so that they load meanwhile).
         """
-        indices = self.engine_indices = data_parallel_engine_indices(data_parallel_size, data_parallel_rank, in_process)
+        self.engine_indices = data_parallel_engine_indices(data_parallel_size, data_parallel_rank, in_process)
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}")
         self.engine_args = engine_args
@@ -81,9 +84,10 @@ class AsyncLLM:
         self.input_processor = InputProcessor.from_engine_args(self.model_info, self.tokenizer, engine_args)
         self.render_threads = RenderThreads(self.input_processor)  # templates and tokenizing, off the event loop
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.client: EngineClient = AsyncInprocClient(engine_args, self.model_info) if in_process else MPClient(
-            engine_args, self.model_info, data_parallel_size=len(indices), start_index=indices.start,
-            multi_node=multi_node)
+        if client is None:
+            client = AsyncInprocClient(engine_args, self.model_info) if in_process else MPClient.for_engines(
+                engine_args, self.model_info, data_parallel_size, data_parallel_rank, multi_node)
+        self.client: EngineClient = client
         self.queues: dict[str, asyncio.Queue] = {}
         self.engine_stats: dict[int, SchedulerStats] = {}
         # Objects with on_request(request_id, child EngineCoreRequests, SamplingParams) and on_outputs(...),
