@@ -22,14 +22,25 @@ def _exps(x):
     return out
 
 
-def test_the_exponential_is_within_two_roundings_of_the_true_one_over_fp32s_normal_range():
-    x = np.linspace(-87.0, 88.0, 1_000_001, dtype=np.float32)
+def test_the_exponential_is_within_two_roundings_of_the_true_one_over_fp32s_range():
+    x = np.linspace(-86.0, 88.7, 1_000_001, dtype=np.float32)
     exact = np.exp(x.astype(np.float64))
     relative = np.abs(_exps(x).astype(np.float64) - exact) / exact
     assert relative.max() < 2.5 * 2.0**-24  # ~1.5e-7: two fp32 roundings
-    # Past the range: e^-1000 is (nearly) 0 and e^1000 large but finite, so silu stays finite.
+    # Past the range: e^-1000 is (nearly) 0, e^89 and e^1000 overflow as expf's do, so silu(-1000) is -0.
     assert _exps(np.array([-1000.0], np.float32))[0] < 1e-37
-    assert np.isfinite(_exps(np.array([1000.0], np.float32))[0])
+    assert np.isinf(_exps(np.array([89.0, 1000.0], np.float32))).all()
+
+
+def test_silu_and_mul_is_within_three_roundings_of_torchs_for_every_fp32_that_is_a_bf16():
+    """Every finite bf16 value as an fp32 gate: the whole range, the tails included."""
+    gates = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    gates = gates[torch.isfinite(gates)]
+    got = cpu_elementwise.silu_and_mul(torch.stack([gates, torch.ones_like(gates)], dim=1))[:, 0]
+    expected = torch.nn.functional.silu(gates)
+    normal = expected.abs() > 1e-30
+    assert ((got - expected).abs() / expected.abs())[normal].max() < 3 * 2.0**-24  # exp, division, product
+    assert (got - expected)[~normal].abs().max() < 1e-40
 
 
 @pytest.mark.parametrize("rows", [0, 1, 32, 2048])
