@@ -1,12 +1,13 @@
 """Tensor parallelism: the model split over N worker processes gives transformers' greedy tokens.
 
-Each test starts real ranks (spawned processes joined by torch.distributed over gloo, fed
+Each test starts real ranks (processes started as `python -m tinyserve.engine.child_process`, joined by torch.distributed over gloo, fed
 each SchedulerOutput over ZeroMQ) on the CPU. The tiny checkpoints have 4 query heads
 over 2 KV heads: TP=2 splits both, TP=4 replicates each KV head on two ranks.
 """
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -192,3 +193,44 @@ def test_rank_zeros_store_takes_the_port_it_binds_and_the_others_find_it_there()
     joined = join_store("127.0.0.1", first.port, 2)
     joined.set("rank 1", b"here")
     assert first.get("rank 1") == b"here"
+
+
+def exits_at_start_up(**kwargs):
+    """A rank's entry point that fails before it reaches the group (unpickled in the rank's process)."""
+    raise SystemExit(3)
+
+
+def test_a_rank_that_fails_to_start_fails_the_engine_within_seconds_not_the_rendezvous_timeout(monkeypatch):
+    from tests.patience import patient
+    from tinyserve.engine.worker import tensor_parallel_workers
+
+    monkeypatch.setattr(tensor_parallel_workers, "run_worker", exits_at_start_up)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 exited during start-up \(exit code 3\)"):
+        LLM(str(tiny_model_with_tokenizer("llama")), tensor_parallel_size=2, num_kv_blocks=64)
+    assert time.monotonic() - started < patient(10) < tensor_parallel_workers.RENDEZVOUS_TIMEOUT_S
+
+
+UNGUARDED_SCRIPT = """
+from tinyserve import LLM, SamplingParams
+
+llm = LLM({folder!r}, tensor_parallel_size=2, num_kv_blocks=64)
+outputs = llm.generate([{{"prompt_token_ids": p}} for p in {prompts!r}],
+                       SamplingParams(temperature=0.0, max_tokens={max_tokens}), use_tqdm=False)
+print([o.outputs[0].token_ids for o in outputs])
+"""
+
+
+def test_a_script_with_a_tensor_parallel_llm_at_module_level_runs_as_written(tmp_path):
+    """No `if __name__ == "__main__":` guard: the ranks do not import the user's script again."""
+    import subprocess
+    import sys
+
+    folder = tiny_model_with_tokenizer("llama")
+    prompts = prompts_for(folder)
+    script = tmp_path / "tp_script.py"
+    script.write_text(UNGUARDED_SCRIPT.format(folder=str(folder), prompts=prompts, max_tokens=MAX_TOKENS))
+    done = subprocess.run([sys.executable, script.name], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == str([hf_greedy(folder, p) for p in prompts])

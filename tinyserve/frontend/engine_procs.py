@@ -8,11 +8,11 @@ engine index first_index + i: 0..N-1 usually, R alone for a server started with
 (engine/headless.py). Its metrics, traces and process title say that index.
 """
 
-import multiprocessing
 import os
 import signal
 
 from tinyserve.config import EngineArgs, ModelInfo
+from tinyserve.engine.child_process import ChildProcess
 from tinyserve.engine.engine_core_proc import run_engine_core
 from tinyserve.utils import sigint_ignored
 
@@ -26,20 +26,20 @@ class EngineProcesses:
         self.model_info = model_info
         self.num_engines = num_engines
         self.first_index = first_index
-        self.processes: list[multiprocessing.Process] = []  # processes[i] serves rank first_index + i
+        self.processes: list[ChildProcess] = []  # processes[i] serves rank first_index + i
 
     def start(self, input_addresses: list[str], output_address: str) -> None:
         """Start engine first_index + i reading requests from input_addresses[i]; all write to output_address."""
-        # spawn, not fork: a forked copy of a process with torch and ZeroMQ threads can deadlock.
-        # The arguments below reach the child pickled, over a pipe that only the two
-        # processes hold; everything after the start goes over the sockets as msgspec.
-        spawn = multiprocessing.get_context("spawn")
+        # A new interpreter, not a fork: a forked copy of a process with torch and ZeroMQ threads
+        # can deadlock; and not multiprocessing's spawn, which imports the user's script again
+        # (child_process.py). The arguments below reach the child pickled, over a pipe that only
+        # the two processes hold; everything after the start goes over the sockets as msgspec.
         num_threads = None
         if self.args.torch_device.type == "cpu" and self.num_engines > 1:
             # Engines on one CPU split its cores: thread pools that overlap slow each other down.
             num_threads = max(1, (os.cpu_count() or 1) // self.num_engines)
         for engine_index, input_address in enumerate(input_addresses, start=self.first_index):
-            process = spawn.Process(
+            process = ChildProcess(
                 target=run_engine_core,
                 name=f"tinyserve-engine-{engine_index}",
                 kwargs=dict(
@@ -51,8 +51,7 @@ class EngineProcesses:
                     model_info=self.model_info,
                     num_threads=num_threads,
                 ),
-                daemon=True,  # multiprocessing terminates it if this interpreter exits normally
-            )
+            )  # ended with this interpreter, if it is still running then
             with sigint_ignored():
                 process.start()
             self.processes.append(process)

@@ -31,7 +31,6 @@ alone, and the same layers call the same all-reduce, a collective of one.
 import contextlib
 import datetime
 import json
-import multiprocessing
 import os
 import signal
 import threading
@@ -45,6 +44,7 @@ import torch.distributed as dist
 import zmq
 
 from tinyserve.config import EngineArgs, ModelInfo
+from tinyserve.engine.child_process import ChildProcess
 from tinyserve.engine.core.scheduler_output import SchedulerOutput
 from tinyserve.lifecycle.engine_records import RankTimes
 from tinyserve.lifecycle.tracing import tracing_enabled
@@ -52,6 +52,7 @@ from tinyserve.models.tensor_parallel import TensorParallel, split_heads, split_
 from tinyserve.utils import sigint_ignored
 
 RENDEZVOUS_TIMEOUT_S = 300  # ranks import torch and load their shard before they join
+STARTUP_POLL_S = 0.05  # how often rank 0 looks for the others, and for one that died, before it joins
 _STOP = b"stop"
 
 
@@ -139,23 +140,40 @@ class TensorParallelWorkers:
         times_address = self._times.getsockopt_string(zmq.LAST_ENDPOINT)
         self.traced = tracing_enabled()
         self.device = str(rank_device(args, engine_index, 0))
-        spawn = multiprocessing.get_context("spawn")
         num_threads = None
         if args.torch_device.type == "cpu":  # each rank its share of the cores, or --cpu-threads each
             num_threads = args.cpu_threads or max(1, (os.cpu_count() or 1) // self.size)
         self.processes = []
         for rank, address in zip(range(1, self.size), addresses):
-            process = spawn.Process(target=run_worker, name=f"tinyserve-engine-{engine_index}-tp{rank}", daemon=True,
-                                    args=(args, model_info, engine_index, rank, host, store.port, address, times_address,
-                                          os.getpid(), num_threads))
-            with sigint_ignored(), _may_have_children():
+            process = ChildProcess(run_worker, name=f"tinyserve-engine-{engine_index}-tp{rank}", kwargs=dict(
+                args=args, model_info=model_info, engine_index=engine_index, rank=rank, host=host, port=store.port,
+                address=address, times_address=times_address, parent_pid=os.getpid(), num_threads=num_threads))
+            with sigint_ignored():
                 process.start()
             self.processes.append(process)
         self._threads_before = torch.get_num_threads()
         if num_threads is not None:
             torch.set_num_threads(num_threads)  # rank 0 shares the cores with the others (until shutdown)
+        self._wait_for_ranks()
         self.tp = join_group(0, self.size, store, rank_device(args, engine_index, 0))
         self._encoder = msgspec.msgpack.Encoder()
+
+    def _wait_for_ranks(self) -> None:
+        """Until every rank is about to join the group; RuntimeError at once if one has died. (Joining
+        waits for every rank, up to RENDEZVOUS_TIMEOUT_S, and cannot be interrupted: so each rank first
+        writes its key in rank 0's store, and rank 0 joins once all are there, watching the ranks.)"""
+        keys = [_started_key(rank) for rank in range(1, self.size)]
+        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
+        while not self._store.check(keys):
+            for rank, process in enumerate(self.processes, start=1):
+                if process.exitcode is not None:
+                    self.shutdown()
+                    raise RuntimeError(f"tensor-parallel rank {rank} exited during start-up "
+                                       f"({_exit_reason(process.exitcode)}); its error is above")
+            if time.monotonic() > deadline:
+                self.shutdown()
+                raise RuntimeError(f"tensor-parallel ranks did not start within {RENDEZVOUS_TIMEOUT_S} s")
+            time.sleep(STARTUP_POLL_S)
 
     def start(self, num_blocks: int) -> None:
         """Tell every rank how many KV blocks to allocate (the scheduler's, the same on every rank),
@@ -238,7 +256,9 @@ def run_worker(args: EngineArgs, model_info: ModelInfo, engine_index: int, rank:
     device = rank_device(args, engine_index, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    tp = join_group(rank, args.tensor_parallel_size, join_store(host, port, args.tensor_parallel_size), device)
+    store = join_store(host, port, args.tensor_parallel_size)
+    store.set(_started_key(rank), "1")  # rank 0 joins once every rank is here (_wait_for_ranks)
+    tp = join_group(rank, args.tensor_parallel_size, store, device)
     backend = get_attention_backend(args.attention_backend or default_attention_backend(device), device,
                                     model_info.max_model_len)
     model, _ = load_model(model_info.path, model_info.torch_dtype, device, backend,
@@ -266,6 +286,10 @@ def run_worker(args: EngineArgs, model_info: ModelInfo, engine_index: int, rank:
         dist.destroy_process_group()
 
 
+def _started_key(rank: int) -> str:
+    return f"tinyserve/rank-{rank}-started"
+
+
 def _exit_reason(exitcode: int) -> str:
     return f"killed by {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
 
@@ -274,17 +298,3 @@ def _watch_parent(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(1.0)
     os._exit(1)  # the engine is gone: nobody will send another step
-
-
-@contextlib.contextmanager
-def _may_have_children():
-    """An engine process is a daemon of the API process (ended with it), and multiprocessing
-    refuses children to a daemon. Its ranks need no such protection from it: they are daemons
-    themselves, ended with the engine, and each watches that its parent is still there."""
-    me = multiprocessing.current_process()
-    was_daemon = me.daemon
-    me.daemon = False
-    try:
-        yield
-    finally:
-        me.daemon = was_daemon
