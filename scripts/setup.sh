@@ -53,7 +53,7 @@ fi
 # and the kernels' tests run through Triton's interpreter: install the release that torch's
 # CUDA build of the same version pins (scripts/torch_triton_pin.py), not whichever is newest.
 if [ "$(uname -sm)" = "Linux x86_64" ]; then
-  torch_installed=$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
+  torch_installed=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("torch").split("+")[0])')
   triton_pin=$("$venv/bin/python" "$(dirname "$0")/torch_triton_pin.py" "$torch_installed")
   triton_now=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("triton"))' 2>/dev/null || true)
   if [ "$triton_now" != "$triton_pin" ]; then

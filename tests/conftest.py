@@ -16,6 +16,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+from tests import cpu_kinds  # noqa: E402
+
+cpu_kinds.take_the_kind_asked_for()  # tests/test_cpu_kinds.py runs some modules again as the other kind of CPU
+
 from tests import shared_server  # noqa: E402
 from tinyserve.testing import ServerProcess  # noqa: E402
 

@@ -5,6 +5,7 @@ import time
 
 import httpx
 
+from tests.patience import patient
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 
 
@@ -19,7 +20,7 @@ def metric(url: str, name: str) -> float:
 
 
 def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patient(timeout)
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting until {what}"
         time.sleep(0.1)

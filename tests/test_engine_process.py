@@ -22,6 +22,7 @@ import psutil
 import pytest
 import torch
 
+from tests.patience import patient
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM
 from tinyserve.config import EngineArgs, ModelInfo
@@ -161,7 +162,7 @@ def is_gone(pid: int) -> bool:
 
 
 def wait_until_gone(pids, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patient(timeout)
     while time.monotonic() < deadline:
         if all(is_gone(pid) for pid in pids):
             return True
@@ -311,7 +312,7 @@ def test_idle_engine_does_not_spin(mp_client):
     # polls would be switched in at every poll. (On Linux, psutil reads a process's
     # state and context switches from its main thread.)
     engine = psutil.Process(mp_client.engine_pids[0])
-    deadline = time.monotonic() + 10  # the step that served the last test may still be ending
+    deadline = time.monotonic() + patient(10)  # the step that served the last test may still be ending
     while engine.status() != psutil.STATUS_SLEEPING:
         assert time.monotonic() < deadline, f"the engine never went to sleep: {engine.status()}"
         time.sleep(0.05)
@@ -341,7 +342,7 @@ def test_engine_startup_failure_is_reported_not_hung(loop, model_folder, tmp_pat
 
 
 @pytest.mark.slow
-def test_killed_engine_fails_outputs_within_two_seconds(loop, engine_args, model_info, input_processor, prompts):
+def test_killed_engine_fails_outputs_within_seconds(loop, engine_args, model_info, input_processor, prompts):
     client = start_client(loop, MPClient(engine_args, model_info))
     try:
         run(loop, client.add_request(make_request(input_processor, "doomed", prompts[0], LONG)))
@@ -350,12 +351,12 @@ def test_killed_engine_fails_outputs_within_two_seconds(loop, engine_args, model
         killed_at = time.monotonic()
         with pytest.raises(EngineDeadError, match="killed by SIGKILL"):
             run(loop, _drain_until_dead(client))
-        assert time.monotonic() - killed_at < 2.0
+        assert time.monotonic() - killed_at < patient(2.0)  # event-driven: ~0.1 s idle, not a poll or a timeout
         assert not client.is_healthy
         with pytest.raises(EngineDeadError):
-            run(loop, client.add_request(make_request(input_processor, "too-late", prompts[0])), timeout=0.5)
+            run(loop, client.add_request(make_request(input_processor, "too-late", prompts[0])), timeout=patient(0.5))
         with pytest.raises(EngineDeadError):
-            run(loop, client.get_outputs(), timeout=0.5)  # and again: it stays dead
+            run(loop, client.get_outputs(), timeout=patient(0.5))  # and again: it stays dead
     finally:
         client.shutdown()
 
@@ -371,7 +372,7 @@ def test_sigterm_stops_an_idle_engine_cleanly(loop, engine_args, model_info):
     try:
         os.kill(client.engine_pids[0], signal.SIGTERM)
         with pytest.raises(EngineDeadError, match="exit code 0"):
-            run(loop, client.get_outputs(), timeout=3.0)
+            run(loop, client.get_outputs(), timeout=patient(3.0))
     finally:
         client.shutdown()
 

@@ -18,6 +18,7 @@ import psutil
 import pytest
 import zmq
 
+from tests.patience import patient
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.testing import ServerProcess
 
@@ -286,7 +287,7 @@ def test_garbage_on_the_ipc_socket_is_dropped_and_logged_and_the_server_serves_o
     finally:
         intruder.close(linger=2000)
         context.term()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + patient(10)
     while server.output().count("dropped a malformed message") < 4:
         assert time.monotonic() < deadline, server.output()[-2000:]
         time.sleep(0.1)

@@ -11,6 +11,7 @@ CPU does instead run.
 import pytest
 import torch
 
+import tinyserve.kernels.cpu_bf16 as cpu_bf16
 import tinyserve.kernels.torch_attention as torch_attention
 import tinyserve.models.loader as loader
 import tests.test_model_parity as parity
@@ -106,9 +107,10 @@ def test_a_bf16_model_is_packed_exactly_where_onednn_serves_bf16_matmuls_and_wid
     model = load(tiny_checkpoint("llama"), torch.bfloat16)
     packed = [name for name, p in model.named_parameters() if p.layout == torch._mkldnn]
     linears = 4 * model.config.num_hidden_layers + 1
-    assert len(packed) == (linears if ONEDNN_BF16 or PACKS_FP32 else 0)  # widened weights packed as fp32 ones
+    widens = not cpu_bf16.cpu_has_bf16_matmuls()  # fp32 weights (cpu_bf16.py); tests/cpu_kinds.py may force it off
     widened = [m for m in model.modules() if isinstance(m, Linear) and m.weight.dtype == torch.float32]
-    assert len(widened) == (0 if ONEDNN_BF16 else linears)  # else fp32 (cpu_bf16.py)
+    assert len(widened) == (linears if widens else 0)
+    assert len(packed) == (linears if (PACKS_FP32 if widens else ONEDNN_BF16) else 0)  # widened: packed as fp32
 
 
 @needs_fp32_packing

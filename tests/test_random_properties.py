@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from tests.patience import patient
 from tests.random_workloads import Case, PlannedRequest, draw_case
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM, AsyncLLM, EngineArgs
@@ -348,7 +349,7 @@ async def run_streams(engine: AsyncLLM, case: Case) -> list[StreamRecord]:
 
 async def wait_until(condition, what: str, timeout_s: float = 10.0) -> None:
     """Poll `condition` (an async callable) until it holds: aborts reach an engine a moment after they return."""
-    for _ in range(int(timeout_s / 0.01)):
+    for _ in range(int(patient(timeout_s) / 0.01)):
         if await condition():
             return
         await asyncio.sleep(0.01)

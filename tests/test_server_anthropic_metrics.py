@@ -7,6 +7,7 @@ import anthropic
 import httpx
 import pytest
 
+from tests.patience import patient
 from tests.shared_server import MODEL
 
 pytestmark = pytest.mark.server
@@ -130,7 +131,7 @@ def test_dropped_streams_abort_their_requests_and_free_the_kv_cache(server):
                         received += 1
                     if received == 2:
                         break
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + patient(10)
     while metric(server, "num_requests_running") or metric(server, "kv_cache_usage_perc"):
         assert time.monotonic() < deadline, "requests were not aborted after the clients left"
         time.sleep(0.2)

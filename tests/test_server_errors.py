@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from tests.patience import patient
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.testing import ServerProcess
 
@@ -180,7 +181,7 @@ def test_dead_engine_makes_health_503_and_requests_fail_with_503():
         assert engines, "the engine process should be a child of the server"
         for engine in engines:
             engine.send_signal(signal.SIGKILL)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + patient(5)
         while httpx.get(f"{proc.url}/health").status_code != 503:
             assert time.monotonic() < deadline, "/health did not turn 503"
             time.sleep(0.1)

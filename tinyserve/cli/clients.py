@@ -11,11 +11,9 @@ application would, so what they show is what any OpenAI-compatible caller gets:
 Without --model (vLLM's --model-name) they use the first model the server lists, as vLLM's CLI does.
 Failures (no server at the URL, a 4xx answer, an error in the stream) end the
 command with one line on stderr and exit code 1, never a traceback.
-
-`openai` is imported when a command runs, not with this module: `tinyserve serve`
-builds its parser from here too, and so does every engine process it spawns
-(multiprocessing imports the parent's main module again in each child).
 """
+# `openai` is imported when a command runs, not with this module: `tinyserve serve` builds its
+# parser from here too. The module docstring is the commands' --help text: it speaks to users.
 
 from __future__ import annotations
 
