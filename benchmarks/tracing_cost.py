@@ -60,7 +60,7 @@ class Switchable:
 
     def switch(self, on: bool) -> None:
         tracing._provider = self.provider if on else None
-        self.llm.engine_core.span_builder = self.builder if on else None
+        self.llm.engine_core.recorder.span_builder = self.builder if on else None
 
     def run(self, workload, traced: bool) -> tuple[float, float, list[list[int]]]:
         """(total seconds, engine-loop seconds, outputs) of one generate()."""

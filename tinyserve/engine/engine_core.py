@@ -9,22 +9,19 @@ returns EngineCoreOutputs with the new tokens. The in-process client calls
 
 import atexit
 import gc
-import time
-
-import torch
 
 from tinyserve.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs, ModelInfo, check_kv_fit
 from tinyserve.engine.core.kv_cache_manager import KVCacheManager
 from tinyserve.engine.core.request import Request
 from tinyserve.engine.core.scheduler import Scheduler
 from tinyserve.engine.core.scheduler_output import SchedulerOutput
+from tinyserve.engine.step_recorder import StepRecorder
 from tinyserve.engine.structured_output import StructuredOutputManager
 from tinyserve.engine.worker.cpu_threads import ThreadGovernor, engine_cores
 from tinyserve.engine.worker.gpu_memory import MemorySnapshot, kv_cache_budget
 from tinyserve.engine.worker.model_runner import ModelRunner
 from tinyserve.engine.worker.tensor_parallel_workers import TensorParallelRunner, TensorParallelWorkers
 from tinyserve.kernels.backend import default_attention_backend, get_attention_backend
-from tinyserve.lifecycle.engine_records import StepTimes
 from tinyserve.lifecycle.engine_spans import EngineSpanBuilder
 from tinyserve.lifecycle.tracing import tracing_enabled
 from tinyserve.utils import cdiv
@@ -34,15 +31,9 @@ from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineC
 class EngineCore:
     def __init__(self, args: EngineArgs, engine_index: int = 0, model_info: ModelInfo | None = None, *,
                  spans_inline: bool = False) -> None:
-        from tinyserve.models.loader import load_model
-
         self.args = args
         self.engine_index = engine_index
         self.model_info = model_info or ModelInfo.from_args(args)
-        device = args.torch_device
-        backend_name = args.attention_backend or default_attention_backend(device)
-        backend = get_attention_backend(backend_name, device, self.model_info.max_model_len)
-        gpu_at_start = MemorySnapshot.take(device) if device.type == "cuda" else None
         # Tensor parallelism: ranks 1..N-1 start now and load their shards while this one
         # loads rank 0's (worker/tensor_parallel_workers.py); force_tensor_parallel takes
         # that path with one rank too.
@@ -51,63 +42,15 @@ class EngineCore:
         # Until the engine is whole, a failure must also end the process group: the other
         # ranks would wait for this one for ever, and this process could not form another.
         try:
-            model, _ = load_model(
-                self.model_info.path, self.model_info.torch_dtype, device, backend,
-                max_model_len=self.model_info.max_model_len, tp=self.tp_workers.tp if self.tp_workers else None,
-            )
-            # The Triton kernels read every shape from tensors, so a decode step can be
-            # recorded once per batch-size bucket and replayed (CUDA graphs); not yet with
-            # the collectives of tensor parallelism inside.
-            decode_graphs = backend.name == "triton" and not args.enforce_eager and self.tp_workers is None
-            num_blocks = args.num_kv_blocks or self._blocks_from_memory(model, gpu_at_start, decode_graphs)
-            if self.tp_workers is not None:
-                self.tp_workers.start(num_blocks)
-            self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
-            self.scheduler = Scheduler(
-                self.kv_cache_manager,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs,
-                max_model_len=self.model_info.max_model_len,
-                policy=args.scheduling_policy,
-            )
-            self.model_runner = ModelRunner(
-                model,
-                num_blocks=num_blocks,
-                block_size=args.block_size,
-                dtype=self.model_info.kv_cache_dtype,
-                device=device,
-                seed=args.seed,
-                decode_graphs=decode_graphs,
-                max_num_seqs=args.max_num_seqs,
-                max_model_len=self.model_info.max_model_len,
-            )
-            if self.tp_workers is not None:
-                self.model_runner = TensorParallelRunner(self.model_runner, self.tp_workers)
-            self.model_runner.warm_up()
+            self._build_scheduler_and_runner()
         except BaseException:
             if self.tp_workers is not None:
                 self.tp_workers.shutdown()
             raise
-        # On CPU, the forward pass's thread count: --cpu-threads, or a governor's (worker/cpu_threads.py).
-        # Under tensor parallelism each rank keeps the count it started with (its share of the cores).
-        self.fixed_cpu_threads = None
-        self.thread_governor = None
-        if device.type == "cpu" and self.tp_workers is None:
-            if args.cpu_threads is not None:
-                self.fixed_cpu_threads = args.cpu_threads  # set before every execute, as the governor's count
-            else:
-                self.thread_governor = ThreadGovernor(engine_cores())
         # Grammars for structured outputs, compiled in threads of their own (structured_output.py).
         self.structured_output = StructuredOutputManager(args.structured_outputs_backend, self.model_info.path,
                                                          self.model_info.vocab_size, self.model_info.eos_token_ids)
-        # The latest step's decisions and clock, for a notebook or a benchmark to look at.
-        self.last_scheduler_output: SchedulerOutput | None = None
-        self.last_step_times: StepTimes | None = None
-        # Tracing: spans are built from what each step recorded, on the builder's own thread,
-        # or in batches in this thread (spans_inline: the offline LLM, see engine_spans.py).
-        self.span_builder = EngineSpanBuilder(engine_index, inline=spans_inline,
-                                              structured_outputs_backend=args.structured_outputs_backend,
-                                              ) if tracing_enabled() else None
+        self.recorder = self._make_recorder(spans_inline)
         # Everything allocated so far (model, tokenizer, libraries) lives as long as the
         # engine: move it out of the garbage collector's sight, as vLLM does after start-up.
         # Otherwise every full collection walks those millions of objects again: a
@@ -115,6 +58,59 @@ class EngineCore:
         gc.collect()
         gc.freeze()
         atexit.register(gc.unfreeze)  # let the interpreter's last collection free them at exit
+
+    def _build_scheduler_and_runner(self) -> None:
+        """The model (this rank's shard), the KV cache's size, the scheduler and the model runner."""
+        from tinyserve.models.loader import load_model
+
+        args, info, device = self.args, self.model_info, self.args.torch_device
+        backend = get_attention_backend(args.attention_backend or default_attention_backend(device), device,
+                                        info.max_model_len)
+        gpu_at_start = MemorySnapshot.take(device) if device.type == "cuda" else None
+        model, _ = load_model(info.path, info.torch_dtype, device, backend, max_model_len=info.max_model_len,
+                              tp=self.tp_workers.tp if self.tp_workers else None)
+        # The Triton kernels read every shape from tensors, so a decode step can be
+        # recorded once per batch-size bucket and replayed (CUDA graphs); not yet with
+        # the collectives of tensor parallelism inside.
+        decode_graphs = backend.name == "triton" and not args.enforce_eager and self.tp_workers is None
+        num_blocks = args.num_kv_blocks or self._blocks_from_memory(model, gpu_at_start, decode_graphs)
+        if self.tp_workers is not None:
+            self.tp_workers.start(num_blocks)
+        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache_manager, max_num_batched_tokens=args.max_num_batched_tokens,
+                                   max_num_seqs=args.max_num_seqs, max_model_len=info.max_model_len,
+                                   policy=args.scheduling_policy)
+        self.model_runner = ModelRunner(model, num_blocks=num_blocks, block_size=args.block_size,
+                                        dtype=info.kv_cache_dtype, device=device, seed=args.seed,
+                                        decode_graphs=decode_graphs, max_num_seqs=args.max_num_seqs,
+                                        max_model_len=info.max_model_len)
+        if self.tp_workers is not None:
+            self.model_runner = TensorParallelRunner(self.model_runner, self.tp_workers)
+        self.model_runner.warm_up()
+
+    def _make_recorder(self, spans_inline: bool) -> StepRecorder:
+        """The step's clocks, stats, spans and CPU threads (step_recorder.py)."""
+        args = self.args
+        # On CPU, the forward pass's thread count: --cpu-threads, or a governor's (worker/cpu_threads.py).
+        # Under tensor parallelism each rank keeps the count it started with (its share of the cores).
+        governor, fixed = None, None
+        if args.torch_device.type == "cpu" and self.tp_workers is None:
+            if args.cpu_threads is not None:
+                fixed = args.cpu_threads  # set before every execute, as the governor's count
+            else:
+                governor = ThreadGovernor(engine_cores())
+        # Tracing: spans are built from what each step recorded, on the builder's own thread,
+        # or in batches in this thread (spans_inline: the offline LLM, see engine_spans.py).
+        span_builder = EngineSpanBuilder(self.engine_index, inline=spans_inline,
+                                         structured_outputs_backend=args.structured_outputs_backend,
+                                         ) if tracing_enabled() else None
+        return StepRecorder(self.engine_index, self.scheduler, self.model_runner, governor, fixed, span_builder)
+
+    # What the recorder keeps, read by tests, notebooks and benchmarks.
+    thread_governor = property(lambda self: self.recorder.threads.governor)
+    span_builder = property(lambda self: self.recorder.span_builder)
+    last_scheduler_output = property(lambda self: self.recorder.last_scheduler_output)
+    last_step_times = property(lambda self: self.recorder.last_step_times)
 
     def _blocks_from_memory(self, model, gpu_at_start: MemorySnapshot | None, decode_graphs: bool) -> int:
         """--kv-cache-memory if given; else on a GPU what --gpu-memory-utilization leaves; else 1 GiB."""
@@ -141,10 +137,7 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request the front end has validated (its input processor checks every field)."""
-        if self.span_builder is not None:
-            constraint = request.sampling_params.structured_outputs
-            self.span_builder.on_request(request.request_id, request.trace_context, len(request.prompt_token_ids),
-                                         len(self.scheduler.waiting), constraint.kind if constraint else None)
+        self.recorder.on_request(request)
         engine_request = Request.from_engine_core_request(request)
         if request.sampling_params.structured_outputs is not None:
             self.structured_output.add_request(engine_request)
@@ -167,8 +160,7 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         outputs = self.scheduler.abort_requests(request_ids)
-        if self.span_builder is not None and outputs:
-            self.span_builder.record_finished(outputs)
+        self.recorder.on_finished(outputs)
         return outputs
 
     @property
@@ -189,31 +181,17 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """One iteration of the engine loop: schedule → execute → update."""
-        start = time.time()
-        failed = self._wait_for_grammars()
-        scheduler_output = self.scheduler.schedule()
-        self.structured_output.grammar_bitmask(scheduler_output, self.scheduler.requests)
-        scheduled = time.time()
-        threads = self.thread_governor.threads if self.thread_governor is not None else self.fixed_cpu_threads
-        if threads is not None and torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        cpu_before = time.process_time()
-        runner_output = self.model_runner.execute_model(scheduler_output)
-        executed = time.time()
-        execute_cpu = time.process_time() - cpu_before
-        if self.thread_governor is not None:
-            self.thread_governor.observe(executed - scheduled, execute_cpu)
-        outputs = failed + self.scheduler.update_from_output(
-            scheduler_output, runner_output.sampled_token_ids, runner_output.logprobs, runner_output.prompt_logprobs
-        )
-        end = time.time()
-        stats = self.scheduler.make_stats()
-        ranks = getattr(self.model_runner, "last_rank_times", None)  # tensor parallelism: every rank's execute
-        self.last_scheduler_output = scheduler_output
-        self.last_step_times = StepTimes(start, scheduled, executed, end, ranks, threads, execute_cpu)
-        if self.span_builder is not None:
-            self.span_builder.record_step(scheduler_output, self.last_step_times, stats, outputs)
-        return EngineCoreOutputs(engine_index=self.engine_index, timestamp=end, outputs=outputs, scheduler_stats=stats)
+        with self.recorder.step() as step:  # clocks, stats, spans, CPU threads: step_recorder.py
+            failed = self._wait_for_grammars()
+            scheduler_output = self.scheduler.schedule()
+            self.structured_output.grammar_bitmask(scheduler_output, self.scheduler.requests)
+            step.scheduled(scheduler_output)
+            with step.executing():
+                runner_output = self.model_runner.execute_model(scheduler_output)
+            step.outputs = failed + self.scheduler.update_from_output(
+                scheduler_output, runner_output.sampled_token_ids, runner_output.logprobs,
+                runner_output.prompt_logprobs)
+        return step.engine_core_outputs
 
     def _wait_for_grammars(self) -> list[EngineCoreOutput]:
         """With nothing to run but requests whose grammar is compiling, wait for one rather than spin.
@@ -227,15 +205,12 @@ class EngineCore:
         return self.abort_requests(failed) if failed else []
 
     def flush_spans(self) -> None:
-        if self.span_builder is not None:
-            self.span_builder.flush()
+        self.recorder.flush()
 
     def shutdown(self) -> None:
         """Finish building spans (the caller then flushes the tracer); stop the other TP ranks."""
         self.structured_output.shutdown()
-        if self.span_builder is not None:
-            self.span_builder.close()
-            self.span_builder = None
+        self.recorder.close()
         if self.tp_workers is not None:
             self.tp_workers.shutdown()
             self.tp_workers = None

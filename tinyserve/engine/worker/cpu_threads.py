@@ -44,7 +44,9 @@ gets whatever the last step used). EngineArgs.cpu_threads fixes the count instea
 benchmark that must compare like with like).
 """
 
+import contextlib
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -125,3 +127,35 @@ def engine_cores() -> int:
     if _cores_found is None:
         _cores_found = torch.get_num_threads()
     return _cores_found
+
+
+class ExecuteThreads:
+    """The forward pass's CPU threads around one execute: `with threads.running() as used:`.
+
+    Sets torch's thread count before it (the governor's, or the fixed --cpu-threads; None
+    leaves torch alone: a GPU, or a tensor-parallel rank that keeps its share), and after
+    it tells the governor what the execute got. `used` holds the count and the process's
+    CPU seconds during the execute, for the step's record.
+    """
+
+    def __init__(self, governor: ThreadGovernor | None, fixed: int | None) -> None:
+        self.governor = governor
+        self.fixed = fixed
+
+    @contextlib.contextmanager
+    def running(self):
+        threads = self.governor.threads if self.governor is not None else self.fixed
+        if threads is not None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        used = ThreadsUsed(threads)
+        wall_before, cpu_before = time.time(), time.process_time()
+        yield used
+        used.cpu_s = time.process_time() - cpu_before
+        if self.governor is not None:
+            self.governor.observe(time.time() - wall_before, used.cpu_s)
+
+
+@dataclass(slots=True)
+class ThreadsUsed:
+    threads: int | None
+    cpu_s: float = 0.0
