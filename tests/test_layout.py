@@ -113,9 +113,37 @@ def test_the_wire_imports_neither_side():
     assert wire and not {m for name in wire for m in tinyserve_imports(name) if m.startswith(sides)}
 
 
-def test_no_module_level_import_cycles():
-    graph = {name: {m for m in tinyserve_imports(name, top_level_only=True) if m in MODULES and m != name}
-             for name in MODULES}
+@pytest.mark.parametrize(("lower", "upper"), [("tinyserve.engine", "tinyserve.frontend"),
+                                               ("tinyserve.frontend", "tinyserve.entrypoints")])
+def test_arrows_point_one_way_at_any_depth(lower, upper):
+    """The engine knows nothing of the front end, and the front end nothing of the HTTP layer above it,
+    counting imports inside functions too."""
+    offenders = {name: sorted(m for m in tinyserve_imports(name) if in_package(m, upper))
+                 for name in MODULES if in_package(name, lower)}
+    assert {name: bad for name, bad in offenders.items() if bad} == {}
+
+
+MAX_FUNCTION_LINES = 60  # STYLE: a longer function is two ideas; name the halves
+FUNCTION_RULE_PACKAGES = ("tinyserve.engine", "tinyserve.frontend", "tinyserve.wire", "tinyserve.models")
+
+
+def test_no_function_in_the_lifecycles_packages_is_over_60_lines():
+    """engine/, frontend/, wire/ and models/ are read function by function (docs/reading_path.md)."""
+    too_long = {}
+    for name, path in MODULES.items():
+        if not name.startswith(FUNCTION_RULE_PACKAGES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long[f"{name}:{node.name}"] = length
+    assert too_long == {}
+
+
+def test_no_import_cycles_at_any_depth():
+    """Imports inside functions count too: a cycle there is a circle a reader walks just the same."""
+    graph = {name: {m for m in tinyserve_imports(name) if m in MODULES and m != name} for name in MODULES}
     # A package's __init__ is run by importing any module below it; only real imports count here.
     state, cycles = {}, []
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from tinyserve.errors import InvalidInputError
 from tinyserve.utils import cdiv
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,14 +27,6 @@ KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.fl
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of KV cache when neither a block count nor a budget is given
 
 logger = logging.getLogger(__name__)
-
-
-class InvalidInputError(ValueError):
-    """A request the engine cannot serve; `param` names the field at fault (the API's error body carries it)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(slots=True)

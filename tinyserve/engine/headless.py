@@ -29,7 +29,7 @@ import msgspec
 import zmq
 
 from tinyserve.config import EngineArgs, ModelInfo
-from tinyserve.frontend.engine_procs import EngineProcesses
+from tinyserve.engine.engine_procs import EngineProcesses
 from tinyserve.models.fingerprint import manifest_fingerprint
 from tinyserve.wire.ipc import MessageDecoder
 from tinyserve.wire.nodes import (

@@ -37,7 +37,7 @@ import zmq.asyncio
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.frontend.dp_client import DPLoadBalancer, data_parallel_engine_indices
 from tinyserve.frontend.engine_client import ClientLiveness, EngineDeadError, EngineStartupError
-from tinyserve.frontend.engine_procs import EngineProcesses
+from tinyserve.engine.engine_procs import EngineProcesses
 from tinyserve.frontend.remote_engines import MultiNode, RemoteEngines
 from tinyserve.models.fingerprint import manifest_fingerprint
 from tinyserve.wire.ipc import (

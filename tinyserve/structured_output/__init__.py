@@ -26,7 +26,7 @@ the engine compiles (`Compiler.compile`) in its own threads (engine/structured_o
 
 import importlib
 
-from tinyserve.config import InvalidInputError
+from tinyserve.errors import InvalidInputError
 
 STRUCTURED_OUTPUT_BACKENDS = ("xgrammar", "llguidance")
 

@@ -17,11 +17,15 @@ The result is a SchedulerOutput: a request from the first loop goes to the worke
 a delta (the worker holds it already), one from the second in full. After the model
 ran, `update_from_output` appends the sampled tokens and decides which requests are
 finished.
+
+The module is over 300 lines because the policy and its bookkeeping (preemption, stops,
+aborts, the output each request gets) read best side by side.
 """
 
 import bisect
 import itertools
 import time
+from dataclasses import dataclass, field
 
 from tinyserve.engine.core.kv_cache_manager import KVCacheManager
 from tinyserve.engine.core.request import Request, RequestStatus
@@ -29,6 +33,16 @@ from tinyserve.engine.core.scheduler_output import CachedRequestData, NewRequest
 from tinyserve.wire.messages import EngineCoreOutput, SchedulerStats, TokenLogprobs
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass(slots=True)
+class StepDraft:
+    """The step as schedule() builds it: the budget left, and who got what so far."""
+
+    token_budget: int
+    cached: dict[str, CachedRequestData] = field(default_factory=dict)  # running requests: deltas, by id
+    new: list[NewRequestData] = field(default_factory=list)  # admitted from the waiting queue: in full
+    preempted: list[str] = field(default_factory=list)
 
 
 class Scheduler:
@@ -93,53 +107,74 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """This step's requests and token counts: running requests first, then waiting ones."""
         self.step_id += 1
-        token_budget = self.max_num_batched_tokens
-        cached: dict[str, CachedRequestData] = {}
-        new: list[NewRequestData] = []
-        preempted: list[str] = []
+        step = StepDraft(token_budget=self.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:  # a step that had to preempt has no blocks to spare for newcomers
+            self._schedule_waiting(step)
+        output = SchedulerOutput(
+            step_id=self.step_id,
+            scheduled_cached_requests=list(step.cached.values()),
+            scheduled_new_requests=step.new,
+            preempted_request_ids=step.preempted,
+            finished_request_ids=self._finished_since_last_step,
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            num_kv_blocks_used=self.kv.pool.num_used_blocks,
+            num_kv_blocks_total=self.kv.num_blocks,
+            token_budget=self.max_num_batched_tokens,
+        )
+        self._finished_since_last_step = []
+        return output
 
-        # 1. Running requests: the next token (decode) or the next prompt chunk.
-        index = 0
-        while index < len(self.running) and token_budget > 0:
-            request = self.running[index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+    def _schedule_running(self, step: "StepDraft") -> None:
+        """1. Running requests, in order: the next token (decode) or the next prompt chunk."""
+        for request in list(self.running):
+            if step.token_budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, step.token_budget)
             num_blocks_held = len(self.kv.get_block_ids(request.request_id))  # the worker's block table
-            while not self.kv.allocate_slots(request, num_new_tokens):
-                victim = max(self.running, key=self._queue_key)
-                victim_index = self.running.index(victim)
-                self.running.pop(victim_index)
-                if victim.request_id in cached:  # it already got tokens this step: take them back
-                    undone = cached.pop(victim.request_id)
-                    token_budget += undone.num_new_tokens
-                    # Back to what was computed before this step: freeing the blocks below reads it, and
-                    # takes out of the prefix cache a block this step registered but will not write.
-                    victim.num_computed_tokens = undone.num_computed_tokens
-                if victim_index < index:
-                    index -= 1
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    # It was the least important itself. vLLM stops scheduling running
-                    # requests here; the loop goes on instead, so those after it (more
-                    # important, under the priority policy) still get this step's tokens.
-                    break
-            else:
-                cached[request.request_id] = self._schedule_cached(request, num_new_tokens, num_blocks_held)
-                token_budget -= num_new_tokens
-                index += 1
+            if self._preempt_for(request, num_new_tokens, step):
+                step.cached[request.request_id] = self._schedule_cached(request, num_new_tokens, num_blocks_held)
+                step.token_budget -= num_new_tokens
 
-        # 2. Waiting requests, while budget, seats and KV blocks allow; those whose grammar is still
-        #    being compiled (structured outputs) keep their place and wait.
+    def _preempt_for(self, request: Request, num_new_tokens: int, step: "StepDraft") -> bool:
+        """Slots for the request's new tokens, preempting the least important running request until
+        they fit. False if that was the request itself: it gets nothing this step.
+
+        vLLM stops scheduling running requests when the request preempts itself; here the
+        loop goes on, so those after it (more important, under the priority policy) still
+        get this step's tokens.
+        """
+        while not self.kv.allocate_slots(request, num_new_tokens):
+            victim = max(self.running, key=self._queue_key)
+            self.running.remove(victim)
+            if victim.request_id in step.cached:  # it already got tokens this step: take them back
+                undone = step.cached.pop(victim.request_id)
+                step.token_budget += undone.num_new_tokens
+                # Back to what was computed before this step: freeing the blocks below reads it, and
+                # takes out of the prefix cache a block this step registered but will not write.
+                victim.num_computed_tokens = undone.num_computed_tokens
+            self._preempt(victim)
+            step.preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(self, step: "StepDraft") -> None:
+        """2. Waiting requests, while budget, seats and KV blocks allow; those whose grammar is still
+        being compiled (structured outputs) keep their place and wait."""
         position = 0
-        while not preempted and position < len(self.waiting) and token_budget > 0 \
-                and len(self.running) < self.max_num_seqs:
+        while position < len(self.waiting) and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[position]
             if request.waiting_for_grammar:
                 position += 1
                 continue
             cached_blocks, num_cached = self.kv.get_computed_blocks(request)
-            num_new_tokens = min(request.num_tokens - num_cached, token_budget)
+            num_new_tokens = min(request.num_tokens - num_cached, step.token_budget)
             if not self.kv.allocate_slots(request, num_new_tokens, cached_blocks):
                 break
             self.waiting.pop(position)
@@ -150,23 +185,8 @@ class Scheduler:
             if request.times.first_scheduled_time is None:
                 request.times.first_scheduled_time = time.time()
             self.running.append(request)
-            new.append(self._schedule_new(request, num_new_tokens))
-            token_budget -= num_new_tokens
-
-        output = SchedulerOutput(
-            step_id=self.step_id,
-            scheduled_cached_requests=list(cached.values()),
-            scheduled_new_requests=new,
-            preempted_request_ids=preempted,
-            finished_request_ids=self._finished_since_last_step,
-            num_waiting=len(self.waiting),
-            num_running=len(self.running),
-            num_kv_blocks_used=self.kv.pool.num_used_blocks,
-            num_kv_blocks_total=self.kv.num_blocks,
-            token_budget=self.max_num_batched_tokens,
-        )
-        self._finished_since_last_step = []
-        return output
+            step.new.append(self._schedule_new(request, num_new_tokens))
+            step.token_budget -= num_new_tokens
 
     def update_from_output(
         self,

@@ -1,6 +1,6 @@
 """The FastAPI app: routes, authentication, error bodies, health and metrics.
 
-Handlers live in openai_serving.py (chat), completions_serving.py,
+Handlers live in serving_chat.py (chat), completions_serving.py,
 responses_serving.py, anthropic_serving.py and tokenization_serving.py; this file wires
 them to URLs and makes sure that every failure, including a malformed body,
 answers in the endpoint's own error format with a 4xx/5xx status, and never
@@ -50,7 +50,7 @@ from tinyserve.entrypoints.api.openai_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from tinyserve.entrypoints.api.openai_serving import ServingContext, create_chat_completion
+from tinyserve.entrypoints.api.serving_chat import ServingContext, create_chat_completion
 from tinyserve.entrypoints.api.request_ids import RequestIdMiddleware
 from tinyserve.entrypoints.api.responses_protocol import RESPONSE_ID_PATTERN, ResponsesRequest, ResponseStore
 from tinyserve.entrypoints.api.responses_serving import create_response

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tinyserve.config import InvalidInputError
+from tinyserve.errors import InvalidInputError
 from tinyserve.frontend.async_llm import AsyncLLM
 from tinyserve.frontend.input_processor import ProcessedPrompt
 from tinyserve.frontend.output_processor import OutputKind

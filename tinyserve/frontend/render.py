@@ -1,0 +1,205 @@
+"""Stage ②, render: a chat rendered with the model's chat template, a prompt tokenized.
+
+The Renderer holds the tokenizer and the chat template. A conversation becomes one
+prompt string through the template (`render_chat`), and token ids (`tokenize_chat`); a
+plain prompt is tokenized as it is (`tokenize_prompt`). Before a text is tokenized or a
+chat rendered, a cheap bound refuses what could never fit in max_model_len, so that a
+4 MB prompt costs a length check, not seconds of tokenizing (`check_text_fits`,
+`check_chat_fits`). `encode` and `decode` take the tokenizer's Rust paths that let go of
+the GIL, so the server's render threads (render_threads.py) run beside its event loop.
+
+The input processor (input_processor.py) is a Renderer that also checks the sampling
+parameters and makes the engine's requests.
+"""
+
+import inspect
+import math
+from dataclasses import dataclass
+
+from tinyserve.config import ModelInfo
+from tinyserve.errors import InvalidInputError
+
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+@dataclass(slots=True)
+class ProcessedPrompt:
+    prompt: str | None  # the text that was tokenized, if any
+    prompt_token_ids: list[int]
+
+
+class Renderer:
+    def __init__(self, model_info: ModelInfo, tokenizer) -> None:
+        self.model_info = model_info
+        self.tokenizer = tokenizer
+        # The most characters one token can stand for: the longest entry of the vocabulary,
+        # special tokens included. Byte-level vocabularies spell each byte as one character,
+        # so there the length counts bytes, never fewer than the characters they encode.
+        self.max_chars_per_token = max(map(len, tokenizer.get_vocab()), default=1)
+        self._sanitizes_control_tokens = "sanitize_control_tokens" in inspect.signature(
+            tokenizer.apply_chat_template).parameters
+
+    def check_text_fits(self, text: str) -> None:
+        """Refuse, without tokenizing it, a text that has more than max_model_len tokens whatever they are.
+
+        Each token covers at most `max_chars_per_token` characters, so a text of n characters
+        has at least n / max_chars_per_token tokens. A tokenizer's normalizer may first fold
+        characters together, NFC and NFKC up to four into one (a letter and three accents), and
+        never ASCII: outside ASCII the bound allows for that. (A normalizer that deletes text,
+        BERT's accent stripping say, is not one of the model families tinyserve loads.)
+        """
+        fold = 1 if text.isascii() else 4
+        least = math.ceil(len(text) / (self.max_chars_per_token * fold))
+        max_model_len = self.model_info.max_model_len
+        if least > max_model_len:
+            raise InvalidInputError(
+                f"prompt has {len(text)} characters: at least {least} tokens (one token of this tokenizer stands for "
+                f"at most {self.max_chars_per_token * fold} characters), more than max_model_len={max_model_len}",
+                "prompt")
+
+    def check_chat_fits(self, messages: list) -> None:
+        """Refuse, without rendering it, a chat with more messages than max_model_len: a chat template
+        gives every message at least one token (its role marker, a turn's end)."""
+        max_model_len = self.model_info.max_model_len
+        if isinstance(messages, list) and len(messages) > max_model_len:
+            raise InvalidInputError(f"messages has {len(messages)} messages, more than max_model_len={max_model_len}; "
+                                    "each takes at least one token", "messages")
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The ids `tokenizer.encode(text)` gives, with no length check (/tokenize counts any text).
+
+        A fast tokenizer in the state transformers sets for a plain encode (no truncation, no
+        padding, special tokens not split) is called directly, through `encode_batch_fast`:
+        the pipeline transformers runs (it calls `encode_batch`) without tracking character
+        offsets, and a Rust call that lets go of the GIL while it works (a single `encode`
+        keeps it), so that the server's event loop runs while a thread tokenizes. What is left
+        out would otherwise hold the GIL for a 4 MB prompt: offsets, an attention mask and a
+        BatchEncoding, each a list of millions of entries built or freed in one C call.
+        """
+        backend = self._fast_backend()
+        if backend is not None and backend.truncation is None and backend.padding is None \
+                and backend.encode_special_tokens == self.tokenizer.split_special_tokens:
+            [encoding] = backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)
+            return encoding.ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """`tokenizer.decode(token_ids)`; a fast tokenizer's `decode_batch`, like `encode`, lets go of the GIL."""
+        backend = self._fast_backend()
+        if backend is not None and not self.tokenizer.clean_up_tokenization_spaces:
+            [text] = backend.decode_batch([token_ids], skip_special_tokens=False)
+            return text
+        return self.tokenizer.decode(token_ids)
+
+    def _fast_backend(self):
+        """The Rust tokenizer under a transformers fast tokenizer, or None."""
+        return getattr(self.tokenizer, "backend_tokenizer", None)
+
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    template_kwargs: dict | None = None) -> str:
+        """Apply the chat template; messages are [{"role": ..., "content": str | [{"type": "text", ...}]}].
+
+        add_generation_prompt: end with an open assistant turn for the reply. continue_final_message:
+        end inside the last message instead (its end-of-turn marker cut off), so the reply
+        continues it: an assistant message the caller has begun ("prefill").
+        """
+        inputs = self._chat_inputs(messages, add_generation_prompt, continue_final_message, chat_template,
+                                   template_kwargs)
+        return self.tokenizer.apply_chat_template(**inputs, tokenize=False)
+
+    def tokenize_chat(self, messages: list[dict], *, fit_context: bool = True, add_generation_prompt: bool = True,
+                      continue_final_message: bool = False, chat_template: str | None = None,
+                      template_kwargs: dict | None = None, tools: list[dict] | None = None) -> ProcessedPrompt:
+        """Render a chat (as render_chat) and tokenize it, a control token typed in a message as plain text.
+
+        An "<|im_start|>system" inside a user's message is encoded as the characters it is,
+        not as the token: only the template's own markers open and close turns, so no message
+        can forge another turn. transformers does it (apply_chat_template's
+        sanitize_control_tokens); with a transformers too old for that, the rendered text is
+        encoded whole and such a token is the token, as in vLLM.
+
+        fit_context: first refuse, from their number and the text's length, chats that cannot
+        fit max_model_len (check_chat_fits, check_text_fits). tools: the functions the model may
+        call, in OpenAI's shape, for the template to show it.
+        """
+        if fit_context:
+            self.check_chat_fits(messages)
+        inputs = self._chat_inputs(messages, add_generation_prompt, continue_final_message, chat_template,
+                                   template_kwargs)
+        if tools:
+            inputs["tools"] = tools
+        text = self.tokenizer.apply_chat_template(**inputs, tokenize=False)
+        if fit_context:
+            self.check_text_fits(text)
+        if not self._sanitizes_control_tokens:
+            return ProcessedPrompt(text, self.encode(text, add_special_tokens=False))
+        token_ids = self.tokenizer.apply_chat_template(**inputs, tokenize=True, return_dict=False,
+                                                       sanitize_control_tokens=True)
+        return ProcessedPrompt(text, token_ids)
+
+    def _chat_inputs(self, messages, add_generation_prompt: bool, continue_final_message: bool,
+                     chat_template: str | None, template_kwargs: dict | None) -> dict:
+        """apply_chat_template's arguments, each checked."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        reserved = {"tokenize", "add_generation_prompt", "continue_final_message", "chat_template", "conversation",
+                    "sanitize_control_tokens", "return_dict", "tools"}
+        if template_kwargs and reserved & set(template_kwargs):
+            raise InvalidInputError(f"chat_template_kwargs cannot set {sorted(reserved & set(template_kwargs))}",
+                                    "chat_template_kwargs")
+        normalized = [_normalize_message(i, message) for i, message in enumerate(messages)]
+        template = chat_template or self.tokenizer.chat_template
+        if template is None:
+            raise ValueError("the model has no chat template; pass chat_template or send a plain prompt")
+        return {"conversation": normalized, "chat_template": template, "add_generation_prompt": add_generation_prompt,
+                "continue_final_message": continue_final_message, **(template_kwargs or {})}
+
+    def tokenize_prompt(self, prompt, *, add_special_tokens: bool = True) -> ProcessedPrompt:
+        """A string, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}."""
+        if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if unknown:  # multi_modal_data, say: refused, not silently dropped
+                raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids'; {', '.join(unknown)} "
+                                 "is not supported")
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            self.check_text_fits(prompt)
+            return ProcessedPrompt(prompt, self.encode(prompt, add_special_tokens=add_special_tokens))
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return ProcessedPrompt(None, prompt)
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+
+def _normalize_message(index: int, message) -> dict:
+    if not isinstance(message, dict):
+        raise ValueError(f"messages[{index}] must be an object with 'role' and 'content'")
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise ValueError(f"messages[{index}].role must be one of {CHAT_ROLES}, got {role!r}")
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{index}].content[{j}] must be a text part {{'type': 'text', 'text': ...}}")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise ValueError(f"messages[{index}].content must be a string or a list of text parts")
+    normalized = {"role": role, "content": content}
+    for key, kind in (("name", str), ("tool_call_id", str), ("tool_calls", list)):
+        if message.get(key) is not None:
+            if not isinstance(message[key], kind):
+                raise ValueError(f"messages[{index}].{key} must be a {'string' if kind is str else 'list'}")
+            normalized[key] = message[key]
+    return normalized
