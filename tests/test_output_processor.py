@@ -31,10 +31,11 @@ def run(tokenizer, params: SamplingParams, token_ids: list[int], finish_reason: 
         last = step == len(token_ids) - 1
         output = EngineCoreOutput("r", [token_id], finish_reason=finish_reason if last else None,
                                   stop_reason=stop_reason if last else None)
-        request_outputs, to_abort = processor.process_outputs([output])
-        aborts += to_abort
-        if request_outputs:
-            final = request_outputs[0].outputs[0]
+        processed = processor.process_outputs([output])
+        aborts += processed.reqs_to_abort
+        assert output.finish_reason == (finish_reason if last else None)  # the engine's message is left alone
+        if processed.request_outputs:
+            final = processed.request_outputs[0].outputs[0]
     assert processor.num_unfinished == 0
     return final, aborts
 
@@ -59,11 +60,13 @@ def test_a_stop_string_before_the_engine_finishes_aborts_the_request_there(token
     processor = OutputProcessor(tokenizer)
     processor.add_request("r", None, [], params, OutputKind.FINAL_ONLY)
     aborts, finals = [], []
+    finishes = {}
     for token_id in ids:
-        request_outputs, to_abort = processor.process_outputs([EngineCoreOutput("r", [token_id])])
-        aborts += to_abort
-        finals += [r.outputs[0] for r in request_outputs]
-    assert aborts == ["r"]
+        processed = processor.process_outputs([EngineCoreOutput("r", [token_id])])
+        aborts += processed.reqs_to_abort
+        finishes.update(processed.stop_string_finishes)
+        finals += [r.outputs[0] for r in processed.request_outputs]
+    assert aborts == ["r"] and finishes == {"r": "stop"}  # what the metrics count
     assert [(f.text, f.finish_reason, f.stop_reason) for f in finals] == [(" Beautiful is ", "stop", "better")]
 
 

@@ -255,3 +255,26 @@ def test_an_interrupted_offline_run_keeps_the_spans_of_the_steps_that_ran(tmp_pa
     assert len(step_ids) == 5 and step_ids == list(range(step_ids[0], step_ids[0] + 5))
     assert collections.Counter(s.name for s in spans if s.name in (schema.SCHEDULE, schema.EXECUTE)) == {
         schema.SCHEDULE: 5, schema.EXECUTE: 5}
+
+
+def test_the_detokenize_span_counts_the_updates_and_names_the_stop_string_that_ended_the_request(tmp_path):
+    from tinyserve import LLM, SamplingParams
+    from tinyserve.lifecycle.tracing import shutdown_tracing
+
+    try:
+        llm = LLM(str(tiny_model_with_tokenizer("llama")), trace_dir=str(tmp_path), num_kv_blocks=64)
+        [plain] = llm.generate(["one"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+        text = plain.outputs[0].text
+        stop = text[len(text) // 2:][:2]
+        [stopped] = llm.generate(["one"], SamplingParams(temperature=0, max_tokens=12, stop=[stop]), use_tqdm=False)
+        spans = read_spans(run_folder(tmp_path) / schema.OFFLINE_TRACE_FILE)
+    finally:
+        shutdown_tracing()
+    assert stop.strip() and (stopped.outputs[0].finish_reason, stopped.outputs[0].stop_reason) == ("stop", stop)
+    detokenize = {s.trace_id: s for s in spans if s.name == schema.DETOKENIZE}
+    by_request = {s.attributes[schema.REQUEST_ID]: s.trace_id for s in spans if s.name.startswith("text_completion")}
+    assert len(detokenize) == len(by_request) == 2
+    first, second = (detokenize[trace_id] for trace_id in by_request.values())
+    assert schema.STOP_STRING not in first.attributes and second.attributes[schema.STOP_STRING] == stop
+    assert first.attributes[schema.DETOKENIZE_CALLS] == 12  # one update per engine output: one token a step
+    assert 0 < second.attributes[schema.DETOKENIZE_CALLS] <= 12 and first.attributes[schema.DETOKENIZE_TIME] > 0

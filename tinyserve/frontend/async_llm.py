@@ -297,17 +297,17 @@ class AsyncLLM:
                 received_time = time.time()
                 if engine_outputs.scheduler_stats is not None:
                     self.engine_stats[engine_outputs.engine_index] = engine_outputs.scheduler_stats
-                request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs.outputs)
+                processed = self.output_processor.process_outputs(engine_outputs.outputs)
                 for logger in self.stat_loggers:  # after: a stop string found there is the finish they count
-                    logger.on_outputs(engine_outputs, received_time)
-                for request_output in request_outputs:
+                    logger.on_outputs(engine_outputs, received_time, processed.stop_string_finishes)
+                for request_output in processed.request_outputs:
                     # Popped once finished: a stream nobody reads any more leaves nothing behind.
                     get = self.queues.pop if request_output.finished else self.queues.get
                     queue = get(request_output.request_id, None)
                     if queue is not None:
                         queue.put_nowait(request_output)
-                if to_abort:
-                    await self.client.abort_requests(to_abort)
+                if processed.reqs_to_abort:
+                    await self.client.abort_requests(processed.reqs_to_abort)
         except asyncio.CancelledError:
             raise
         except BaseException as error:  # the engine died (or the client broke): fail everyone, hang no one

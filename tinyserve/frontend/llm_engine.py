@@ -64,10 +64,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step; the RequestOutputs it produced (FINAL_ONLY: the requests it finished)."""
         engine_outputs = self.client.get_outputs()
-        request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs.outputs)
-        if to_abort:  # stop strings found while detokenizing
-            self.client.abort_requests(to_abort)
-        return request_outputs
+        processed = self.output_processor.process_outputs(engine_outputs.outputs)
+        if processed.reqs_to_abort:  # stop strings found while detokenizing
+            self.client.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
 
     @property
     def engine_core(self):

@@ -1,8 +1,14 @@
 """Stage ⑧, detokenize: turn the engine's new token ids into RequestOutputs.
 
-For every request it keeps an incremental detokenizer, watches for stop strings
-(a hit finishes the request here and asks the engine to abort it), converts
-logprobs, and fans the children of an `n > 1` request back into one output.
+`process_outputs` takes each engine output through four named steps:
+
+    detokenize    the incremental detokenizer's new text (clocked by the request's spans)
+    stop strings  a hit finishes the request here, and the engine is asked to abort it
+    fold          the child's tokens, logprobs and finish into its parent (n > 1: n children)
+    shape         the RequestOutput its OutputKind asks for
+
+and returns vLLM's OutputProcessorOutput: the RequestOutputs, the engine requests to abort,
+and the finishes the stop strings decided (the engine's own message is left as it came).
 
 How much each RequestOutput carries depends on its OutputKind, as in vLLM:
 CUMULATIVE (everything so far), DELTA (only what is new: streaming) or
@@ -10,7 +16,6 @@ FINAL_ONLY (one output when the request is done: offline generate).
 """
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from tinyserve.frontend.detokenizer import IncrementalDetokenizer
@@ -41,24 +46,12 @@ class ParentRequest:
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = None
     metrics: RequestTimes | None = None
-    spans: object = NO_SPANS  # lifecycle.request_spans: ended here when the request finishes
+    spans: object = NO_SPANS  # lifecycle.request_spans: they clock the detokenizer, end when it finishes
     final: dict[int, CompletionOutput] = field(default_factory=dict)  # cumulative, per finished child
-    # Detokenization, measured for the tinyserve.detokenize span.
-    detokenize_first: float | None = None
-    detokenize_last: float = 0.0
-    detokenize_calls: int = 0
-    detokenize_seconds: float = 0.0
-    stop_string: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.num_finished == self.n
-
-    def end_spans(self) -> None:
-        if self.detokenize_first is not None:
-            self.spans.detokenized(self.detokenize_first, self.detokenize_last, self.detokenize_calls,
-                                   self.detokenize_seconds, self.stop_string)
-        self.spans.finish(list(self.final.values()))
 
 
 @dataclass(eq=False)
@@ -70,6 +63,15 @@ class ChildState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0  # of the sampled tokens, when logprobs are asked for
+
+
+@dataclass(slots=True)
+class OutputProcessorOutput:
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    reqs_to_abort: list[str] = field(default_factory=list)  # engine requests a stop string finished early
+    # Engine request id -> "stop", for each request a stop string finished: the finish the client is
+    # told and the metrics count, whatever the engine's output says (not finished yet, or max_tokens).
+    stop_string_finishes: dict[str, str] = field(default_factory=dict)
 
 
 class OutputProcessor:
@@ -116,66 +118,72 @@ class OutputProcessor:
     def num_unfinished(self) -> int:
         return len(self.parents)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the RequestOutputs to hand out, and engine requests to abort (stop strings)."""
-        request_outputs, to_abort = [], []
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+        """detokenize → stop strings → fold the children → shape, for each engine output."""
+        processed = OutputProcessorOutput()
         for output in outputs:
             child = self.children.get(output.request_id)
             if child is None:  # finished here already (a stop string), the engine had one more step
                 continue
-            parent = child.parent
-            started = time.perf_counter()
-            # On the last update the detokenizer releases what it held back (a possible
-            # stop-string prefix, an unfinished character).
-            delta_text = child.detokenizer.update(output.new_token_ids, finished=output.finish_reason is not None,
-                                                  stop_terminated=output.finish_reason == "stop")
-            now = time.time()
-            parent.detokenize_seconds += time.perf_counter() - started
-            parent.detokenize_calls += 1
-            parent.detokenize_last = now
-            if parent.detokenize_first is None:
-                parent.detokenize_first = now
-            child.token_ids += output.new_token_ids
-            if output.prompt_logprobs is not None and parent.prompt_logprobs is None:
-                parent.prompt_logprobs = [None] + [self._convert_logprobs(lp) for lp in output.prompt_logprobs]
-            new_logprobs = [self._convert_logprobs(lp) for lp in output.new_logprobs or ()]
-            child.logprobs += new_logprobs
-            child.cumulative_logprob += sum(lp.logprobs[0] for lp in output.new_logprobs or ())  # sampled: first
-            finish_reason, stop_reason = output.finish_reason, output.stop_reason
-            if child.detokenizer.stop_reason is not None:
-                # A stop string ends the request even when the engine ended it in the same
-                # step (max_tokens, or a stop token after the string): the text was cut there.
-                if finish_reason is None:
-                    to_abort.append(output.request_id)
-                finish_reason, stop_reason = "stop", child.detokenizer.stop_reason
-                parent.stop_string = stop_reason
-                # Written back: whoever reads the engine's output after this (the server's metrics)
-                # counts the finish the client gets, not the abort the engine will report.
-                output.finish_reason, output.stop_reason = finish_reason, stop_reason
-            parent.num_cached_tokens = max(parent.num_cached_tokens, output.num_cached_tokens)
-            if finish_reason is not None:
-                del self.children[output.request_id]
-                parent.num_finished += 1
-                parent.metrics = output.times or parent.metrics
-                parent.final[child.index] = self._cumulative(child, finish_reason, stop_reason)
-                if parent.finished:
-                    del self.parents[parent.request_id]
-                    parent.end_spans()
-            delta = parent.output_kind == OutputKind.DELTA
-            completion = CompletionOutput(
-                index=child.index,
-                text=delta_text if delta else child.detokenizer.output_text,
-                token_ids=list(output.new_token_ids) if delta else list(child.token_ids),
-                finish_reason=finish_reason,
-                stop_reason=stop_reason,
-                logprobs=(new_logprobs if delta else list(child.logprobs)) if child.want_logprobs else None,
-                cumulative_logprob=child.cumulative_logprob if child.want_logprobs else None,
-            )
-            parent.latest[child.index] = completion
-            request_output = self._request_output(parent, completion)
+            delta_text = self._detokenize(child, output)
+            finish_reason, stop_reason = self._stop_strings(child, output, processed)
+            completion = self._fold(child, output, delta_text, finish_reason, stop_reason)
+            request_output = self._request_output(child.parent, completion)
             if request_output is not None:
-                request_outputs.append(request_output)
-        return request_outputs, to_abort
+                processed.request_outputs.append(request_output)
+        return processed
+
+    @staticmethod
+    def _detokenize(child: ChildState, output: EngineCoreOutput) -> str:
+        """The new text. On the last update the detokenizer releases what it held back (a possible
+        stop-string prefix, an unfinished character)."""
+        with child.parent.spans.detokenizing:
+            return child.detokenizer.update(output.new_token_ids, finished=output.finish_reason is not None,
+                                            stop_terminated=output.finish_reason == "stop")
+
+    @staticmethod
+    def _stop_strings(child: ChildState, output: EngineCoreOutput, processed: OutputProcessorOutput):
+        """(finish_reason, stop_reason): the engine's, unless the detokenizer found a stop string. That
+        ends the request even when the engine ended it in the same step (max_tokens, or a stop token
+        after the string): the text was cut there."""
+        stop_string = child.detokenizer.stop_reason
+        if stop_string is None:
+            return output.finish_reason, output.stop_reason
+        if output.finish_reason is None:
+            processed.reqs_to_abort.append(output.request_id)
+        processed.stop_string_finishes[output.request_id] = "stop"
+        return "stop", stop_string
+
+    def _fold(self, child: ChildState, output: EngineCoreOutput, delta_text: str, finish_reason, stop_reason):
+        """The child's new tokens and logprobs into its state, its finish into its parent; its completion."""
+        parent = child.parent
+        child.token_ids += output.new_token_ids
+        if output.prompt_logprobs is not None and parent.prompt_logprobs is None:
+            parent.prompt_logprobs = [None] + [self._convert_logprobs(lp) for lp in output.prompt_logprobs]
+        new_logprobs = [self._convert_logprobs(lp) for lp in output.new_logprobs or ()]
+        child.logprobs += new_logprobs
+        child.cumulative_logprob += sum(lp.logprobs[0] for lp in output.new_logprobs or ())  # sampled: first
+        parent.num_cached_tokens = max(parent.num_cached_tokens, output.num_cached_tokens)
+        if finish_reason is not None:
+            del self.children[output.request_id]
+            parent.num_finished += 1
+            parent.metrics = output.times or parent.metrics
+            parent.final[child.index] = self._cumulative(child, finish_reason, stop_reason)
+            if parent.finished:
+                del self.parents[parent.request_id]
+                parent.spans.finish(list(parent.final.values()))
+        delta = parent.output_kind == OutputKind.DELTA
+        completion = CompletionOutput(
+            index=child.index,
+            text=delta_text if delta else child.detokenizer.output_text,
+            token_ids=list(output.new_token_ids) if delta else list(child.token_ids),
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            logprobs=(new_logprobs if delta else list(child.logprobs)) if child.want_logprobs else None,
+            cumulative_logprob=child.cumulative_logprob if child.want_logprobs else None,
+        )
+        parent.latest[child.index] = completion
+        return completion
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request (and its children); returns the engine ids to abort."""
@@ -189,7 +197,7 @@ class OutputProcessor:
             if child is not None:
                 aborted.append(child_id)
                 parent.final[index] = self._cumulative(child, "abort", None)
-        parent.end_spans()
+        parent.spans.finish(list(parent.final.values()))
         return aborted
 
     @staticmethod
@@ -197,6 +205,7 @@ class OutputProcessor:
         return CompletionOutput(child.index, child.detokenizer.output_text, list(child.token_ids), finish_reason, stop_reason)
 
     def _request_output(self, parent: ParentRequest, completion: CompletionOutput) -> RequestOutput | None:
+        """Shape: what the parent's OutputKind hands out now (FINAL_ONLY: nothing until every child is done)."""
         if parent.output_kind == OutputKind.FINAL_ONLY and not parent.finished:
             return None
         if parent.output_kind == OutputKind.DELTA:

@@ -6,13 +6,17 @@
         spans.log_inputs(render, prompt=..., prompt_token_ids=..., sampling_params=...)
     carrier = spans.carrier()                                 # into EngineCoreRequest.trace_context
     ...
+    with spans.detokenizing:                                  # each detokenizer update, clocked
+        ...
     spans.finish(completions)                                  # or spans.fail(error)
 
-With tracing off, start_request_spans returns NO_SPANS, whose methods do nothing.
+With tracing off, start_request_spans returns NO_SPANS, whose methods do nothing (and
+whose `detokenizing` reads no clock).
 """
 
 import json
 import secrets
+import time
 from contextlib import contextmanager, nullcontext
 
 import msgspec
@@ -38,6 +42,7 @@ class RequestSpans:
             },
         )
         self.context = trace.set_span_in_context(self.span)
+        self.detokenizing = DetokenizeClock()  # the output processor's `with`: the detokenize span's input
         self._ended = False
 
     @contextmanager
@@ -88,19 +93,26 @@ class RequestSpans:
                 attributes[schema.MESSAGES] = json.dumps(messages, ensure_ascii=False)
         span.set_attributes(attributes)
 
-    def detokenized(self, first_call: float, last_call: float, calls: int, seconds: float, stop_string: str | None) -> None:
-        """The detokenize span, built at the end from what the output processor measured."""
-        span = self.tracer.start_span(schema.DETOKENIZE, context=self.context, start_time=int(first_call * 1e9),
-                                      attributes={schema.DETOKENIZE_CALLS: calls, schema.DETOKENIZE_TIME: seconds})
-        if stop_string is not None and not self.redact_inputs:
-            span.set_attribute(schema.STOP_STRING, stop_string)
-        span.end(end_time=int(last_call * 1e9))
+    def _detokenize_span(self, completions) -> None:
+        """The detokenize span, built at the end from the clock of every detokenizer update."""
+        clock = self.detokenizing
+        if clock.first is None:
+            return
+        span = self.tracer.start_span(schema.DETOKENIZE, context=self.context, start_time=int(clock.first * 1e9),
+                                      attributes={schema.DETOKENIZE_CALLS: clock.calls,
+                                                  schema.DETOKENIZE_TIME: clock.seconds})
+        # A stop string is the one text a stop reason can be (a stop token's is its id).
+        stop_strings = [c.stop_reason for c in completions if isinstance(c.stop_reason, str)]
+        if stop_strings and not self.redact_inputs:
+            span.set_attribute(schema.STOP_STRING, stop_strings[-1])
+        span.end(end_time=int(clock.last * 1e9))
 
     def finish(self, completions) -> None:
         """End the request span with its outputs (CompletionOutputs, cumulative)."""
         if self._ended:
             return
         completions = sorted(completions, key=lambda c: c.index)
+        self._detokenize_span(completions)
         attributes = {
             schema.GEN_AI_RESPONSE_FINISH_REASONS: [c.finish_reason or "abort" for c in completions],
             schema.GEN_AI_USAGE_OUTPUT_TOKENS: sum(len(c.token_ids) for c in completions),
@@ -133,8 +145,34 @@ class RequestSpans:
         self.span.end()
 
 
+class DetokenizeClock:
+    """`with spans.detokenizing:` around each detokenizer update: the first and last update's
+    end (time.time()), how many there were, and the seconds they took together."""
+
+    __slots__ = ("first", "last", "calls", "seconds", "_started")
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.last = 0.0
+        self.calls = 0
+        self.seconds = 0.0
+
+    def __enter__(self) -> None:
+        self._started = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        now = time.time()
+        self.seconds += time.perf_counter() - self._started
+        self.calls += 1
+        self.last = now
+        if self.first is None:
+            self.first = now
+
+
 class _NoSpans:
     """Tracing is off: every call is a no-op."""
+
+    detokenizing = nullcontext()
 
     def stage(self, name: str, attributes: dict | None = None):
         return nullcontext()
@@ -147,9 +185,6 @@ class _NoSpans:
         return sampling_params
 
     def log_inputs(self, span, **kwargs) -> None:
-        pass
-
-    def detokenized(self, *args) -> None:
         pass
 
     def finish(self, completions) -> None:

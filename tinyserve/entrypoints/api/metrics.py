@@ -160,8 +160,12 @@ class ServerMetrics:
             self._clocks[child.request_id] = _RequestClock(request_id, child.arrival_time, len(child.prompt_token_ids),
                                                            child.sampling_params.max_tokens)
 
-    def on_outputs(self, outputs: EngineCoreOutputs, received_time: float | None = None) -> None:
+    def on_outputs(self, outputs: EngineCoreOutputs, received_time: float | None = None,
+                   stop_string_finishes: dict[str, str] | None = None) -> None:
+        """One message of engine outputs; stop_string_finishes: the requests the front end finished on a
+        stop string (OutputProcessorOutput), counted with the finish their client got."""
         now = received_time or time.time()
+        stop_string_finishes = stop_string_finishes or {}
         engine = str(outputs.engine_index)
         labels = (self.model_name, engine)
         stats = outputs.scheduler_stats
@@ -195,14 +199,16 @@ class ServerMetrics:
                     self.inter_token_latency.labels(*labels).observe(now - clock.last_token_time)
                 clock.last_token_time = now
                 clock.num_generated += len(output.new_token_ids)
-            if output.finished:
-                self._finish(output, clock, now, labels)
+            finish_reason = stop_string_finishes.get(output.request_id, output.finish_reason)
+            if finish_reason is not None:
+                self._finish(output, finish_reason, clock, now, labels)
         if outputs.outputs:
             self.iteration_tokens.labels(*labels).observe(iteration_tokens)
 
-    def _finish(self, output: EngineCoreOutput, clock: _RequestClock, now: float, labels) -> None:
+    def _finish(self, output: EngineCoreOutput, finish_reason: str, clock: _RequestClock, now: float,
+                labels) -> None:
         del self._clocks[output.request_id]
-        self.request_success.labels(*labels, output.finish_reason).inc()
+        self.request_success.labels(*labels, finish_reason).inc()
         self.e2e_latency.labels(*labels).observe(now - clock.arrival_time)
         self.request_prompt_tokens.labels(*labels).observe(clock.num_prompt_tokens)
         self.request_generation_tokens.labels(*labels).observe(clock.num_generated)
