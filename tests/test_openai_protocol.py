@@ -3,7 +3,7 @@
 from types import SimpleNamespace
 
 from tinyserve.entrypoints.api.openai_protocol import ChatCompletionRequest
-from tinyserve.entrypoints.api.serving_chat import ServingContext
+from tinyserve.entrypoints.api.serving_engine import ServingContext
 
 
 def test_server_defaults_come_from_the_generation_config_where_it_sets_them():

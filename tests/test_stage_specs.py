@@ -5,7 +5,6 @@ No server and no engine process: each stage is called as the stage before it wou
 
 import msgspec
 import pytest
-import torch
 
 from tests.hf_reference import MAX_TOKENS, hf_greedy
 from tests.tiny_checkpoints import tiny_model_with_tokenizer

@@ -186,7 +186,7 @@ def test_an_engine_that_fails_after_its_group_formed_ends_the_group(tp_llm, monk
 def test_rank_zeros_store_takes_the_port_it_binds_and_the_others_find_it_there():
     """No port is picked free and bound later (another process could take it between): the
     store binds port 0, the system's choice, and the other ranks are told the port it got."""
-    from tinyserve.engine.worker.tensor_parallel_workers import host_store, join_store
+    from tinyserve.engine.worker.tp_group import host_store, join_store
 
     first, second = host_store("127.0.0.1", 2), host_store("127.0.0.1", 2)
     assert first.port > 0 and second.port > 0 and first.port != second.port

@@ -198,7 +198,7 @@ def _open_output(path: str) -> TextIO:
 def _run_with_engine(args: argparse.Namespace, lines: list[tuple[int, str]]) -> int:
     from tinyserve.frontend.async_llm import AsyncLLM
     from tinyserve.entrypoints.api.metrics import ServerMetrics
-    from tinyserve.entrypoints.api.serving_chat import ServingContext
+    from tinyserve.entrypoints.api.serving_engine import ServingContext
     from tinyserve.entrypoints.api.server import build_app
 
     try:

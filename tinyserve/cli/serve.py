@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     from tinyserve.entrypoints.api.metrics import ServerMetrics
-    from tinyserve.entrypoints.api.serving_chat import ServingContext
+    from tinyserve.entrypoints.api.serving_engine import ServingContext
     from tinyserve.entrypoints.api.server import build_app
     from tinyserve.entrypoints.api.shutdown import GracefulServer
     from tinyserve.entrypoints.api.slow_clients import DeadlineProtocol

@@ -14,7 +14,6 @@ from tinyserve.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs, ModelInfo, che
 from tinyserve.engine.core.kv_cache_manager import KVCacheManager
 from tinyserve.engine.core.request import Request
 from tinyserve.engine.core.scheduler import Scheduler
-from tinyserve.engine.core.scheduler_output import SchedulerOutput
 from tinyserve.engine.step_recorder import StepRecorder
 from tinyserve.engine.structured_output import StructuredOutputManager
 from tinyserve.engine.worker.cpu_threads import ThreadGovernor, engine_cores

@@ -31,7 +31,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-import msgspec
 
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.frontend.core_client import MPClient
@@ -252,13 +251,13 @@ class AsyncLLM:
         return [await self.client.call_utility("reset_prefix_cache", engine_index=i) for i in self.engine_indices]
 
     async def _send(self, request: EngineCoreRequest, spans) -> int:
-        attributes = {schema.REQUEST_ID: request.request_id}
-        if spans is not NO_SPANS:  # the message's size, measured before the span so the span is the send alone
-            attributes[schema.IPC_BYTES] = len(msgspec.msgpack.encode(request))
-        with spans.stage(schema.IPC_SEND, attributes) as send_span:
+        with spans.stage(schema.IPC_SEND, {schema.REQUEST_ID: request.request_id}) as send_span:
             engine_index = await self.client.add_request(request)
             if send_span is not None:
                 send_span.set_attribute(schema.ENGINE_INDEX, engine_index)
+                sent_bytes = getattr(self.client, "last_sent_bytes", None)  # engine processes: the encoded size
+                if sent_bytes is not None:
+                    send_span.set_attribute(schema.IPC_BYTES, sent_bytes)
         return engine_index
 
     def start_draining(self) -> None:

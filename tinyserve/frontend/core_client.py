@@ -110,6 +110,7 @@ class MPClient(ClientLiveness):
         self._input_sockets: list[zmq.Socket] = []
         self._output_socket: zmq.asyncio.Socket | None = None
         self._encoder = msgspec.msgpack.Encoder()
+        self.last_sent_bytes: int | None = None  # the size of the latest message sent
         self._decoder = MessageDecoder(EngineOutputKind, OUTPUT_TYPES)
         self._outputs: asyncio.Queue = asyncio.Queue()  # EngineCoreOutputs, then an EngineDeadError last
         self._utility_calls: dict[int, asyncio.Future] = {}
@@ -273,6 +274,7 @@ class MPClient(ClientLiveness):
             self._input_sockets[index - self.start_index].send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
             raise EngineDeadError(f"engine {index} is not connected") from None
+        self.last_sent_bytes = len(frames[1])  # the message's size, for the ipc.send span
 
     # ---- what comes back ---------------------------------------------------------
 

@@ -20,7 +20,6 @@ step's deltas, and extended with the tokens it samples itself; a cached request'
 input ids (B's b9 above) come from there.
 """
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +37,6 @@ from tinyserve.wire.messages import TokenLogprobs
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
-    forward_time: float  # seconds spent in the model and sampler
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
@@ -159,8 +157,7 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.update_states(scheduler_output)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput({}, {}, 0.0)
-        start = time.perf_counter()
+            return ModelRunnerOutput({}, {})
         inputs = self.prepare_inputs(scheduler_output)
         hidden = self._forward(inputs)
         sampled, logprobs = {}, {}
@@ -176,7 +173,7 @@ class ModelRunner:
             sampled = dict(zip(inputs.sampling_request_ids, token_ids))
             logprobs = {rid: lp for rid, lp in zip(inputs.sampling_request_ids, token_logprobs) if lp is not None}
         prompt_logprobs = self._prompt_logprobs(hidden, scheduler_output)
-        return ModelRunnerOutput(sampled, logprobs, time.perf_counter() - start, prompt_logprobs)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor,
                          scheduler_output: SchedulerOutput) -> dict[str, list[TokenLogprobs]]:

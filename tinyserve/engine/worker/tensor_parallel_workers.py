@@ -29,7 +29,6 @@ alone, and the same layers call the same all-reduce, a collective of one.
 """
 
 import contextlib
-import datetime
 import json
 import os
 import signal
@@ -45,58 +44,15 @@ import zmq
 
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.engine.child_process import ChildProcess
+from tinyserve.engine.worker.tp_group import RENDEZVOUS_TIMEOUT_S, host_store, join_group, join_store, rank_device
 from tinyserve.engine.core.scheduler_output import SchedulerOutput
 from tinyserve.lifecycle.engine_records import RankTimes
 from tinyserve.lifecycle.tracing import tracing_enabled
-from tinyserve.models.tensor_parallel import TensorParallel, split_heads, split_width
+from tinyserve.models.tensor_parallel import split_heads, split_width
 from tinyserve.utils import sigint_ignored
 
-RENDEZVOUS_TIMEOUT_S = 300  # ranks import torch and load their shard before they join
 STARTUP_POLL_S = 0.05  # how often rank 0 looks for the others, and for one that died, before it joins
 _STOP = b"stop"
-
-
-class GroupTimer:
-    """The process group's all_reduce, timed: how long this rank waited in collectives."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        started = time.perf_counter()
-        dist.all_reduce(tensor)
-        self.seconds += time.perf_counter() - started
-        return tensor
-
-
-def host_store(host: str, size: int) -> dist.TCPStore:
-    """Rank 0's TCP store, on a port the system picks as it binds (so no other process can take
-    it between picking and binding); the other ranks are told `store.port`."""
-    return dist.TCPStore(host, 0, world_size=size, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
-
-
-def join_store(host: str, port: int, size: int) -> dist.TCPStore:
-    """A rank other than 0 finds the group by rank 0's store."""
-    return dist.TCPStore(host, port, world_size=size, is_master=False,
-                         timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
-
-
-def join_group(rank: int, size: int, store: dist.TCPStore, device: torch.device) -> TensorParallel:
-    """Join the tensor-parallel process group through the store rank 0 hosts."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
-    timer = GroupTimer()
-    return TensorParallel(rank, size, timer.all_reduce, timer)
-
-
-def rank_device(args: EngineArgs, engine_index: int, rank: int) -> torch.device:
-    """cuda:(engine_index * N + rank) on a GPU machine (one device per rank), else the CPU."""
-    device = args.torch_device
-    if device.type != "cuda":
-        return device
-    return torch.device("cuda", engine_index * args.tensor_parallel_size + rank)
 
 
 def check_devices(args: EngineArgs) -> None:
@@ -139,6 +95,7 @@ class TensorParallelWorkers:
         self._times.bind(f"tcp://{host}:0")
         times_address = self._times.getsockopt_string(zmq.LAST_ENDPOINT)
         self.traced = tracing_enabled()
+        self.last_rank_times: list[RankTimes] | None = None  # the latest step's, rank 0 first, when tracing
         self.device = str(rank_device(args, engine_index, 0))
         num_threads = None
         if args.torch_device.type == "cpu":  # each rank its share of the cores, or --cpu-threads each
@@ -181,6 +138,16 @@ class TensorParallelWorkers:
         for socket in self._sockets:
             socket.send(self._encoder.encode([num_blocks, self.traced]))
 
+    @contextlib.contextmanager
+    def clocked(self, scheduler_output: SchedulerOutput):
+        """Around rank 0's execute: when tracing, every rank's clock of the step, rank 0 first."""
+        timer, started = self.tp.timer, time.time()
+        waited, self.last_rank_times = timer.seconds, None
+        yield
+        if self.traced and not scheduler_output.is_empty:
+            own = RankTimes(0, self.device, started, time.time(), timer.seconds - waited)
+            self.last_rank_times = [own, *self.receive_times()]
+
     def receive_times(self) -> list[RankTimes]:
         """Ranks 1..N-1's clocks of the step that just ran (each sends one as it finishes)."""
         times = [RankTimes(*msgspec.msgpack.decode(self._times.recv())) for _ in self.processes]
@@ -218,18 +185,15 @@ class TensorParallelRunner:
     def __init__(self, runner, workers: TensorParallelWorkers) -> None:
         self.runner = runner
         self.workers = workers
-        self.last_rank_times: list[RankTimes] | None = None  # the latest step's, rank 0 first, when tracing
 
     def execute_model(self, scheduler_output: SchedulerOutput):
         self.workers.send(scheduler_output)
-        timer, started = self.workers.tp.timer, time.time()
-        waited = timer.seconds
-        output = self.runner.execute_model(scheduler_output)
-        self.last_rank_times = None
-        if self.workers.traced and not scheduler_output.is_empty:
-            own = RankTimes(0, self.workers.device, started, time.time(), timer.seconds - waited)
-            self.last_rank_times = [own, *self.workers.receive_times()]
-        return output
+        with self.workers.clocked(scheduler_output):  # every rank's execute, for the step span
+            return self.runner.execute_model(scheduler_output)
+
+    @property
+    def last_rank_times(self) -> list[RankTimes] | None:
+        return self.workers.last_rank_times
 
     def warm_up(self) -> None:
         self.runner.warm_up()  # every rank warms up with the same dummy step: their collectives pair up

@@ -36,7 +36,7 @@ from tinyserve.entrypoints.api.anthropic_tools import (
     template_tools,
     tool_plan,
 )
-from tinyserve.entrypoints.api.serving_chat import ServingContext, add_constrained_request, render_and_tokenize
+from tinyserve.entrypoints.api.serving_engine import ServingContext, add_constrained_request, render_and_tokenize
 from tinyserve.entrypoints.api.strict_body import StrictBody, Text
 from tinyserve.entrypoints.api.sse import (
     EventStreamResponse,

@@ -17,7 +17,7 @@ from tinyserve.frontend.request_stream import RequestStream
 from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError
 from tinyserve.entrypoints.api.openai_protocol import CompletionRequest
-from tinyserve.entrypoints.api.serving_chat import (
+from tinyserve.entrypoints.api.serving_engine import (
     ServingContext,
     add_constrained_request,
     guard_stream,

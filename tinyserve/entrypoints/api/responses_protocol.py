@@ -11,7 +11,7 @@
 and each output is a "tool" turn, as chat templates take them. `tools` are function tools in
 the Responses API's flat shape ({"type": "function", "name", "parameters", ...}: chat's Tool
 inside), and `tool_choice` is "auto", "required", "none" or {"type": "function", "name"}; what
-they do is chat's (serving_chat.tool_call_plan). `text.format` is "text", "json_object" or
+they do is chat's (serving_engine.tool_call_plan). `text.format` is "text", "json_object" or
 {"type": "json_schema", "name", "schema"}: chat's response_format, flat. Items, tools and
 tool choices of other types (web search, file search, MCP, images, reasoning) and the fields
 in request_fields.py's "responses" table are refused with a 400 naming them.

@@ -3,7 +3,7 @@
 The conversation (a previous response's, then this request's input, after the
 instructions) is rendered with the chat template like a chat completion, the tools with
 it; tool_choice and text.format constrain the output as chat's tool_choice and
-response_format do (serving_chat.tool_call_plan). The answer is one `response` object
+response_format do (serving_engine.tool_call_plan). The answer is one `response` object
 whose output is its items: a message, and a function_call per call the model made
 (responses_output.py). Its status is "completed", or "incomplete" (reason
 max_output_tokens) when the reply was cut short. A stream is the documented sequence of
@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError
-from tinyserve.entrypoints.api.serving_chat import (
+from tinyserve.entrypoints.api.serving_engine import (
     ServingContext,
     add_constrained_request,
     render_and_tokenize,

@@ -50,7 +50,8 @@ from tinyserve.entrypoints.api.openai_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from tinyserve.entrypoints.api.serving_chat import ServingContext, create_chat_completion
+from tinyserve.entrypoints.api.serving_chat import create_chat_completion
+from tinyserve.entrypoints.api.serving_engine import ServingContext
 from tinyserve.entrypoints.api.request_ids import RequestIdMiddleware
 from tinyserve.entrypoints.api.responses_protocol import RESPONSE_ID_PATTERN, ResponsesRequest, ResponseStore
 from tinyserve.entrypoints.api.responses_serving import create_response

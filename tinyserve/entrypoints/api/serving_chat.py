@@ -1,169 +1,44 @@
-"""POST /v1/chat/completions (stage ① in, stage ⑨ out), and what the handlers share.
+"""POST /v1/chat/completions: vLLM's chat handler (stage ① in, stage ⑨ out).
 
-Each handler (this one, completions_serving.py's, anthropic_serving.py's)
-validates the body, asks the front end for room (a 503 when the waiting queue
-is full), renders and tokenizes the prompt, turns the body into SamplingParams,
-sends the request, and only then answers: it streams SSE chunks as
-RequestOutput deltas arrive, or waits for the final output and answers with one
-JSON body. Every request stream is closed however the response ends (sse.py).
+`create_chat_completion` renders the conversation (serving_engine.render_and_tokenize),
+adds the request, and answers with one body, or with `chat_stream`'s SSE chunks.
 """
 
-import functools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tinyserve.errors import InvalidInputError
-from tinyserve.frontend.async_llm import AsyncLLM
-from tinyserve.frontend.input_processor import ProcessedPrompt
 from tinyserve.frontend.output_processor import OutputKind
-from tinyserve.entrypoints.api.errors import APIError, openai_error_body
 from tinyserve.entrypoints.api.openai_protocol import ChatCompletionRequest
-from tinyserve.entrypoints.api.tool_calls import ToolCallDeltas, tool_constraint, tools_for_constraint
+from tinyserve.entrypoints.api.tool_calls import ToolCallDeltas
 from tinyserve.entrypoints.api.sse import (
     EventStreamResponse,
     final_outputs_unless_disconnected,
     sse_data,
-    stream_error_status,
 )
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import start_request_spans
-from tinyserve.outputs import CompletionOutput, RequestOutput
-from tinyserve.sampling_params import SamplingParams
+from tinyserve.outputs import CompletionOutput
 
 
-@dataclass(slots=True)
-class ServingContext:
-    engine: AsyncLLM
-    model_names: list[str]  # the first is the one reported in responses
-    redact_inputs: bool = False  # traces keep token counts but no text or token ids
-    tool_call_parser: str | None = None  # how "auto" tool calls are read (--enable-auto-tool-choice); None: refused
-
-    def check_model(self, model: str | None) -> str:
-        if model is not None and model not in self.model_names:
-            raise APIError(404, f"The model `{model}` does not exist. Available: {self.model_names}", "model")
-        return self.model_names[0]
-
-    @property
-    def sampling_defaults(self) -> dict:
-        """What a request that leaves a sampling parameter out gets: the model's generation_config.json
-        where it sets one (vLLM's generation_config="auto"), else the OpenAI API's default."""
-        defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
-        model = self.engine.model_info.generation_defaults
-        return defaults | {name: model[name] for name in defaults if name in model}
-
-    def sampling_params(self, max_tokens: int, **given) -> SamplingParams:
-        """SamplingParams of the request's values (temperature=, top_p=, top_k=, stop=, structured_outputs=),
-        each one it left out (None) taken from sampling_defaults: the Responses and Messages APIs' rule."""
-        chosen = {name: value for name, value in given.items() if value is not None}
-        return SamplingParams(max_tokens=max_tokens, **(self.sampling_defaults | chosen))
-
-    def max_tokens_for(self, num_prompt_tokens: int, requested: int | None) -> int:
-        """vLLM's rule: default to the rest of the context, capped by the model's max_new_tokens
-        when its generation_config.json sets one; refuse what cannot fit."""
-        max_model_len = self.engine.model_info.max_model_len
-        if num_prompt_tokens > max_model_len:
-            raise APIError(400, f"prompt has {num_prompt_tokens} tokens, more than max_model_len={max_model_len}",
-                           "prompt")
-        if num_prompt_tokens >= max_model_len and requested is None:
-            raise APIError(400, f"prompt has {num_prompt_tokens} tokens, but max_model_len is {max_model_len}", "messages")
-        cap = self.engine.model_info.generation_defaults.get("max_tokens")
-        if requested is None:
-            return min(max_model_len - num_prompt_tokens, cap or max_model_len)
-        if num_prompt_tokens + requested > max_model_len:
-            excess = num_prompt_tokens + requested - max_model_len
-            raise APIError(
-                400,
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} for the "
-                f"completion), {excess} too many. Reduce the prompt or max_tokens.",
-                "max_tokens",
-            )
-        return min(requested, cap or requested)
+from tinyserve.entrypoints.api.serving_engine import (
+    ServingContext,
+    ToolCallPlan,
+    add_constrained_request,
+    guard_stream,
+    prompt_logprobs_json,
+    render_and_tokenize,
+    tool_call_plan,
+    usage,
+)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage; cached_tokens: prompt tokens whose KV came from the prefix cache."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def prompt_logprobs_json(output: RequestOutput) -> list | None:
-    """vLLM's prompt_logprobs: per prompt token, None for the first (nothing predicts it), then
-    {token id: {logprob, rank, decoded_token}} for the prompt's own token and the most likely ones."""
-    if output.prompt_logprobs is None:
-        return None
-    return [None if position is None else {
-        str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-        for token_id, lp in position.items()
-    } for position in output.prompt_logprobs]
-
-
-async def tokenize(ctx: ServingContext, prompt, *, add_special_tokens: bool = True) -> ProcessedPrompt:
-    """Tokenize in a thread (frontend/render_threads.py): a long prompt must not stall the event loop."""
-    try:
-        processed = await ctx.engine.render_threads.tokenize_prompt(prompt, add_special_tokens=add_special_tokens)
-    except ValueError as error:
-        raise APIError(400, str(error), "prompt") from error
-    return processed
-
-
-async def guard_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """End a stream with an error event, never a hang or a cut, when something fails mid-stream."""
-    try:
-        async for event in events:
-            yield event
-    except Exception as error:
-        status, message = stream_error_status(error)
-        yield sse_data(openai_error_body(status, message))
-    yield sse_data("[DONE]")
-
-
-# ---- chat ------------------------------------------------------------------
-
-
-def chat_constraint(ctx: ServingContext, body: ChatCompletionRequest):
-    """(the output's constraint, the field it came from, a maker of ToolCallDeltas or None)."""
+def chat_constraint(ctx: ServingContext, body: ChatCompletionRequest) -> ToolCallPlan:
     return tool_call_plan(ctx, *body.constraint(), body.effective_tool_choice, body.tools, body.parallel_tool_calls)
-
-
-def tool_call_plan(ctx: ServingContext, constraint, field: str | None, choice, tools, parallel_tool_calls: bool):
-    """What a tool_choice makes of a request (chat's and the Responses API's alike): (the output's
-    constraint, the field it came from, a maker of ToolCallDeltas or None).
-
-    constraint, field: the request's own (response_format, say); choice: None (no tools), "none",
-    "auto", "required" or {"name": ...}; tools: structured_protocol.Tool models. A "required" or
-    named tool_choice is a constraint of its own; "auto" reads the calls out of free text with the
-    server's tool-call parser.
-    """
-    if choice in (None, "none"):
-        return constraint, field, None
-    if choice == "auto":
-        if ctx.tool_call_parser is None:
-            raise APIError(400, '"auto" tool choice needs the server started with --enable-auto-tool-choice and '
-                           '--tool-call-parser; or give tool_choice "required", "none" or a function', "tool_choice")
-        return constraint, field, functools.partial(ToolCallDeltas, ctx.tool_call_parser,
-                                                    parallel_tool_calls=parallel_tool_calls)
-    tools = tools_for_constraint(tools)
-    if choice == "required":
-        return tool_constraint(tools, choice, parallel_tool_calls), "tools", functools.partial(
-            ToolCallDeltas, "required")
-    return tool_constraint(tools, choice), "tool_choice", functools.partial(ToolCallDeltas, "named", choice["name"])
-
-
-async def add_constrained_request(engine: AsyncLLM, constrained_field: str | None, *args, **kwargs):
-    """engine.add_request; a constraint the grammar library refuses is a 400 naming the field it came from."""
-    try:
-        return await engine.add_request(*args, **kwargs)
-    except InvalidInputError as error:
-        if error.param == "structured_outputs" and constrained_field is not None:
-            raise APIError(400, str(error), constrained_field) from error
-        raise
 
 
 def chat_logprobs(output: CompletionOutput, num_top: int) -> dict | None:
@@ -183,29 +58,6 @@ def chat_logprobs(output: CompletionOutput, num_top: int) -> dict | None:
             ],
         })
     return {"content": content}
-
-
-async def render_and_tokenize(ctx: ServingContext, spans, messages: list[dict], add_generation_prompt: bool,
-                              requested_max_tokens: int | None, make_params, continue_final_message: bool = False,
-                              template_kwargs: dict | None = None, tools: list[dict] | None = None):
-    """Stage ②: template, tokenize (both in a thread), check lengths, build SamplingParams — logged on the
-    render span."""
-    with spans.stage(schema.RENDER) as render_span:
-        try:
-            prompt = await ctx.engine.render_threads.tokenize_chat(
-                messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                template_kwargs=template_kwargs, tools=tools)
-        except ValueError as error:  # the prompt's length (param "prompt"), or the messages themselves
-            raise APIError(400, str(error), getattr(error, "param", None) or "messages") from error
-        text = prompt.prompt
-        max_tokens = ctx.max_tokens_for(len(prompt.prompt_token_ids), requested_max_tokens)
-        try:
-            params = spans.replayable(make_params(max_tokens))
-        except ValueError as error:
-            raise APIError(400, str(error)) from error
-        spans.log_inputs(render_span, prompt=text, prompt_token_ids=prompt.prompt_token_ids, sampling_params=params,
-                         messages=messages)
-    return prompt, params
 
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw_request: Request) -> Response:
@@ -229,12 +81,10 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     except Exception as error:
         spans.fail(error)
         raise
-    created = int(time.time())
-    num_top = body.top_logprobs or 0
-
+    answer = ChatAnswer(request_id, int(time.time()), model, len(prompt.prompt_token_ids), params.n,
+                        body.top_logprobs or 0, tools)
     if body.stream:
-        events = _chat_stream(ctx, body, stream, prompt, params, request_id, created, model, num_top, tools)
-        return EventStreamResponse(guard_stream(events), [stream])
+        return EventStreamResponse(guard_stream(chat_stream(answer, stream, body.include_usage)), [stream])
 
     outputs = await final_outputs_unless_disconnected([stream], raw_request)
     if outputs is None:
@@ -246,7 +96,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         choices.append({
             "index": c.index,
             "message": {"role": "assistant", **(calls.message(c.text) if calls else {"content": c.text})},
-            "logprobs": chat_logprobs(c, num_top),
+            "logprobs": chat_logprobs(c, answer.num_top),
             "finish_reason": calls.finish_reason(c.finish_reason) if calls else c.finish_reason,
             "stop_reason": c.stop_reason,
         })
@@ -254,7 +104,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     return JSONResponse({
         "id": request_id,
         "object": "chat.completion",
-        "created": created,
+        "created": answer.created,
         "model": model,
         "choices": choices,
         "usage": usage(len(prompt.prompt_token_ids), num_generated, output.num_cached_tokens),
@@ -262,16 +112,30 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     })
 
 
-async def _chat_stream(ctx, body, stream, prompt, params, request_id, created, model, num_top,
-                       tools) -> AsyncIterator[str]:
-    def chunk(choices, **extra):
-        return sse_data({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                         "choices": choices, **extra})
+@dataclass(slots=True)
+class ChatAnswer:
+    """What every chunk (or the one body) of a chat answer repeats, and how its choices are read."""
 
-    for index in range(params.n):
-        yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+    request_id: str
+    created: int
+    model: str
+    num_prompt_tokens: int
+    n: int
+    num_top: int  # top_logprobs
+    make_calls: Callable[[], ToolCallDeltas] | None  # tool calls read out of the text (ToolCallPlan)
+
+    def chunk(self, choices: list, **extra) -> str:
+        return sse_data({"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
+                         "model": self.model, "choices": choices, **extra})
+
+
+async def chat_stream(answer: ChatAnswer, stream, include_usage: bool) -> AsyncIterator[str]:
+    """Stage ⑨ for a streamed chat: a role chunk per choice, then each RequestOutput's delta as chunks."""
+    for index in range(answer.n):
+        yield answer.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}])
     num_generated = num_cached = 0
-    calls = [tools() for _ in range(params.n)] if tools else None
+    calls = [answer.make_calls() for _ in range(answer.n)] if answer.make_calls else None
     async for output in stream:
         num_cached = output.num_cached_tokens
         for c in output.outputs:
@@ -286,8 +150,9 @@ async def _chat_stream(ctx, body, stream, prompt, params, request_id, created, m
                 deltas = [{"content": c.text} if c.text else {}]
             for i, delta in enumerate(deltas):
                 last = i == len(deltas) - 1
-                yield chunk([{"index": c.index, "delta": delta, "logprobs": chat_logprobs(c, num_top) if last else None,
-                              "finish_reason": finish_reason if last else None,
-                              **({"stop_reason": c.stop_reason} if c.finished() and last else {})}])
-    if body.include_usage:
-        yield chunk([], usage=usage(len(prompt.prompt_token_ids), num_generated, num_cached))
+                yield answer.chunk([{"index": c.index, "delta": delta,
+                                     "logprobs": chat_logprobs(c, answer.num_top) if last else None,
+                                     "finish_reason": finish_reason if last else None,
+                                     **({"stop_reason": c.stop_reason} if c.finished() and last else {})}])
+    if include_usage:
+        yield answer.chunk([], usage=usage(answer.num_prompt_tokens, num_generated, num_cached))

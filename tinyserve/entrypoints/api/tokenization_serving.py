@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from tinyserve.frontend.render_threads import CHARS_PER_ID
 from tinyserve.entrypoints.api.errors import APIError
 from tinyserve.entrypoints.api.openai_protocol import DetokenizeRequest, TokenizeRequest
-from tinyserve.entrypoints.api.serving_chat import ServingContext
+from tinyserve.entrypoints.api.serving_engine import ServingContext
 
 _JSON_SLICE = 65536  # ids JSON-encoded per call, so that no one call holds the GIL for long
 
