@@ -32,7 +32,7 @@ from bench_models import FULL, QUICK, build_model, make_workloads, num_kv_blocks
 from roofline import describe_machine  # noqa: E402
 
 from tinyserve import LLM, SamplingParams  # noqa: E402
-from tinyserve.entrypoints.api.tool_calls import required_calls_schema  # noqa: E402
+from tinyserve.entrypoints.api.tools.tool_calls import required_calls_schema  # noqa: E402
 from tinyserve.models.tokenizer import load_tokenizer  # noqa: E402
 from tinyserve.sampling_params import StructuredOutputsParams  # noqa: E402
 from tinyserve.structured_output import STRUCTURED_OUTPUT_BACKENDS, get_backend_module  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 from tinyserve.testing import ServerProcess
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.cli.main import main
-from tinyserve.entrypoints.api import field_limits
+from tinyserve.entrypoints.api.guards import field_limits
 
 pytestmark = pytest.mark.server  # a real `tinyserve serve` on loopback
 

@@ -177,3 +177,29 @@ def test_every_package_caption_says_where_it_runs():
                 for name, path in MODULES.items() if path.name == "__init__.py"}
     for name in ("tinyserve.frontend", "tinyserve.engine", "tinyserve.engine.core", "tinyserve.engine.worker"):
         assert "process" in captions[name], name
+
+
+LIFECYCLE_FUNCTIONS = [
+    ("tinyserve.engine.engine_core", "EngineCore.step"),
+    ("tinyserve.engine.core.scheduler", "Scheduler.schedule"),
+    ("tinyserve.engine.worker.model_runner", "ModelRunner.execute_model"),
+    ("tinyserve.engine.worker.tensor_parallel_workers", "TensorParallelRunner.execute_model"),
+    ("tinyserve.frontend.output_processor", "OutputProcessor.process_outputs"),
+]
+
+
+@pytest.mark.parametrize(("module", "qualname"), LIFECYCLE_FUNCTIONS, ids=[q for _, q in LIFECYCLE_FUNCTIONS])
+def test_lifecycle_functions_read_no_clock_and_touch_no_span_outside_one_with(module, qualname):
+    """Instrumentation sits behind one `with` (the step recorder, a spans object's clock); the body
+    itself is the lifecycle: no time.* call, no span, and at most one `with` at its top level."""
+    class_name, name = qualname.split(".")
+    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name]
+    [function] = [n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name]
+    body = ast.Module(body=function.body[1:] if ast.get_docstring(function) else function.body, type_ignores=[])
+    clocks = [ast.unparse(n) for n in ast.walk(body)
+              if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "time"]
+    spans = sorted({n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(body)
+                    if isinstance(n, (ast.Name, ast.Attribute)) and "span" in (n.id if isinstance(n, ast.Name) else n.attr)})
+    withs = [n for n in body.body if isinstance(n, (ast.With, ast.AsyncWith))]
+    assert (clocks, spans, len(withs) <= 1) == ([], [], True)

@@ -245,7 +245,7 @@ def sigterm_run(tmp_path_factory):
 
 
 def test_sigterm_exits_soon_after_the_timeout_leaving_no_process_socket_or_temp_file(sigterm_run):
-    from tinyserve.entrypoints.api.shutdown import ABORT_GRACE_S
+    from tinyserve.entrypoints.api.guards.shutdown import ABORT_GRACE_S
 
     assert sigterm_run["exited_after"] < SHUTDOWN_TIMEOUT + ABORT_GRACE_S, sigterm_run["output"][-3000:]
     assert sigterm_run["group_gone"], "a process of the server's group outlived it"

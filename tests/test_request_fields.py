@@ -21,10 +21,10 @@ import pytest
 from typing_extensions import is_typeddict
 
 from tests import shared_server
-from tinyserve.entrypoints.api.anthropic_serving import MessagesCountTokensRequest, MessagesRequest
+from tinyserve.entrypoints.api.other_apis.anthropic_serving import MessagesCountTokensRequest, MessagesRequest
 from tinyserve.entrypoints.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tinyserve.entrypoints.api.request_fields import NO_EFFECT, REFUSED
-from tinyserve.entrypoints.api.responses_protocol import ResponsesRequest
+from tinyserve.entrypoints.api.other_apis.responses_protocol import ResponsesRequest
 
 MODEL = shared_server.MODEL
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from tinyserve.entrypoints.api.anthropic_tools import BlockEvents, content_blocks
-from tinyserve.entrypoints.api.tool_calls import ToolCallDeltas, ToolCallParser, required_calls_schema
+from tinyserve.entrypoints.api.other_apis.anthropic_tools import BlockEvents, content_blocks
+from tinyserve.entrypoints.api.tools.tool_calls import ToolCallDeltas, ToolCallParser, required_calls_schema
 
 HERMES = ('Let me look. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call> and '
           '<tool_call>{"name": "g"}</tool_call>')

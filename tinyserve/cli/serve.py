@@ -21,16 +21,16 @@ import uvicorn
 from tinyserve.cli.data_parallel_flags import add_data_parallel_flags, check_data_parallel_flags, size_local
 from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from
 from tinyserve.cli.load_balancing_flags import add_load_balancing_flags, check_load_balancing_flags
-from tinyserve.entrypoints.api.field_limits import (
+from tinyserve.entrypoints.api.guards.field_limits import (
     DEFAULT_MAX_LOGIT_BIAS_ENTRIES,
     DEFAULT_MAX_MESSAGES,
     DEFAULT_MAX_STOP_STRING_CHARS,
     DEFAULT_MAX_STOP_STRINGS,
     FieldLimits,
 )
-from tinyserve.entrypoints.api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
-from tinyserve.entrypoints.api.tool_calls import TOOL_CALL_PARSERS
-from tinyserve.entrypoints.api.slow_clients import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
+from tinyserve.entrypoints.api.guards.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from tinyserve.entrypoints.api.tools.tool_calls import TOOL_CALL_PARSERS
+from tinyserve.entrypoints.api.guards.slow_clients import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 
 # Room for a few seconds of arrivals at a busy server's rate, a few MiB of prompts at most.
 DEFAULT_MAX_WAITING_REQUESTS = 1024
@@ -145,8 +145,8 @@ def run(args: argparse.Namespace) -> int:
     from tinyserve.entrypoints.api.metrics import ServerMetrics
     from tinyserve.entrypoints.api.serving_engine import ServingContext
     from tinyserve.entrypoints.api.server import build_app
-    from tinyserve.entrypoints.api.shutdown import GracefulServer
-    from tinyserve.entrypoints.api.slow_clients import DeadlineProtocol
+    from tinyserve.entrypoints.api.guards.shutdown import GracefulServer
+    from tinyserve.entrypoints.api.guards.slow_clients import DeadlineProtocol
 
     ctx = ServingContext(engine, names, redact_inputs=args.trace_redact_inputs,
                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)

@@ -18,7 +18,7 @@ hand it back every few milliseconds (sys.getswitchinterval).
 What a thread cannot hand back is a single C call that holds the GIL: turning
 millions of ids into a Python list, or JSON-encoding them in one go. Those are
 kept to what cannot be avoided (InputProcessor.encode) or cut into slices (the
-/tokenize answer, tokenization_serving.py).
+/tokenize answer, serving_tokenization.py).
 
 Before a job is queued, the cheap size checks of the input processor refuse
 what could never fit the context, so a hopeless request does not wait for a lane.

@@ -15,8 +15,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tinyserve.entrypoints.api.strict_body import StrictBody, Text
-from tinyserve.entrypoints.api.structured_protocol import (
+from tinyserve.entrypoints.api.guards.strict_body import StrictBody, Text
+from tinyserve.entrypoints.api.tools.structured_protocol import (
     AssistantToolCall,
     ConstrainedFields,
     NamedToolChoice,

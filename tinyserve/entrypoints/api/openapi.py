@@ -18,7 +18,7 @@ still be refused with a 400 that names the field at fault.
 from fastapi import FastAPI
 
 from tinyserve.entrypoints.api.errors import is_anthropic_path
-from tinyserve.entrypoints.api.field_limits import FieldLimits
+from tinyserve.entrypoints.api.guards.field_limits import FieldLimits
 
 OPENAI_ERROR = {
     "type": "object", "required": ["error"],

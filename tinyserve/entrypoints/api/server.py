@@ -1,7 +1,7 @@
 """The FastAPI app: routes, authentication, error bodies, health and metrics.
 
-Handlers live in serving_chat.py (chat), completions_serving.py,
-responses_serving.py, anthropic_serving.py and tokenization_serving.py; this file wires
+Handlers live in serving_chat.py (chat), serving_completion.py,
+responses_serving.py, anthropic_serving.py and serving_tokenization.py; this file wires
 them to URLs and makes sure that every failure, including a malformed body,
 answers in the endpoint's own error format with a 4xx/5xx status, and never
 with a traceback. A request passes, outermost first:
@@ -29,18 +29,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import tinyserve
 from tinyserve.frontend.async_llm import RequestRejectedError
 from tinyserve.frontend.engine_client import EngineDeadError
-from tinyserve.entrypoints.api import tokenization_serving
-from tinyserve.entrypoints.api.anthropic_serving import (
+from tinyserve.entrypoints.api import serving_tokenization
+from tinyserve.entrypoints.api.other_apis.anthropic_serving import (
     MessagesCountTokensRequest,
     MessagesRequest,
     count_tokens,
     create_message,
 )
-from tinyserve.entrypoints.api.auth import ApiKeyMiddleware
-from tinyserve.entrypoints.api.completions_serving import create_completion
+from tinyserve.entrypoints.api.guards.auth import ApiKeyMiddleware
+from tinyserve.entrypoints.api.serving_completion import create_completion
 from tinyserve.entrypoints.api.errors import APIError, error_response
-from tinyserve.entrypoints.api.field_limits import FieldLimits
-from tinyserve.entrypoints.api.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestLimitsMiddleware
+from tinyserve.entrypoints.api.guards.field_limits import FieldLimits
+from tinyserve.entrypoints.api.guards.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestLimitsMiddleware
 from tinyserve.entrypoints.api.load_reports import LoadReportsMiddleware, ServerLoad
 from tinyserve.entrypoints.api.metrics import ServerMetrics
 from tinyserve.entrypoints.api.openapi import make_truthful
@@ -53,8 +53,8 @@ from tinyserve.entrypoints.api.openai_protocol import (
 from tinyserve.entrypoints.api.serving_chat import create_chat_completion
 from tinyserve.entrypoints.api.serving_engine import ServingContext
 from tinyserve.entrypoints.api.request_ids import RequestIdMiddleware
-from tinyserve.entrypoints.api.responses_protocol import RESPONSE_ID_PATTERN, ResponsesRequest, ResponseStore
-from tinyserve.entrypoints.api.responses_serving import create_response
+from tinyserve.entrypoints.api.other_apis.responses_protocol import RESPONSE_ID_PATTERN, ResponsesRequest, ResponseStore
+from tinyserve.entrypoints.api.other_apis.responses_serving import create_response
 from tinyserve.entrypoints.api.sse import engine_dead_message
 from tinyserve.lifecycle.http_spans import TracingMiddleware
 from tinyserve.lifecycle.tracing import shutdown_tracing
@@ -203,7 +203,7 @@ def build_app(
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
-        return tokenization_serving.tokenizer_info(ctx)
+        return serving_tokenization.tokenizer_info(ctx)
 
     @app.get("/health")
     async def health():
@@ -230,11 +230,11 @@ def build_app(
 
     @app.post("/tokenize")
     async def tokenize(body: Tokenize):
-        return await tokenization_serving.tokenize(ctx, body)
+        return await serving_tokenization.tokenize(ctx, body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        return await tokenization_serving.detokenize(ctx, body)
+        return await serving_tokenization.detokenize(ctx, body)
 
     make_truthful(app, model_names=ctx.model_names, api_key=api_key is not None, field_limits=field_limits)
 

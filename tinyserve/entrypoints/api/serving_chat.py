@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.entrypoints.api.openai_protocol import ChatCompletionRequest
-from tinyserve.entrypoints.api.tool_calls import ToolCallDeltas
+from tinyserve.entrypoints.api.tools.tool_calls import ToolCallDeltas
 from tinyserve.entrypoints.api.sse import (
     EventStreamResponse,
     final_outputs_unless_disconnected,

@@ -1,7 +1,7 @@
 """What the API's handlers share: the serving context, usage, rendering a chat, tool-call plans.
 
 vLLM keeps the same in serving_engine.py (OpenAIServing). Each handler (serving_chat.py's,
-completions_serving.py's, anthropic_serving.py's, responses_serving.py's) validates the
+serving_completion.py's, anthropic_serving.py's, responses_serving.py's) validates the
 body, asks the front end for room (a 503 when the waiting queue is full), renders and
 tokenizes the prompt (`render_and_tokenize`), turns the body into SamplingParams, sends the
 request, and only then answers: it streams SSE chunks as RequestOutput deltas arrive, or
@@ -19,7 +19,7 @@ from tinyserve.errors import InvalidInputError
 from tinyserve.frontend.async_llm import AsyncLLM
 from tinyserve.frontend.input_processor import ProcessedPrompt
 from tinyserve.entrypoints.api.errors import APIError, openai_error_body
-from tinyserve.entrypoints.api.tool_calls import ToolCallDeltas, tool_constraint, tools_for_constraint
+from tinyserve.entrypoints.api.tools.tool_calls import ToolCallDeltas, tool_constraint, tools_for_constraint
 from tinyserve.entrypoints.api.sse import (
     sse_data,
     stream_error_status,

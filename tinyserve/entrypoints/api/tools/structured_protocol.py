@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
-from tinyserve.entrypoints.api.strict_body import StrictBody, Text
+from tinyserve.entrypoints.api.guards.strict_body import StrictBody, Text
 from tinyserve.sampling_params import StructuredOutputsParams
 
 

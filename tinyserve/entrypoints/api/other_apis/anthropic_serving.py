@@ -24,7 +24,7 @@ from pydantic import Field, field_validator, model_validator
 
 from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError, anthropic_error_body
-from tinyserve.entrypoints.api.anthropic_tools import (
+from tinyserve.entrypoints.api.other_apis.anthropic_tools import (
     AnthropicTool,
     AnthropicToolChoice,
     BlockEvents,
@@ -37,7 +37,7 @@ from tinyserve.entrypoints.api.anthropic_tools import (
     tool_plan,
 )
 from tinyserve.entrypoints.api.serving_engine import ServingContext, add_constrained_request, render_and_tokenize
-from tinyserve.entrypoints.api.strict_body import StrictBody, Text
+from tinyserve.entrypoints.api.guards.strict_body import StrictBody, Text
 from tinyserve.entrypoints.api.sse import (
     EventStreamResponse,
     final_outputs_unless_disconnected,

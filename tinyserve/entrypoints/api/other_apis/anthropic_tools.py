@@ -18,8 +18,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from tinyserve.entrypoints.api.sse import sse_event
-from tinyserve.entrypoints.api.strict_body import StrictBody, Text
-from tinyserve.entrypoints.api.tool_calls import ToolCallDeltas, tool_constraint
+from tinyserve.entrypoints.api.guards.strict_body import StrictBody, Text
+from tinyserve.entrypoints.api.tools.tool_calls import ToolCallDeltas, tool_constraint
 
 
 class TextBlock(StrictBody):

@@ -32,8 +32,8 @@ from tinyserve.entrypoints.api.serving_engine import (
     render_and_tokenize,
     tool_call_plan,
 )
-from tinyserve.entrypoints.api.responses_output import OutputItems
-from tinyserve.entrypoints.api.responses_protocol import ResponsesRequest, ResponseStore
+from tinyserve.entrypoints.api.other_apis.responses_output import OutputItems
+from tinyserve.entrypoints.api.other_apis.responses_protocol import ResponsesRequest, ResponseStore
 from tinyserve.entrypoints.api.sse import (
     EventStreamResponse,
     final_outputs_unless_disconnected,

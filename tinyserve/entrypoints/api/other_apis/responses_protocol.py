@@ -29,7 +29,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from tinyserve.entrypoints.api.openai_protocol import StrictBody, Text
-from tinyserve.entrypoints.api.structured_protocol import (
+from tinyserve.entrypoints.api.tools.structured_protocol import (
     AssistantToolCall,
     FunctionDefinition,
     JsonSchemaFormat,

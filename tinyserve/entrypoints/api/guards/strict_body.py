@@ -9,7 +9,7 @@ from typing import Annotated, ClassVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
-from tinyserve.entrypoints.api.field_limits import FieldLimits
+from tinyserve.entrypoints.api.guards.field_limits import FieldLimits
 from tinyserve.entrypoints.api.request_fields import check_refused
 
 
