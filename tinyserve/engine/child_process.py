@@ -20,6 +20,7 @@ ended, as multiprocessing ends its `daemon=True` ones.
 """
 
 import atexit
+import contextlib
 import os
 import pickle
 import subprocess
@@ -54,9 +55,11 @@ class ChildProcess:
             # Two pickles: the path first, so that the second finds every module it names.
             pickle.dump((self.name, sys.path), self._popen.stdin)
             pickle.dump(self._payload, self._popen.stdin, protocol=pickle.HIGHEST_PROTOCOL)
-            self._popen.stdin.close()
         except BrokenPipeError:  # it died before it read them: exitcode says how
             pass
+        finally:  # the child then reads to the end, and exits if it got less than it needs
+            with contextlib.suppress(BrokenPipeError):
+                self._popen.stdin.close()
 
     @property
     def pid(self) -> int | None:
