@@ -84,6 +84,8 @@ def test_each_request_trace_has_every_stage_once_and_one_root(traced_run):
         roots = [s for s in trace_spans if s.parent_span_id not in ids]
         assert len(roots) == 1 and roots[0].name.startswith("POST /v1/")
         assert {s.service for s in trace_spans} == {schema.SERVICE_API, schema.engine_service_name(0)}
+        [send] = [s for s in trace_spans if s.name == schema.IPC_SEND]  # the size of the message that crossed
+        assert send.attributes[schema.IPC_BYTES] > 0 and send.attributes[schema.ENGINE_INDEX] == 0
 
 
 @pytest.mark.server

@@ -31,6 +31,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.frontend.core_client import MPClient
@@ -255,9 +256,10 @@ class AsyncLLM:
             engine_index = await self.client.add_request(request)
             if send_span is not None:
                 send_span.set_attribute(schema.ENGINE_INDEX, engine_index)
-                sent_bytes = getattr(self.client, "last_sent_bytes", None)  # engine processes: the encoded size
-                if sent_bytes is not None:
-                    send_span.set_attribute(schema.IPC_BYTES, sent_bytes)
+                sent_bytes = getattr(self.client, "last_sent_bytes", None)  # engine processes: what was sent
+                if sent_bytes is None:  # an engine in this process: nothing was encoded; what would cross
+                    sent_bytes = len(msgspec.msgpack.encode(request))
+                send_span.set_attribute(schema.IPC_BYTES, sent_bytes)
         return engine_index
 
     def start_draining(self) -> None:
