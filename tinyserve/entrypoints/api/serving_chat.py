@@ -12,19 +12,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.entrypoints.api.openai_protocol import ChatCompletionRequest
-from tinyserve.entrypoints.api.tools.tool_calls import ToolCallDeltas
-from tinyserve.entrypoints.api.sse import (
-    EventStreamResponse,
-    final_outputs_unless_disconnected,
-    sse_data,
-)
-from tinyserve.lifecycle import schema
-from tinyserve.lifecycle.request_spans import start_request_spans
-from tinyserve.outputs import CompletionOutput
-
-
 from tinyserve.entrypoints.api.serving_engine import (
     ServingContext,
     ToolCallPlan,
@@ -35,6 +23,12 @@ from tinyserve.entrypoints.api.serving_engine import (
     tool_call_plan,
     usage,
 )
+from tinyserve.entrypoints.api.sse import EventStreamResponse, final_outputs_unless_disconnected, sse_data
+from tinyserve.entrypoints.api.tools.tool_calls import ToolCallDeltas
+from tinyserve.frontend.output_processor import OutputKind
+from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.request_spans import start_request_spans
+from tinyserve.outputs import CompletionOutput
 
 
 def chat_constraint(ctx: ServingContext, body: ChatCompletionRequest) -> ToolCallPlan:
@@ -67,7 +61,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     spans = start_request_spans(schema.OPERATION_CHAT, model, request_id, redact_inputs=ctx.redact_inputs)
     try:
-        constraint, constrained_field, tools = chat_constraint(ctx, body)
+        constraint, constrained_field, make_calls = chat_constraint(ctx, body)
         prompt, params = await render_and_tokenize(
             ctx, spans, [m.as_template_message() for m in body.messages], body.add_generation_prompt,
             body.requested_max_tokens,
@@ -82,7 +76,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         spans.fail(error)
         raise
     answer = ChatAnswer(request_id, int(time.time()), model, len(prompt.prompt_token_ids), params.n,
-                        body.top_logprobs or 0, tools)
+                        body.top_logprobs or 0, make_calls)
     if body.stream:
         return EventStreamResponse(guard_stream(chat_stream(answer, stream, body.include_usage)), [stream])
 
@@ -92,7 +86,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     [output] = outputs
     choices = []
     for c in output.outputs:
-        calls = tools() if tools else None
+        calls = make_calls() if make_calls else None
         choices.append({
             "index": c.index,
             "message": {"role": "assistant", **(calls.message(c.text) if calls else {"content": c.text})},

@@ -14,16 +14,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-
+from tinyserve.entrypoints.api.errors import APIError, openai_error_body
+from tinyserve.entrypoints.api.sse import sse_data, stream_error_status
+from tinyserve.entrypoints.api.tools.tool_calls import ToolCallDeltas, tool_constraint, tools_for_constraint
 from tinyserve.errors import InvalidInputError
 from tinyserve.frontend.async_llm import AsyncLLM
 from tinyserve.frontend.input_processor import ProcessedPrompt
-from tinyserve.entrypoints.api.errors import APIError, openai_error_body
-from tinyserve.entrypoints.api.tools.tool_calls import ToolCallDeltas, tool_constraint, tools_for_constraint
-from tinyserve.entrypoints.api.sse import (
-    sse_data,
-    stream_error_status,
-)
 from tinyserve.lifecycle import schema
 from tinyserve.outputs import RequestOutput
 from tinyserve.sampling_params import SamplingParams
