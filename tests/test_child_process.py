@@ -1,9 +1,12 @@
 """ChildProcess: a new interpreter whose main module is tinyserve's, never the caller's script."""
 
+import os
 import select
 import signal
 import sys
 import time
+
+import pytest
 
 from tests.patience import patient
 from tinyserve.engine.child_process import ChildProcess
@@ -34,7 +37,10 @@ def test_the_child_runs_its_target_with_its_arguments_and_says_how_it_ended(tmp_
     assert failing.exitcode == 3 and not failing.is_alive()
 
 
-def test_the_sentinel_turns_readable_when_the_child_ends_and_terminate_is_sigterm():
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "pipe"])
+def test_the_sentinel_turns_readable_when_the_child_ends_and_terminate_is_sigterm(pidfd, monkeypatch):
+    if not pidfd:  # what a system without pidfd_open (macOS) gets
+        monkeypatch.delattr(os, "pidfd_open", raising=False)
     child = ChildProcess(sleep_long, {}, name="sleeper")
     child.start()
     assert child.is_alive() and select.select([child.sentinel], [], [], 0)[0] == []

@@ -14,7 +14,7 @@ child takes the parent's `sys.path` first, so what the parent imports it imports
 
 `ChildProcess` keeps the part of `multiprocessing.Process` its callers use: `pid`,
 `exitcode` (negative: killed by that signal), `join`, `terminate`, `kill`, and a
-`sentinel` file descriptor (a pidfd) that becomes readable when the child exits, for an
+`sentinel` file descriptor (a pidfd; a pipe where the system has none) that becomes readable when the child exits, for an
 event loop's `add_reader`. Children still running when the parent's interpreter exits are
 ended, as multiprocessing ends its `daemon=True` ones.
 """
@@ -47,8 +47,16 @@ class ChildProcess:
         env = dict(os.environ)
         # The child must find this module before it can read the parent's sys.path.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-        self._popen = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, env=env)
-        self.sentinel = os.pidfd_open(self._popen.pid)
+        if hasattr(os, "pidfd_open"):  # Linux: a descriptor of the process itself
+            self._popen = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, env=env)
+            self.sentinel = os.pidfd_open(self._popen.pid)
+        else:  # elsewhere: a pipe whose write end only the child holds, at EOF once it has exited
+            self.sentinel, write_end = os.pipe()
+            try:
+                self._popen = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, env=env,
+                                               pass_fds=(write_end,))
+            finally:
+                os.close(write_end)
         weakref.finalize(self, os.close, self.sentinel)
         _running.add(self)
         try:
