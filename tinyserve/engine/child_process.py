@@ -14,9 +14,10 @@ child takes the parent's `sys.path` first, so what the parent imports it imports
 
 `ChildProcess` keeps the part of `multiprocessing.Process` its callers use: `pid`,
 `exitcode` (negative: killed by that signal), `join`, `terminate`, `kill`, and a
-`sentinel` file descriptor (a pidfd; a pipe where the system has none) that becomes readable when the child exits, for an
-event loop's `add_reader`. Children still running when the parent's interpreter exits are
-ended, as multiprocessing ends its `daemon=True` ones.
+`sentinel` file descriptor that becomes readable when the child exits, for an event
+loop's `add_reader` (a pidfd; a pipe where the system has none). Children still running
+when the parent's interpreter exits are ended, as multiprocessing ends its `daemon=True`
+ones.
 """
 
 import atexit
