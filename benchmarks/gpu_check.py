@@ -26,7 +26,7 @@ the kernels through Triton's interpreter, tensor parallelism over gloo: it tests
 script and measures nothing) prints the same plan.
 Without a GPU and without --smoke it says so and exits with status 2.
 
-    python benchmarks/gpu_check.py --out DIR [--append BENCHMARKS.md]
+    python benchmarks/gpu_check.py --out DIR [--append BENCHMARKS.md] [--parts 3,4]
     python benchmarks/gpu_check.py --smoke --out DIR
 """
 
@@ -103,7 +103,7 @@ def plan() -> list[tuple[str, object, float]]:
                   for kernel in ("decode", "prefill"))
     kernels = gpu_check_kernels.specializations(params) * COMPILE_SECONDS + timings * BENCH_SECONDS
     speed = 5 * COMPILE_SECONDS + 5 * BENCH_SECONDS + 10  # + filling 2 GiB of K/V and a 1 GiB copy
-    end_to_end = 20 + 3 * 40 + 30  # model and tokenizer; 3 contenders (start + 4 generates); fp32 parity
+    end_to_end = 20 + 3 * 45 + 30  # model and tokenizer; 3 contenders (start + 4 generates at each batch size); fp32 parity
     tensor_parallel = 15 + 2 * 15  # model and tokenizer; 2 eager engines (start + 3 generates)
     return [("kernels", gpu_check_kernels.check_kernels, kernels),
             ("speed", gpu_check_kernels.kernel_speed, speed),
@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="append the table to FILE (default BENCHMARKS.md)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes on the CPU: tests this script, measures nothing")
+    parser.add_argument("--parts", metavar="N,N", default=None,
+                        help="run only these parts (numbers, as the plan prints them): a rerun of what failed")
     args = parser.parse_args(argv)
     if (problem := check_imports()) is not None:
         print(problem, file=sys.stderr)
@@ -165,13 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     description = describe_device(device)
     print(f"device: {description}\nrows go to {out}/", flush=True)
-    parts = plan()
-    for number, (name, _, estimate) in enumerate(parts, 1):
+    chosen = {int(n) for n in args.parts.split(",")} if args.parts else None
+    parts = [(number, *part) for number, part in enumerate(plan(), 1) if chosen is None or number in chosen]
+    for number, name, _, estimate in parts:
         print(f"  part {number}, {name}: about {estimate:.0f} s on one GPU", flush=True)
     print(f"  in all about {sum(estimate for *_, estimate in parts) / 60:.1f} minutes", flush=True)
 
     rows = []
-    for number, (name, part, _) in enumerate(parts, 1):
+    for number, name, part, _ in parts:
         started = time.perf_counter()
         part_rows = guarded(name, "the whole part", lambda part=part: part(device, args.smoke))
         write_rows(out / f"{number}-{name.replace(' ', '-')}.jsonl", part_rows)

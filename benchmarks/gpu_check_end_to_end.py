@@ -7,7 +7,9 @@ one contender and not of the other.
 
     transformers generate     bf16, sdpa, its default DynamicCache (the label says so)
     tinyserve                 bf16, Triton kernels, with CUDA graphs and --enforce-eager
-    DecodeGraphs.run alone    one decode step of the whole batch through the recorded graph,
+                              (each contender at batch 1 and at batch 64: one prompt alone,
+                              where the host's time per step dominates, and a full batch)
+    DecodeGraphs.run alone    one decode step of the whole batch of 64 through the recorded graph,
                               timed with CUDA events: the GPU's share of a step, beside the
                               end-to-end time that includes the host (inputs, outputs)
     fp32 parity               a few prompts in fp32, transformers against tinyserve
@@ -19,8 +21,10 @@ transformers in bf16 does the same), and everything after the flip differs. The 
 pass is where every sequence must match.
 """
 
+import gc
 import tempfile
 import time
+from functools import partial
 
 import numpy as np
 import torch
@@ -47,22 +51,33 @@ def likeness(got: list[list[int]], wants: list[list[int]]) -> str:
 def hf_generate(folder: str, prompts: list[list[int]], new_tokens: int, dtype: torch.dtype, device: torch.device,
                 repeats: int) -> tuple[float, list[list[int]]]:
     """(seconds of one batched generate, the new tokens of each prompt), left-padded as generate wants."""
+    return hf_generate_batches(folder, {len(prompts): prompts}, new_tokens, dtype, device, repeats)[len(prompts)]
+
+
+def hf_generate_batches(folder: str, batches: dict[int, list[list[int]]], new_tokens: int, dtype: torch.dtype,
+                        device: torch.device, repeats: int) -> dict[int, tuple[float, list[list[int]]]]:
+    """hf_generate of each batch, the model loaded once: {batch size: (seconds, new tokens of each prompt)}."""
     from transformers import GenerationConfig, LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     pad = model.generation_config.pad_token_id
-    width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                               pad_token_id=pad, eos_token_id=model.generation_config.eos_token_id)
-    with torch.no_grad():
-        out = model.generate(input_ids, attention_mask=mask, generation_config=config)
-        seconds = wall_seconds(lambda: model.generate(input_ids, attention_mask=mask, generation_config=config),
-                               device, repeats)
-    del model
+    results = {}
+    for size, prompts in batches.items():
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+
+        def generate(input_ids=input_ids, mask=mask):
+            return model.generate(input_ids, attention_mask=mask, generation_config=config)
+
+        with torch.no_grad():
+            out = generate()
+            results[size] = wall_seconds(generate, device, repeats), [row[width:].tolist() for row in out]
+    model = None
     free(device)
-    return seconds, [row[width:].tolist() for row in out]
+    return results
 
 
 def wall_seconds(fn, device: torch.device, repeats: int) -> float:
@@ -78,6 +93,8 @@ def wall_seconds(fn, device: torch.device, repeats: int) -> float:
 
 
 def free(device: torch.device) -> None:
+    """What a model or engine held, back to the device: cycles collected, PyTorch's cached blocks released."""
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -121,52 +138,64 @@ def end_to_end(device: torch.device, smoke: bool) -> list[Row]:
     from tinyserve.models.tokenizer import SPECIAL_TOKENS
 
     shape = bench_models.QUICK if smoke else GPU_SHAPE
-    num_prompts, (low, high), new_tokens = (2, (8, 24), 4) if smoke else (256, (128, 512), 128)
+    sizes, (low, high), new_tokens = ((1, 2), (8, 24), 4) if smoke else ((1, 64), (128, 512), 128)
     repeats = 1 if smoke else 3
     dtype, dtype_name = (torch.float32, "float32") if smoke else (torch.bfloat16, "bfloat16")
     rng = np.random.default_rng(0)
     pool = np.arange(len(SPECIAL_TOKENS), shape.vocab_size)
-    prompts = [rng.choice(pool, size=n).tolist() for n in rng.integers(low, high + 1, size=num_prompts)]
-    output_tokens = num_prompts * new_tokens
-    rows, graph_rows, tokens, times = [], [], {}, {}
+    prompts = [rng.choice(pool, size=n).tolist() for n in rng.integers(low, high + 1, size=max(sizes))]
+    batches = {size: prompts[:size] for size in sizes}
+    rows, graph_rows = [], []
+    tokens: dict[tuple[int, str], list] = {}  # (batch size, contender): new tokens of each prompt
+    times: dict[tuple[int, str], float] = {}
     with tempfile.TemporaryDirectory(prefix="tinyserve-gpu-check-") as folder:
         num_params = bench_models.build_model(folder, shape, quick=smoke)
-        rows.append(Row("end to end", f"model: {num_params / 1e6:.0f}M-parameter Llama, {dtype_name}; {num_prompts} "
-                                      f"prompts of {low}-{high} tokens, exactly {new_tokens} new tokens each, greedy "
-                                      "(EOS masked until then)", ""))
+        rows.append(Row("end to end", f"model: {num_params / 1e6:.0f}M-parameter Llama, {dtype_name}; batches of "
+                                      f"{' and '.join(map(str, sizes))} prompts of {low}-{high} tokens, exactly "
+                                      f"{new_tokens} new tokens each, greedy (EOS masked until then)", ""))
 
         def transformers_run():
-            times[HF_LABEL], tokens[HF_LABEL] = hf_generate(folder, prompts, new_tokens, dtype, device, repeats)
+            for size, (seconds, new) in hf_generate_batches(folder, batches, new_tokens, dtype, device,
+                                                            repeats).items():
+                times[size, HF_LABEL], tokens[size, HF_LABEL] = seconds, new
             return []
 
         rows += guarded("end to end", HF_LABEL, transformers_run)
         for name, eager in (("tinyserve (CUDA graphs)", False), ("tinyserve --enforce-eager", True)):
             graph_rows += guarded("end to end", name, lambda name=name, eager=eager: tinyserve_run(
-                name, eager, folder, prompts, new_tokens, dtype_name, device, smoke, repeats, tokens, times))
-        base = times.get(HF_LABEL)
-        for name, seconds in times.items():
-            versus = f", {base / seconds:.2f}x transformers" if base else ""
-            alike = f"; {likeness(tokens[name], tokens[HF_LABEL])}" if HF_LABEL in tokens else ""
-            rows.append(Row("end to end", name, f"{seconds:.2f} s, {output_tokens / seconds:,.0f} output tok/s"
-                                                f"{versus}{alike}"))
+                name, eager, folder, batches, new_tokens, dtype_name, device, smoke, repeats, tokens, times))
+        rows += [compared(size, name, times, tokens, new_tokens) for size, name in times]
         rows += graph_rows
         rows += guarded("end to end", "fp32 parity", lambda: fp32_parity(folder, prompts, new_tokens, device, smoke))
     return rows
 
 
-def tinyserve_run(name, eager, folder, prompts, new_tokens, dtype_name, device, smoke, repeats, tokens,
+def compared(size: int, name: str, times: dict, tokens: dict, new_tokens: int) -> Row:
+    """One contender at one batch size: its throughput, against transformers' and its tokens."""
+    seconds, base = times[size, name], times.get((size, HF_LABEL))
+    versus = f", {base / seconds:.2f}x transformers" if base else ""
+    alike = f"; {likeness(tokens[size, name], tokens[size, HF_LABEL])}" if (size, HF_LABEL) in tokens else ""
+    return Row("end to end", f"batch {size}: {name}",
+               f"{seconds:.2f} s, {size * new_tokens / seconds:,.0f} output tok/s{versus}{alike}")
+
+
+def tinyserve_run(name, eager, folder, batches, new_tokens, dtype_name, device, smoke, repeats, tokens,
                   times) -> list[Row]:
-    """Time one tinyserve contender (into times and tokens); with graphs, time DecodeGraphs.run alone too."""
+    """Time one tinyserve contender at each batch size (into times and tokens), one engine for all of them;
+    with graphs, time DecodeGraphs.run alone too, at the largest batch."""
     llm = tinyserve_llm(folder, dtype_name, device, smoke, eager)
-    tokens[name] = tinyserve_generate(llm, prompts, new_tokens)
-    times[name] = wall_seconds(lambda: tinyserve_generate(llm, prompts, new_tokens), device, repeats)
+    for size, prompts in batches.items():
+        tokens[size, name] = tinyserve_generate(llm, prompts, new_tokens)
+        times[size, name] = wall_seconds(partial(tinyserve_generate, llm, prompts, new_tokens), device, repeats)
     rows = []
     if not eager:
+        size, prompts = max(batches.items())
         step, batch = graph_step_seconds(llm, prompts, new_tokens, device, smoke)
-        per_step = times[name] / new_tokens
+        per_step = times[size, name] / new_tokens
         rows.append(Row("end to end", f"DecodeGraphs.run alone: one decode step of {batch} sequences",
                         f"{step * 1e3:.2f} ms ({timer_name(device)}); end to end {per_step * 1e3:.2f} ms per generated "
                         "token of the batch, prefill and host work included"))
+    llm.shutdown()
     del llm
     free(device)
     return rows
@@ -179,6 +208,7 @@ def fp32_parity(folder: str, prompts: list[list[int]], new_tokens: int, device: 
     _, wants = hf_generate(folder, few, new_tokens, torch.float32, device, repeats=0)
     llm = tinyserve_llm(folder, "float32", device, smoke, enforce_eager=False)
     got = tinyserve_generate(llm, few, new_tokens)
+    llm.shutdown()
     del llm
     free(device)
     same = sum(a == b for a, b in zip(got, wants))

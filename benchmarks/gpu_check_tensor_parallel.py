@@ -25,6 +25,7 @@ why one all-reduce is also timed alone. On a machine with one GPU, TP=2 is a "sk
 
 import tempfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from statistics import median
 
@@ -64,7 +65,7 @@ def run_engine(folder: str, trace_dir: str, prompts: list[list[int]], new_tokens
                   tensor_parallel_size=size, force_tensor_parallel=force, trace_dir=trace_dir)
         try:
             tokens = tinyserve_generate(llm, prompts, new_tokens)
-            seconds = wall_seconds(lambda: tinyserve_generate(llm, prompts, new_tokens), device, repeats)
+            seconds = wall_seconds(partial(tinyserve_generate, llm, prompts, new_tokens), device, repeats)
             if while_up is not None:
                 while_up(llm)
         finally:

@@ -45,7 +45,9 @@ def check_smoke_run(stdout: str, out_dir) -> None:
     results = {row["what"]: row["result"] for row in end_to_end}
     for contender in ("transformers generate (sdpa, DynamicCache)", "tinyserve (CUDA graphs)",
                       "tinyserve --enforce-eager"):
-        assert "identical 2/2, mean matched prefix 4.0/4 tokens" in results[contender], contender
+        for size in (1, 2):  # the smoke run's batch sizes (a GPU run's: 1 and 64)
+            want = f"identical {size}/{size}, mean matched prefix 4.0/4 tokens"
+            assert want in results[f"batch {size}: {contender}"], (size, contender)
     assert results["fp32 parity: tinyserve (CUDA graphs) against transformers"].startswith("identical 2/2")
     assert any(what.startswith("DecodeGraphs.run alone") for what in results)
     results = {row["what"]: row["result"] for row in tensor_parallel}
