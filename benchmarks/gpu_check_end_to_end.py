@@ -25,6 +25,7 @@ import gc
 import tempfile
 import time
 from functools import partial
+from statistics import median
 
 import numpy as np
 import torch
@@ -166,8 +167,45 @@ def end_to_end(device: torch.device, smoke: bool) -> list[Row]:
                 name, eager, folder, batches, new_tokens, dtype_name, device, smoke, repeats, tokens, times))
         rows += [compared(size, name, times, tokens, new_tokens) for size, name in times]
         rows += graph_rows
-        rows += guarded("end to end", "fp32 parity", lambda: fp32_parity(folder, prompts, new_tokens, device, smoke))
+        rows += guarded("end to end", "a traced decode step", lambda: step_phases(
+            folder, batches[max(sizes)], new_tokens, dtype_name, device, smoke))
+        rows += guarded("end to end", "fp32 parity", lambda: fp32_parity(
+            folder, prompts, new_tokens, device, smoke, {name: tokens[size, name] for size, name in tokens
+                                                          if size == max(sizes)}))
     return rows
+
+
+def step_phases(folder: str, prompts: list[list[int]], new_tokens: int, dtype_name: str, device: torch.device,
+                smoke: bool) -> list[Row]:
+    """One more generate of the largest batch with CUDA graphs, traced: where a decode step's time goes
+    (the engine's schedule, execute and update spans, and the time between steps, outside EngineCore.step)."""
+    from tinyserve import LLM
+    from tinyserve.lifecycle import load_run
+    from tinyserve.lifecycle.tracing import shutdown_tracing
+
+    with tempfile.TemporaryDirectory(prefix="tinyserve-gpu-check-trace-") as traces:
+        try:
+            llm = LLM(folder, dtype=dtype_name, device=device.type, enable_prefix_caching=False,
+                      attention_backend="triton", trace_dir=traces,
+                      **({"num_kv_blocks": 64} if smoke else {"gpu_memory_utilization": 0.5}))
+            tinyserve_generate(llm, prompts, new_tokens)
+            llm.shutdown()
+        finally:
+            shutdown_tracing()
+        steps = sorted(load_run(llm.trace_run_dir).steps, key=lambda step: step.start_ns)
+    del llm
+    free(device)
+    decode = [(step, after) for step, after in zip(steps, steps[1:])
+              if step.num_prefill_requests == 0 and step.num_requests == len(prompts)]
+    if not decode:
+        raise RuntimeError(f"no decode step of all {len(prompts)} sequences in the trace")
+    ms = lambda values: f"{median(values) * 1e3:.2f} ms"  # noqa: E731
+    phases = ", ".join(f"{name} {ms([getattr(step, name + '_s') for step, _ in decode])}"
+                       for name in ("schedule", "execute", "update"))
+    between = ms([(after.start_ns - step.end_ns) / 1e9 for step, after in decode])
+    return [Row("end to end", f"a decode step of {len(prompts)} sequences, CUDA graphs, traced (median of "
+                              f"{len(decode)})", f"{ms([step.duration_s for step, _ in decode])}: {phases}; "
+                                                 f"between steps (outputs, detokenizing) {between}")]
 
 
 def compared(size: int, name: str, times: dict, tokens: dict, new_tokens: int) -> Row:
@@ -202,8 +240,10 @@ def tinyserve_run(name, eager, folder, batches, new_tokens, dtype_name, device, 
 
 
 def fp32_parity(folder: str, prompts: list[list[int]], new_tokens: int, device: torch.device,
-                smoke: bool) -> list[Row]:
-    """A few prompts in fp32 through both: with no bf16 rounding, every sequence should match."""
+                smoke: bool, bf16_tokens: dict[str, list[list[int]]]) -> list[Row]:
+    """A few prompts in fp32 through both: with no bf16 rounding, every sequence should match. Then each
+    contender's bf16 tokens of those prompts (bf16_tokens, by contender) against transformers' fp32 ones:
+    how far bf16 rounding alone takes transformers, beside how far it takes tinyserve."""
     few = prompts[:8]
     _, wants = hf_generate(folder, few, new_tokens, torch.float32, device, repeats=0)
     llm = tinyserve_llm(folder, "float32", device, smoke, enforce_eager=False)
@@ -213,5 +253,9 @@ def fp32_parity(folder: str, prompts: list[list[int]], new_tokens: int, device: 
     free(device)
     same = sum(a == b for a, b in zip(got, wants))
     verdict = "" if same == len(few) else "FAILED: "
-    return [Row("end to end", "fp32 parity: tinyserve (CUDA graphs) against transformers",
+    rows = [Row("end to end", "fp32 parity: tinyserve (CUDA graphs) against transformers",
                 f"{verdict}{likeness(got, wants)}")]
+    if not smoke:  # the smoke run is fp32 throughout
+        rows += [Row("end to end", f"{name} in bf16 against transformers in fp32, the first {len(few)} prompts",
+                     likeness(tokens[: len(few)], wants)) for name, tokens in bf16_tokens.items()]
+    return rows

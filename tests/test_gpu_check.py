@@ -50,6 +50,9 @@ def check_smoke_run(stdout: str, out_dir) -> None:
             assert want in results[f"batch {size}: {contender}"], (size, contender)
     assert results["fp32 parity: tinyserve (CUDA graphs) against transformers"].startswith("identical 2/2")
     assert any(what.startswith("DecodeGraphs.run alone") for what in results)
+    traced = [result for what, result in results.items() if what.startswith("a decode step of 2 sequences, CUDA "
+                                                                              "graphs, traced (median of ")]
+    assert len(traced) == 1 and ": schedule " in traced[0] and "; between steps " in traced[0]
     results = {row["what"]: row["result"] for row in tensor_parallel}
     for contender in ("TP=1, a one-rank gloo group", "TP=2 over gloo"):
         assert "identical 2/2, mean matched prefix 4.0/4 tokens" in results[contender], contender
