@@ -20,10 +20,10 @@ What keeps the results:
   part (1-kernels.jsonl, ...: one JSON row per line), so a run that dies later keeps them.
 - A case that fails becomes a FAILED row, and the run goes on to the next.
 
-The run is planned for about six minutes on one GPU (a minute more with two): each part's
-estimate is printed before it starts, and --smoke (the same code on the CPU at tiny sizes,
-the kernels through Triton's interpreter, tensor parallelism over gloo: it tests this
-script and measures nothing) prints the same plan.
+The run is planned for about six minutes on one GPU (a minute more with two; an H200 took
+2.5): each part's estimate is printed before it starts, and --smoke (the same code on the
+CPU at tiny sizes, the kernels through Triton's interpreter, tensor parallelism over gloo:
+it tests this script and measures nothing) prints the same plan.
 Without a GPU and without --smoke it says so and exits with status 2.
 
     python benchmarks/gpu_check.py --out DIR [--append BENCHMARKS.md] [--parts 3,4]
