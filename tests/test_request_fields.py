@@ -389,7 +389,19 @@ def check_chat_template_kwargs(server, kind):
 
 
 def check_echo(server, kind):
+    if kind == "chat":  # vLLM's chat echo: the continued assistant message comes before the reply
+        messages = [*CHAT["messages"], {"role": "assistant", "content": "Explicit"}]
+        fields = dict(messages=messages, add_generation_prompt=False, continue_final_message=True, temperature=0)
+        assert text(server, kind, echo=True, **fields) == "Explicit" + text(server, kind, **fields)
+        return
     assert text(server, kind, echo=True).startswith(COMPLETION["prompt"])
+
+
+def check_return_tokens_as_token_ids(server, kind):
+    logprobs = {"logprobs": True, "top_logprobs": 1} if kind == "chat" else {"logprobs": 1}
+    answer = ok(server, kind, return_tokens_as_token_ids=True, **logprobs)["choices"][0]["logprobs"]
+    tokens = [entry["token"] for entry in answer["content"]] if kind == "chat" else answer["tokens"]
+    assert tokens and all(token.startswith("token_id:") for token in tokens)
 
 
 def check_store(server, kind):
@@ -499,7 +511,7 @@ OPENAI_SHARED = {
     "ignore_eos": check_ignore_eos, "min_tokens": check_min_tokens, "stop_token_ids": check_stop_token_ids,
     "skip_special_tokens": check_skip_special_tokens, "prompt_logprobs": check_prompt_logprobs,
     "priority": check_priority, "response_format": check_response_format,
-    "structured_outputs": check_structured_outputs,
+    "structured_outputs": check_structured_outputs, "return_tokens_as_token_ids": check_return_tokens_as_token_ids,
 }
 IMPLEMENTED = {
     "chat": {**OPENAI_SHARED, "messages": check_prompt_changes_prompt_tokens("messages", [
@@ -507,7 +519,7 @@ IMPLEMENTED = {
         "max_completion_tokens": check_max_tokens("max_completion_tokens"), "top_logprobs": check_top_logprobs,
         "add_generation_prompt": check_add_generation_prompt, "continue_final_message": check_continue_final_message,
         "chat_template_kwargs": check_chat_template_kwargs, "tools": check_tools, "tool_choice": check_tool_choice,
-        "parallel_tool_calls": check_parallel_tool_calls},
+        "parallel_tool_calls": check_parallel_tool_calls, "echo": check_echo},
     "completions": {**OPENAI_SHARED, "echo": check_echo,
                     "prompt": check_prompt_changes_prompt_tokens("prompt", "Flat is better than nested")},
     "messages": {"model": check_model, "max_tokens": check_max_tokens("max_tokens"),

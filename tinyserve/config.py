@@ -50,7 +50,7 @@ class EngineArgs:
     # programs take them away (engine/worker/cpu_threads.py); a number fixes the count.
     cpu_threads: int | None = None
     scheduling_policy: str = "fcfs"
-    max_logprobs: int = 20  # the most logprobs / prompt_logprobs one request may ask for (vLLM's default)
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs one request may ask for (vLLM's default); -1: all
     tensor_parallel_size: int = 1  # ranks each engine's model is split over (worker/tensor_parallel_workers.py)
     # The tensor-parallel path even at size 1: a one-rank process group, its all-reduces
     # included (benchmarks/gpu_check.py runs NCCL so on a machine with one GPU).
@@ -76,8 +76,9 @@ class EngineArgs:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be non-negative, or -1 for the whole vocabulary, "
+                             f"got {self.max_logprobs}")
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "cpu_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:

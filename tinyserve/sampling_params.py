@@ -9,6 +9,8 @@ import json
 
 import msgspec
 
+from tinyserve.errors import InvalidInputError
+
 _GREEDY_EPS = 1e-5  # temperatures below this mean greedy, as in vLLM
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -40,7 +42,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
             try:
                 schema = json.loads(self.json)
             except ValueError as error:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {error}") from None
+                raise InvalidInputError(f"structured_outputs.json is not valid JSON: {error}", "structured_outputs") from None
             _check(isinstance(schema, (dict, bool)), "structured_outputs.json", "must be a JSON schema object")
         _check(self.choice is None or (isinstance(self.choice, list) and self.choice
                                        and all(isinstance(c, str) and c for c in self.choice)),
@@ -97,9 +99,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         _check(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", f"must not exceed max_tokens={self.max_tokens}, got {self.min_tokens}")
-        _check(self.logprobs is None or self.logprobs >= 0, "logprobs", f"must be non-negative, got {self.logprobs}")
-        _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
-               f"must be non-negative, got {self.prompt_logprobs}")
+        _check(self.logprobs is None or self.logprobs >= -1, "logprobs",
+               f"must be non-negative, or -1 for the whole vocabulary, got {self.logprobs}")
+        _check(self.prompt_logprobs is None or self.prompt_logprobs >= -1, "prompt_logprobs",
+               f"must be non-negative, or -1 for the whole vocabulary, got {self.prompt_logprobs}")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         _check(0 < self.repetition_penalty, "repetition_penalty", f"must be positive, got {self.repetition_penalty}")
@@ -149,4 +152,4 @@ def _is_number(value) -> bool:
 
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"{name} {message}")
+        raise InvalidInputError(f"{name} {message}", name.split(".")[0])

@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from tinyserve.config import EngineArgs, ModelInfo
+from tinyserve.errors import InvalidInputError
 from tinyserve.frontend.core_client import MPClient
 from tinyserve.frontend.dp_client import data_parallel_engine_indices
 from tinyserve.frontend.remote_engines import MultiNode
@@ -159,8 +160,8 @@ class AsyncLLM:
         if limit is None:
             return
         if num_requests > limit:
-            raise ValueError(f"the request needs {num_requests} sequences (prompts × n) but at most "
-                             f"max_waiting_requests={limit} can ever wait")
+            raise InvalidInputError(f"the request needs {num_requests} sequences (prompts × n) but at most "
+                                    f"max_waiting_requests={limit} can ever wait", "n")
         waiting = self.num_waiting_requests
         if waiting + num_requests > limit:
             raise RequestRejectedError(f"the server is overloaded: {waiting} requests are waiting "

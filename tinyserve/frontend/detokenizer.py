@@ -44,6 +44,8 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
+from tinyserve.errors import InvalidInputError
+
 # How many prompt ids the first window starts with: enough context for a tokenizer to
 # decode the first output token as it reads mid-text (vLLM uses the same number).
 INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5
@@ -63,7 +65,7 @@ class IncrementalDetokenizer:
         min_tokens: int = 0,
     ) -> None:
         if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
+            raise InvalidInputError(f"stop must be a list of non-empty strings, got {stop!r}", "stop")
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)

@@ -66,15 +66,9 @@ class InputProcessor(Renderer):
                                 ("logit_bias", sampling_params.logit_bias)):
             for token_id in token_ids or ():
                 if not 0 <= token_id < self.model_info.vocab_size:
-                    raise ValueError(
-                        f"{name} contains {token_id}, outside the vocabulary [0, {self.model_info.vocab_size})")
-        vocab_size = self.model_info.vocab_size
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(sampling_params, name)
-            limit = min(self.max_logprobs, vocab_size)
-            if value is not None and value > limit:
-                raise InvalidInputError(f"{name}={value} is more than the most this engine returns, {limit} "
-                                        f"(max_logprobs={self.max_logprobs}, vocabulary {vocab_size})", name)
+                    raise InvalidInputError(
+                        f"{name} contains {token_id}, outside the vocabulary [0, {self.model_info.vocab_size})", name)
+        sampling_params = self.resolve_logprobs(sampling_params)
         if sampling_params.structured_outputs is not None:  # one the grammar library cannot compile: a 400
             check_structured_outputs(sampling_params.structured_outputs, self.structured_outputs_backend)
         check_kv_fit(len(prompt.prompt_token_ids), sampling_params.max_tokens, self.model_info.max_model_len,
@@ -94,6 +88,24 @@ class InputProcessor(Renderer):
             )
             for index in range(n)
         ]
+
+
+    def resolve_logprobs(self, sampling_params: SamplingParams) -> SamplingParams:
+        """logprobs and prompt_logprobs checked against --max-logprobs, -1 (vLLM's "the whole vocabulary")
+        made the vocabulary's size; --max-logprobs -1 allows the whole vocabulary."""
+        vocab_size = self.model_info.vocab_size
+        limit = vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, vocab_size)
+        resolved = {}
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(sampling_params, name)
+            asked = vocab_size if value == -1 else value
+            if asked is not None and asked > limit:
+                whole = " (-1: the whole vocabulary)" if value == -1 else ""
+                raise InvalidInputError(f"{name}={value}{whole} is more than the most this engine returns, {limit} "
+                                        f"(--max-logprobs {self.max_logprobs}, vocabulary {vocab_size})", name)
+            if value == -1:
+                resolved[name] = vocab_size
+        return sampling_params.clone(**resolved) if resolved else sampling_params
 
 
 def child_seed(seed: int | None, index: int) -> int | None:

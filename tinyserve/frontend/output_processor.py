@@ -18,6 +18,7 @@ FINAL_ONLY (one output when the request is done: offline generate).
 import enum
 from dataclasses import dataclass, field
 
+from tinyserve.errors import InvalidInputError
 from tinyserve.frontend.detokenizer import IncrementalDetokenizer
 from tinyserve.frontend.input_processor import child_request_id
 from tinyserve.wire.messages import EngineCoreOutput, RequestTimes, TokenLogprobs
@@ -98,8 +99,9 @@ class OutputProcessor:
         child_ids = [child_request_id(request_id, index, params.n) for index in range(params.n)]
         clashes = sorted(i for i in {request_id, *child_ids} if i in self.parents or i in self.children)
         if clashes:
-            raise ValueError(f"request_id {request_id!r} is already in use" if request_id in clashes else
-                             f"request_id {request_id!r} (n={params.n}) clashes with running request ids {clashes}")
+            raise InvalidInputError(f"request_id {request_id!r} is already in use" if request_id in clashes else
+                                    f"request_id {request_id!r} (n={params.n}) clashes with running request ids "
+                                    f"{clashes}", "request_id")
         parent = ParentRequest(request_id, prompt, prompt_token_ids, params.n, output_kind, spans=spans)
         self.parents[request_id] = parent
         for index, child_id in enumerate(child_ids):

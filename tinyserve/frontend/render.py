@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from tinyserve.config import ModelInfo
 from tinyserve.errors import InvalidInputError
 
-CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")  # the usual ones; a template may take others
 
 
 @dataclass(slots=True)
@@ -142,9 +142,9 @@ class Renderer:
                      chat_template: str | None, template_kwargs: dict | None) -> dict:
         """apply_chat_template's arguments, each checked."""
         if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list")
+            raise InvalidInputError("messages must be a non-empty list")
         if add_generation_prompt and continue_final_message:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+            raise InvalidInputError("continue_final_message and add_generation_prompt cannot both be true")
         reserved = {"tokenize", "add_generation_prompt", "continue_final_message", "chat_template", "conversation",
                     "sanitize_control_tokens", "return_dict", "tools"}
         if template_kwargs and reserved & set(template_kwargs):
@@ -153,7 +153,7 @@ class Renderer:
         normalized = [_normalize_message(i, message) for i, message in enumerate(messages)]
         template = chat_template or self.tokenizer.chat_template
         if template is None:
-            raise ValueError("the model has no chat template; pass chat_template or send a plain prompt")
+            raise InvalidInputError("the model has no chat template; pass chat_template or send a plain prompt")
         return {"conversation": normalized, "chat_template": template, "add_generation_prompt": add_generation_prompt,
                 "continue_final_message": continue_final_message, **(template_kwargs or {})}
 
@@ -162,44 +162,45 @@ class Renderer:
         if isinstance(prompt, dict):
             unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
             if unknown:  # multi_modal_data, say: refused, not silently dropped
-                raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids'; {', '.join(unknown)} "
+                raise InvalidInputError(f"a prompt dict takes 'prompt' or 'prompt_token_ids'; {', '.join(unknown)} "
                                  "is not supported")
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                raise InvalidInputError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt must not be empty")
+                raise InvalidInputError("prompt must not be empty")
             self.check_text_fits(prompt)
             return ProcessedPrompt(prompt, self.encode(prompt, add_special_tokens=add_special_tokens))
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return ProcessedPrompt(None, prompt)
-        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        raise InvalidInputError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
 
 def _normalize_message(index: int, message) -> dict:
     if not isinstance(message, dict):
-        raise ValueError(f"messages[{index}] must be an object with 'role' and 'content'")
+        raise InvalidInputError(f"messages[{index}] must be an object with 'role' and 'content'")
     role = message.get("role")
-    if role not in CHAT_ROLES:
-        raise ValueError(f"messages[{index}].role must be one of {CHAT_ROLES}, got {role!r}")
+    if not isinstance(role, str) or not role:  # any other role goes to the chat template, as in vLLM
+        raise InvalidInputError(f"messages[{index}].role must be a non-empty string (such as one of {CHAT_ROLES}), "
+                         f"got {role!r}")
     content = message.get("content")
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"messages[{index}].content[{j}] must be a text part {{'type': 'text', 'text': ...}}")
+                raise InvalidInputError(f"messages[{index}].content[{j}] must be a text part {{'type': 'text', 'text': ...}}")
             parts.append(part["text"])
         content = "".join(parts)
     if not isinstance(content, str):
-        raise ValueError(f"messages[{index}].content must be a string or a list of text parts")
+        raise InvalidInputError(f"messages[{index}].content must be a string or a list of text parts")
     normalized = {"role": role, "content": content}
     for key, kind in (("name", str), ("tool_call_id", str), ("tool_calls", list)):
         if message.get(key) is not None:
             if not isinstance(message[key], kind):
-                raise ValueError(f"messages[{index}].{key} must be a {'string' if kind is str else 'list'}")
+                raise InvalidInputError(f"messages[{index}].{key} must be a {'string' if kind is str else 'list'}")
             normalized[key] = message[key]
     return normalized

@@ -126,6 +126,10 @@ class ServerMetrics:
                                       REQUEST_LATENCY_BUCKETS)
         self.decode_time = histogram("request_decode_time_seconds", "Engine: first token to finish.",
                                      REQUEST_LATENCY_BUCKETS)
+        # Requests the server failed (a 500, its traceback in the server log), by path: a bad request is a 4xx
+        # and is not counted here, so that monitoring sees the server's own faults.
+        self.server_errors = Counter("tinyserve:server_errors", "Requests answered 500 (internal errors), by path.",
+                                     ["path"], registry=self.registry)
         self.cache_config_info = None  # set once the engines report their KV pools (record_cache_config)
         self._clocks: dict[str, _RequestClock] = {}
         self._parents: dict[str, _Parent] = {}

@@ -39,7 +39,8 @@ class TextPart(StrictBody):
 
 
 class ChatMessage(StrictBody):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # system, developer, user, assistant, tool; or any other role, handed to the chat template as vLLM does
+    role: Text = Field(min_length=1)
     content: Text | list[TextPart] | None = None  # None only for an assistant turn (one that called tools)
     name: Text | None = None
     tool_calls: list[AssistantToolCall] | None = None  # an assistant turn's calls
@@ -91,7 +92,9 @@ class SamplingFields(ConstrainedFields):
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=-INT64, lt=INT64)
     stop_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = None
-    prompt_logprobs: int | None = Field(None, ge=0, lt=INT64)  # of every prompt token after the first
+    prompt_logprobs: int | None = Field(None, ge=-1, lt=INT64)  # of every prompt token after the first; -1: all
+    # vLLM's: logprob tokens named "token_id:N"; None: as the server's --return-tokens-as-token-ids
+    return_tokens_as_token_ids: bool | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # {"token id": bias}
 
     @field_validator("stop", mode="before")
@@ -169,9 +172,13 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    # At most the server's --max-logprobs (20 unless set; the engine checks); -1: the whole vocabulary, as vLLM
+    top_logprobs: int | None = Field(None, ge=-1, lt=INT64)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the reply continues the last message instead of opening a turn
+    # vLLM's: the answer starts with the last message's content when that message is in the answer's role
+    # (an assistant message the reply continues), as vLLM's echo does
+    echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # with tools: "auto" when left out, as OpenAI's
@@ -212,13 +219,23 @@ class ChatCompletionRequest(SamplingFields):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def echoed_text(self) -> str:
+        """What echo puts before each choice's content: the last message's text if it is in the answer's role
+        (the assistant's when a generation prompt opens its turn, else the last message's own), as vLLM."""
+        if not self.echo:
+            return ""
+        last = self.messages[-1].as_template_message()
+        role = "assistant" if self.add_generation_prompt else last["role"]
+        return last["content"] if last["role"] == role else ""
+
 
 class CompletionRequest(SamplingFields):
     refused_fields: ClassVar[str] = "completions"
     prompt: Text | list[Text] | list[int] | list[list[int]]
     echo: bool = False
     max_tokens: int | None = Field(16, ge=0)  # 0 with echo: score the prompt, generate nothing (as vLLM)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=-1, lt=INT64)  # as chat's top_logprobs: -1 is the whole vocabulary
 
     @field_validator("max_tokens")
     @classmethod

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tinyserve
 from tinyserve.frontend.async_llm import RequestRejectedError
+from tinyserve.errors import InvalidInputError
 from tinyserve.frontend.engine_client import EngineDeadError
 from tinyserve.entrypoints.api import serving_tokenization
 from tinyserve.entrypoints.api.other_apis.anthropic_serving import (
@@ -143,12 +144,20 @@ def build_app(
 
     @app.exception_handler(ValueError)
     async def on_value_error(request: Request, error: ValueError):
-        # The input processor's InvalidInputError names the field at fault.
-        return error_response(request.url.path, 400, str(error), getattr(error, "param", None))
+        if isinstance(error, InvalidInputError):  # a check of the request (renderer, engine); names the field
+            return error_response(request.url.path, 400, str(error), error.param)
+        # Any other ValueError is the server's own failure (JSON that cannot be written, say), not the client's.
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=error)
+        return internal_error(request)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, error: Exception):
         # Starlette logs the traceback after this; the client gets no part of it.
+        return internal_error(request)
+
+    def internal_error(request: Request) -> Response:
+        route = request.scope.get("route")  # the route's pattern: /v1/responses/{response_id}, not each id
+        metrics.server_errors.labels(getattr(route, "path", request.url.path)).inc()
         return error_response(request.url.path, 500, "internal server error; see the server log")
 
     # ---- routes ------------------------------------------------------------------

@@ -12,12 +12,15 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tinyserve.entrypoints.api.errors import APIError
 from tinyserve.entrypoints.api.openai_protocol import ChatCompletionRequest
 from tinyserve.entrypoints.api.serving_engine import (
     ServingContext,
     ToolCallPlan,
     add_constrained_request,
     guard_stream,
+    json_logprob,
+    logprob_token,
     prompt_logprobs_json,
     render_and_tokenize,
     tool_call_plan,
@@ -28,6 +31,7 @@ from tinyserve.entrypoints.api.tools.tool_calls import ToolCallDeltas
 from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import start_request_spans
+from tinyserve.errors import InvalidInputError
 from tinyserve.outputs import CompletionOutput
 
 
@@ -35,22 +39,21 @@ def chat_constraint(ctx: ServingContext, body: ChatCompletionRequest) -> ToolCal
     return tool_call_plan(ctx, *body.constraint(), body.effective_tool_choice, body.tools, body.parallel_tool_calls)
 
 
-def chat_logprobs(output: CompletionOutput, num_top: int) -> dict | None:
+def chat_logprobs(output: CompletionOutput, num_top: int, as_token_id: bool = False) -> dict | None:
+    """OpenAI's chat logprobs of a choice: each token with its `num_top` most likely alternatives (-1: all
+    the engine sent, the whole vocabulary); tokens named "token_id:N" with as_token_id."""
     if output.logprobs is None:
         return None
+
+    def entry(token_id: int, lp) -> dict:
+        token = logprob_token(token_id, lp.decoded_token, as_token_id)
+        return {"token": token, "logprob": json_logprob(lp.logprob), "bytes": list((token or "").encode())}
+
     content = []
     for token_id, position in zip(output.token_ids, output.logprobs):
-        sampled = position[token_id]
-        top = sorted((lp for lp in position.items() if lp[1].rank <= num_top), key=lambda item: item[1].rank)
-        content.append({
-            "token": sampled.decoded_token,
-            "logprob": sampled.logprob,
-            "bytes": list((sampled.decoded_token or "").encode()),
-            "top_logprobs": [
-                {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list((lp.decoded_token or "").encode())}
-                for _, lp in top
-            ],
-        })
+        top = sorted((item for item in position.items() if num_top < 0 or item[1].rank <= num_top),
+                     key=lambda item: item[1].rank)
+        content.append(entry(token_id, position[token_id]) | {"top_logprobs": [entry(*item) for item in top]})
     return {"content": content}
 
 
@@ -72,13 +75,19 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         stream = await add_constrained_request(engine, constrained_field, prompt, params, request_id,
                                                priority=body.priority, spans=spans,
                                                output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
+    except InvalidInputError as error:
+        spans.fail(error)
+        if error.param == "logprobs":  # the engine's name for what chat calls top_logprobs
+            raise APIError(400, str(error).replace("logprobs=", "top_logprobs=", 1), "top_logprobs") from error
+        raise
     except Exception as error:
         spans.fail(error)
         raise
     answer = ChatAnswer(request_id, int(time.time()), model, len(prompt.prompt_token_ids), params.n,
-                        body.top_logprobs or 0, make_calls)
+                        body.top_logprobs or 0, ctx.tokens_as_ids(body.return_tokens_as_token_ids), make_calls)
     if body.stream:
-        return EventStreamResponse(guard_stream(chat_stream(answer, stream, body.include_usage)), [stream])
+        events = chat_stream(answer, stream, body.include_usage, body.echoed_text)
+        return EventStreamResponse(guard_stream(events), [stream])
 
     outputs = await final_outputs_unless_disconnected([stream], raw_request)
     if outputs is None:
@@ -87,10 +96,13 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     choices = []
     for c in output.outputs:
         calls = make_calls() if make_calls else None
+        message = {"role": "assistant", **(calls.message(c.text) if calls else {"content": c.text})}
+        if body.echoed_text:
+            message["content"] = body.echoed_text + (message.get("content") or "")
         choices.append({
             "index": c.index,
-            "message": {"role": "assistant", **(calls.message(c.text) if calls else {"content": c.text})},
-            "logprobs": chat_logprobs(c, answer.num_top),
+            "message": message,
+            "logprobs": chat_logprobs(c, answer.num_top, answer.tokens_as_ids),
             "finish_reason": calls.finish_reason(c.finish_reason) if calls else c.finish_reason,
             "stop_reason": c.stop_reason,
         })
@@ -102,7 +114,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         "model": model,
         "choices": choices,
         "usage": usage(len(prompt.prompt_token_ids), num_generated, output.num_cached_tokens),
-        **({"prompt_logprobs": prompt_logprobs_json(output)} if body.prompt_logprobs is not None else {}),
+        "prompt_logprobs": prompt_logprobs_json(output) if body.prompt_logprobs is not None else None,
     })
 
 
@@ -116,6 +128,7 @@ class ChatAnswer:
     num_prompt_tokens: int
     n: int
     num_top: int  # top_logprobs
+    tokens_as_ids: bool  # return_tokens_as_token_ids: logprob tokens as "token_id:N"
     make_calls: Callable[[], ToolCallDeltas] | None  # tool calls read out of the text (ToolCallPlan)
 
     def chunk(self, choices: list, **extra) -> str:
@@ -123,11 +136,15 @@ class ChatAnswer:
                          "model": self.model, "choices": choices, **extra})
 
 
-async def chat_stream(answer: ChatAnswer, stream, include_usage: bool) -> AsyncIterator[str]:
-    """Stage ⑨ for a streamed chat: a role chunk per choice, then each RequestOutput's delta as chunks."""
+async def chat_stream(answer: ChatAnswer, stream, include_usage: bool, echoed: str = "") -> AsyncIterator[str]:
+    """Stage ⑨ for a streamed chat: a role chunk per choice (and the echoed text's, with echo), then each
+    RequestOutput's delta as chunks."""
     for index in range(answer.n):
         yield answer.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}])
+        if echoed:
+            yield answer.chunk([{"index": index, "delta": {"content": echoed}, "logprobs": None,
+                                 "finish_reason": None}])
     num_generated = num_cached = 0
     calls = [answer.make_calls() for _ in range(answer.n)] if answer.make_calls else None
     async for output in stream:
@@ -145,7 +162,7 @@ async def chat_stream(answer: ChatAnswer, stream, include_usage: bool) -> AsyncI
             for i, delta in enumerate(deltas):
                 last = i == len(deltas) - 1
                 yield answer.chunk([{"index": c.index, "delta": delta,
-                                     "logprobs": chat_logprobs(c, answer.num_top) if last else None,
+                                     "logprobs": chat_logprobs(c, answer.num_top, answer.tokens_as_ids) if last else None,
                                      "finish_reason": finish_reason if last else None,
                                      **({"stop_reason": c.stop_reason} if c.finished() and last else {})}])
     if include_usage:

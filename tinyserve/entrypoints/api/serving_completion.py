@@ -21,6 +21,8 @@ from tinyserve.entrypoints.api.serving_engine import (
     ServingContext,
     add_constrained_request,
     guard_stream,
+    json_logprob,
+    logprob_token,
     prompt_logprobs_json,
     tokenize,
     usage,
@@ -32,13 +34,15 @@ from tinyserve.outputs import CompletionOutput, RequestOutput
 
 
 def completion_logprobs(output: CompletionOutput, text_start: int, echoed: RequestOutput | None = None,
-                        tokenizer=None) -> dict | None:
+                        tokenizer=None, as_token_id: bool = False) -> dict | None:
     """The legacy logprobs object; text_start is the text_offset of its first token.
 
     Each position's top_logprobs holds the sampled token and the `logprobs` most likely
     ones (so logprobs + 1 entries when the sampled token is not among them), as OpenAI's
     legacy API and vLLM give it. With `echoed` (echo=true) the prompt's tokens come first,
     scored by its prompt logprobs; the first has none (null), as nothing predicts it.
+    With as_token_id (return_tokens_as_token_ids) every token is named "token_id:N", and
+    text_offset counts those names, as vLLM counts them.
     """
     if output.logprobs is None:
         return None
@@ -50,7 +54,7 @@ def completion_logprobs(output: CompletionOutput, text_start: int, echoed: Reque
     offset = text_start
     for token_id, position in zip(token_ids, positions):
         if position is None:
-            text = tokenizer.decode([token_id])
+            text = logprob_token(token_id, tokenizer.decode([token_id]), as_token_id)
             tokens.append(text)
             token_logprobs.append(None)
             top_logprobs.append(None)
@@ -58,17 +62,18 @@ def completion_logprobs(output: CompletionOutput, text_start: int, echoed: Reque
             offset += len(text)
             continue
         sampled = position[token_id]
-        tokens.append(sampled.decoded_token)
-        token_logprobs.append(sampled.logprob)
+        token = logprob_token(token_id, sampled.decoded_token, as_token_id)
+        tokens.append(token)
+        token_logprobs.append(json_logprob(sampled.logprob))
         # The engine sends the sampled token first, then the top ones by rank. Tokens whose
         # text is the same (byte fragments all read "\ufffd") share a key: the first one keeps it,
         # so the sampled token's own logprob is always found under its text.
         top = {}
-        for lp in position.values():
-            top.setdefault(lp.decoded_token, lp.logprob)
+        for top_id, lp in position.items():
+            top.setdefault(logprob_token(top_id, lp.decoded_token, as_token_id), json_logprob(lp.logprob))
         top_logprobs.append(top)
         text_offset.append(offset)
-        offset += len(sampled.decoded_token or "")
+        offset += len(token or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
 
 
@@ -108,12 +113,14 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
     streams = await _add_all(ctx, body, request_id, processed, params_list, spans_list)
     created = int(time.time())
     tokenizer = ctx.engine.tokenizer
+    as_token_id = ctx.tokens_as_ids(body.return_tokens_as_token_ids)
     echo_texts = [
         (p.prompt if p.prompt is not None else tokenizer.decode(p.prompt_token_ids)) if body.echo else "" for p in processed
     ]
 
     if body.stream:
-        events = _completion_stream(body, streams, processed, request_id, created, model, echo_texts, tokenizer)
+        events = _completion_stream(body, streams, processed, request_id, created, model, echo_texts, tokenizer,
+                                    as_token_id)
         return EventStreamResponse(guard_stream(events), streams)
 
     outputs = await final_outputs_unless_disconnected(streams, raw_request)
@@ -128,10 +135,10 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
             choices.append({
                 "index": prompt_index * body.n + c.index,
                 "text": echo + c.text,
-                "logprobs": completion_logprobs(c, 0, output if body.echo else None, tokenizer),
+                "logprobs": completion_logprobs(c, 0, output if body.echo else None, tokenizer, as_token_id),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
-                **({"prompt_logprobs": prompt_logprobs_json(output)} if body.prompt_logprobs is not None else {}),
+                "prompt_logprobs": prompt_logprobs_json(output) if body.prompt_logprobs is not None else None,
             })
     num_prompt = sum(len(p.prompt_token_ids) for p in processed)
     num_cached = sum(output.num_cached_tokens for output in outputs)
@@ -166,7 +173,8 @@ async def _add_all(ctx, body, request_id, processed, params_list, spans_list) ->
     return streams
 
 
-async def _completion_stream(body, streams, processed, request_id, created, model, echo_texts, tokenizer):
+async def _completion_stream(body, streams, processed, request_id, created, model, echo_texts, tokenizer,
+                             as_token_id):
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(prompt_index, stream):
@@ -203,7 +211,8 @@ async def _completion_stream(body, streams, processed, request_id, created, mode
                 if not c.text and not prefix and not c.finished() and not c.logprobs:
                     continue
                 # The echoed prompt's tokens come first, in the chunk that carries the prompt text.
-                logprobs = completion_logprobs(c, next_offsets.get(index, 0), item if prefix else None, tokenizer)
+                logprobs = completion_logprobs(c, next_offsets.get(index, 0), item if prefix else None, tokenizer,
+                                               as_token_id)
                 if logprobs is not None and logprobs["tokens"]:
                     # Counted in token texts, as a non-streamed answer counts them: the streamed
                     # text can lag behind its tokens (an unfinished character is held back).

@@ -31,11 +31,17 @@ class ServingContext:
     model_names: list[str]  # the first is the one reported in responses
     redact_inputs: bool = False  # traces keep token counts but no text or token ids
     tool_call_parser: str | None = None  # how "auto" tool calls are read (--enable-auto-tool-choice); None: refused
+    return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: logprob tokens as "token_id:N"
 
     def check_model(self, model: str | None) -> str:
-        if model is not None and model not in self.model_names:
+        """The served name a response reports; a model left out or empty ("") is the served one, as in vLLM."""
+        if model and model not in self.model_names:
             raise APIError(404, f"The model `{model}` does not exist. Available: {self.model_names}", "model")
         return self.model_names[0]
+
+    def tokens_as_ids(self, requested: bool | None) -> bool:
+        """A request's return_tokens_as_token_ids; left out (None), the server's flag decides."""
+        return self.return_tokens_as_token_ids if requested is None else requested
 
     @property
     def sampling_defaults(self) -> dict:
@@ -82,13 +88,28 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+LOGPROB_FLOOR = -9999.0  # vLLM's: JSON has no -inf
+
+
+def json_logprob(logprob: float) -> float:
+    """A logprob as JSON can carry it: a token that cannot be sampled (one a grammar masks out, say)
+    has a logprob of -inf, which is answered as -9999.0, as vLLM answers it."""
+    return max(logprob, LOGPROB_FLOOR)
+
+
+def logprob_token(token_id: int, decoded: str | None, as_token_id: bool) -> str | None:
+    """A logprob entry's token: its text, or with return_tokens_as_token_ids "token_id:N" (vLLM's form,
+    for clients that need the exact token whatever its text is: byte fragments, tokens of equal text)."""
+    return f"token_id:{token_id}" if as_token_id else decoded
+
+
 def prompt_logprobs_json(output: RequestOutput) -> list | None:
     """vLLM's prompt_logprobs: per prompt token, None for the first (nothing predicts it), then
     {token id: {logprob, rank, decoded_token}} for the prompt's own token and the most likely ones."""
     if output.prompt_logprobs is None:
         return None
     return [None if position is None else {
-        str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+        str(token_id): {"logprob": json_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
         for token_id, lp in position.items()
     } for position in output.prompt_logprobs]
 
