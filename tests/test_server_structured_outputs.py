@@ -182,6 +182,21 @@ def test_required_tool_choice_streams_the_same_calls(client):
     assert finish_reasons == ["tool_calls"] and content == ""
 
 
+def test_required_tool_calls_stream_in_pieces_and_a_call_cut_short_keeps_its_arguments(client):
+    full = chat(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    [whole] = full.choices[0].message.tool_calls
+    stream = chat(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, stream=True)
+    pieces = [d.function.arguments for chunk in stream for choice in chunk.choices
+              for d in choice.delta.tool_calls or () if d.id is None]
+    assert len(pieces) > 1 and "".join(pieces) == whole.function.arguments  # not one delta at the end
+    cut = chat(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+               max_tokens=full.usage.completion_tokens * 3 // 4).choices[0]  # inside the arguments
+    [call] = cut.message.tool_calls
+    assert cut.finish_reason == "length" and call.function.name == whole.function.name
+    assert whole.function.arguments.startswith(call.function.arguments) and call.function.arguments != \
+        whole.function.arguments
+
+
 def test_named_tool_choice_calls_that_function_streamed_and_not(client):
     named = {"type": "function", "function": {"name": "get_time"}}
     [call] = chat(client, tools=TOOLS, tool_choice=named).choices[0].message.tool_calls

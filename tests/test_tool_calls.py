@@ -36,12 +36,40 @@ def test_hermes_holds_back_only_what_may_open_a_call():
     assert parser.feed("box>") == ("<toolbox>", [])
 
 
-def test_required_calls_come_as_each_array_element_completes():
-    parser = ToolCallParser("required")
-    text = '[{"name": "f", "parameters": {"a": [1, 2]}}, {"name": "g", "parameters": {}}]'
-    cut = text.index("}}") + 2
-    assert [c.name for c in parser.feed(text[:cut])[1]] == ["f"]
-    assert [c.name for c in parser.feed(text[cut:])[1]] == ["g"]
+REQUIRED = ('[{"name": "f", "parameters": {"a": [1, "x}]"], "b": {"c": null}}}, '
+            '{"name":"g","parameters":{"q":"say \\"hi\\""}}]')
+
+
+def streamed_required(text: str, step: int, finished: bool = True) -> tuple[list[dict], ToolCallDeltas]:
+    deltas = ToolCallDeltas("required")
+    out = [d for start in range(0, len(text), step) for d in deltas.feed(text[start:start + step], finished=False)]
+    return out + (deltas.feed("", finished=True) if finished else []), deltas
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, len(REQUIRED)])
+def test_required_calls_stream_a_name_first_then_arguments_in_pieces_however_the_text_is_cut(step):
+    out, deltas = streamed_required(REQUIRED, step)
+    assert [(c.name, json.loads(c.arguments)) for c in deltas.calls] == [
+        ("f", {"a": [1, "x}]"], "b": {"c": None}}), ("g", {"q": 'say "hi"'})]
+    heads = [call for d in out for call in d["tool_calls"] if "id" in call]
+    assert [(h["index"], h["function"]) for h in heads] == [(0, {"name": "f", "arguments": ""}),
+                                                           (1, {"name": "g", "arguments": ""})]
+    pieces = [call for d in out for call in d["tool_calls"] if "id" not in call]
+    for index, call in enumerate(deltas.calls):  # the pieces add up to each call's arguments, in order
+        assert "".join(p["function"]["arguments"] for p in pieces if p["index"] == index) == call.arguments
+    if step < 5:
+        assert len(pieces) > 2  # the arguments came in pieces, not whole at the end
+    assert deltas.message(REQUIRED)["tool_calls"] and not any("content" in d for d in out)
+
+
+def test_a_required_call_cut_short_keeps_what_was_generated():
+    cut = REQUIRED[:REQUIRED.index('"b"')]  # max_tokens ended it inside the first call's arguments
+    message = ToolCallDeltas("required").message(cut)
+    assert message["content"] is None
+    [call] = message["tool_calls"]
+    assert call["function"]["name"] == "f" and call["function"]["arguments"] == '{"a": [1, "x}]"], '
+    before_a_name = ToolCallDeltas("required").message('[{"name": "f')
+    assert before_a_name == {"content": '[{"name": "f'}  # no call can be read: the text itself
 
 
 def test_required_schema_names_only_the_tools_and_limits_parallel_calls():

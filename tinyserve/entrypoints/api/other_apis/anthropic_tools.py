@@ -124,8 +124,13 @@ def content_blocks(calls: ToolCallDeltas, text: str) -> list[dict]:
     message = calls.message(text)
     blocks = [{"type": "text", "text": message["content"]}] if message.get("content") else []
     for call in message.get("tool_calls") or ():
+        try:
+            arguments = json.loads(call["function"]["arguments"])
+        except ValueError:  # a call cut short (max_tokens): its input cannot be an object; the text it had
+            blocks.append({"type": "text", "text": call["function"]["arguments"]})
+            continue
         blocks.append({"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"],
-                       "input": json.loads(call["function"]["arguments"])})
+                       "input": arguments})
     return blocks or [{"type": "text", "text": ""}]
 
 
