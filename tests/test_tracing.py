@@ -104,6 +104,18 @@ def test_engine_spans_are_children_of_the_request_span_across_processes(traced_r
 
 
 @pytest.mark.server
+def test_the_request_span_carries_what_llm_viewers_show_as_input_and_output(traced_run):
+    _, spans, _ = traced_run
+    chats = [s for s in spans if s.name == f"chat {MODEL}"]
+    inputs = [json.loads(s.attributes[schema.INPUT_VALUE]) for s in chats]
+    assert [m[-1]["content"] for m in inputs] == ["first", "continued"]
+    assert all(s.attributes[schema.INPUT_MIME_TYPE] == "application/json" for s in chats)
+    assert all(s.attributes[schema.OUTPUT_VALUE] == s.attributes[schema.OUTPUT_TEXT] for s in chats)
+    [completion] = [s for s in spans if s.name == f"text_completion {MODEL}"]
+    assert completion.attributes[schema.INPUT_VALUE] == "streamed"
+
+
+@pytest.mark.server
 def test_request_span_logs_inputs_and_outputs_for_replay(traced_run):
     _, spans, _ = traced_run
     for trace_spans in request_traces(spans).values():
@@ -173,7 +185,7 @@ def test_no_span_is_lost_under_load(tmp_path):
 
 
 class _OTLPReceiver(http.server.BaseHTTPRequestHandler):
-    received: list = []
+    received: list = []  # one dict per span: service, name, ids, attributes, links
 
     def do_POST(self):  # noqa: N802 (http.server's naming)
         body = self.rfile.read(int(self.headers["Content-Length"]))
@@ -182,7 +194,12 @@ class _OTLPReceiver(http.server.BaseHTTPRequestHandler):
         for resource_spans in request.resource_spans:
             service = next(a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name")
             for scope_spans in resource_spans.scope_spans:
-                self.received += [(service, span.name) for span in scope_spans.spans]
+                self.received += [{
+                    "service": service, "name": span.name, "trace_id": span.trace_id.hex(),
+                    "span_id": span.span_id.hex(), "parent": span.parent_span_id.hex() or None,
+                    "attributes": {a.key: _value(a.value) for a in span.attributes},
+                    "links": [(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
+                } for span in scope_spans.spans]
         self.send_response(200)
         self.send_header("Content-Type", "application/x-protobuf")
         self.end_headers()
@@ -191,22 +208,50 @@ class _OTLPReceiver(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def _value(value):
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(v) for v in value.array_value.values]
+    return getattr(value, kind)
+
+
 @pytest.mark.server
-def test_otlp_http_export_reaches_a_receiver():
+def test_otlp_viewers_list_one_trace_per_request_and_one_timeline_per_engine_with_genai_attributes():
+    """What an OTLP viewer (Phoenix, Jaeger, Langfuse) receives: a trace per request, whose LLM span carries
+    the GenAI and OpenInference attributes it displays, and the engine's steps under one timeline trace
+    (per TIMELINE_WINDOW_S), linked both ways. --trace-redact-inputs keeps the prompt and output text out."""
     receiver = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OTLPReceiver)
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
     endpoint = f"http://127.0.0.1:{receiver.server_address[1]}"
     server = ServerProcess(str(tiny_model_with_tokenizer("llama")), "--served-model-name", MODEL,
-                           "--otlp-endpoint", endpoint, "--num-kv-blocks", "64")
+                           "--otlp-endpoint", endpoint, "--num-kv-blocks", "64", "--trace-redact-inputs")
     try:
-        chat(server.url, "exported")
+        for content in ("exported", "and again", "a third"):
+            chat(server.url, content)
     finally:
         server.stop(signal.SIGTERM)
         receiver.shutdown()
-    received = set(_OTLPReceiver.received)
-    assert (schema.SERVICE_API, f"chat {MODEL}") in received
-    assert (schema.engine_service_name(0), schema.DECODE) in received
-    assert (schema.engine_service_name(0), schema.STEP) in received
+    spans = _OTLPReceiver.received
+    assert {(schema.SERVICE_API, f"chat {MODEL}"), (schema.engine_service_name(0), schema.DECODE),
+            (schema.engine_service_name(0), schema.STEP)} <= {(s["service"], s["name"]) for s in spans}
+    roots = collections.Counter(s["name"] for s in spans if s["parent"] is None)
+    assert set(roots) == {"POST /v1/chat/completions", schema.ENGINE_TIMELINE}
+    assert roots["POST /v1/chat/completions"] == 3 and roots[schema.ENGINE_TIMELINE] == 1  # 4 traces in all
+    assert len({s["trace_id"] for s in spans}) == 4
+    [timeline] = [s for s in spans if s["name"] == schema.ENGINE_TIMELINE]
+    steps = [s for s in spans if s["name"] == schema.STEP]
+    assert steps and all(s["parent"] == timeline["span_id"] for s in steps)
+    requests = [s for s in spans if s["name"] == f"chat {MODEL}"]
+    for request in requests:
+        attributes = request["attributes"]
+        assert attributes[schema.OPENINFERENCE_SPAN_KIND] == "LLM" and attributes[schema.LLM_MODEL_NAME] == MODEL
+        assert attributes[schema.GEN_AI_USAGE_OUTPUT_TOKENS] == attributes[schema.LLM_TOKEN_COUNT_COMPLETION] == 4
+        assert attributes[schema.LLM_TOKEN_COUNT_TOTAL] == attributes[schema.GEN_AI_USAGE_INPUT_TOKENS] + 4
+        assert attributes[schema.GEN_AI_RESPONSE_FINISH_REASONS] == ["length"]
+        assert schema.INPUT_VALUE not in attributes and schema.OUTPUT_VALUE not in attributes  # redacted
+        decode = next(s for s in spans if s["name"] == schema.DECODE and s["trace_id"] == request["trace_id"])
+        assert (timeline["trace_id"], timeline["span_id"]) in decode["links"]  # the request → its timeline
+        assert any((request["trace_id"], request["span_id"]) in step["links"] for step in steps)  # and back
 
 
 def test_offline_llm_traces_the_stages_that_exist_in_process(tmp_path):

@@ -11,8 +11,11 @@ thread turns the records into spans with the recorded start and end times:
       tinyserve.queue    queued → first scheduled
       tinyserve.prefill  first scheduled → first token (one event per prompt chunk)
       tinyserve.decode   first token → finished (token timestamps, preemptions)
-- per step, in a trace of its own: tinyserve.step with schedule/execute/update
-  children, the batch and KV attributes, and a link to each request it served.
+- per step: tinyserve.step with schedule/execute/update children, the batch and KV
+  attributes, and a link to each request it served; the steps of each TIMELINE_WINDOW_S
+  are the children of one tinyserve.engine_timeline span, a trace of its own (so an OTLP
+  viewer lists requests and a few timelines, not a trace per step). A request's prefill
+  and decode spans link back to the timelines that hold its steps.
 
 In the offline `LLM` (inline=True) there is no thread: the records wait in a list
 and are built, and exported, in the caller's thread every INLINE_BATCH steps and
@@ -59,6 +62,11 @@ class EngineSpanBuilder:
         self._links: dict[str, Link | None] = {}
         self._traced: dict[str, TracedRequest] = {}  # the engine thread's own: requests not finished yet
         self._prefix_cache_hits = 0  # the engine's cumulative count at the last step
+        # The builder thread's: the open timeline window (its span, start, last step's end), and per running
+        # request the timelines its steps are in (a few: one per window it ran through).
+        self._window = None
+        self._window_start = self._window_end = 0.0
+        self._timelines_of: dict[str, list] = {}
         self._released: list[str] = []  # finished since the last step span, not yet in one
         self._thread = None
         if not inline:
@@ -131,11 +139,13 @@ class EngineSpanBuilder:
             return
         self._queue.put(None)
         self._thread.join(timeout=30)
+        self._end_window()
 
     def _build_pending(self) -> None:
         pending, self._pending = self._pending, []
         for item in pending:
             self._build(*item)
+        self._end_window()  # generate() ended, or a batch: its timeline goes out with its steps
         flush_tracing()  # export now, in this thread, not on the exporter's thread during a step
 
     # ---- the background thread -----------------------------------------------------
@@ -146,6 +156,7 @@ class EngineSpanBuilder:
             if item is None:
                 return
             if isinstance(item, threading.Event):
+                self._end_window()  # a flush: everything so far, the open timeline too, is built
                 item.set()
                 continue
             self._build(*item)
@@ -156,8 +167,26 @@ class EngineSpanBuilder:
         for request in finished:
             self._request_spans(request)
 
+    def _timeline(self, start: float, end: float):
+        """The context of the engine_timeline span a step from start to end belongs to: the open
+        window's, or a new one's when the window has run TIMELINE_WINDOW_S."""
+        if self._window is not None and start - self._window_start >= schema.TIMELINE_WINDOW_S:
+            self._end_window()
+        if self._window is None:
+            self._window = self.tracer.start_span(schema.ENGINE_TIMELINE, context=Context(), start_time=_ns(start),
+                                                  attributes={schema.ENGINE_INDEX: self.engine_index})
+            self._window_start = start
+        self._window_end = max(self._window_end, end)
+        return trace.set_span_in_context(self._window)
+
+    def _end_window(self) -> None:
+        if self._window is not None:
+            self._window.end(end_time=_ns(self._window_end))
+            self._window = None
+
     def _request_spans(self, request: FinishedRequest) -> None:
         self._links.pop(request.request_id, None)
+        timelines = [Link(context) for context in self._timelines_of.pop(request.request_id, ())]
         parent = extract_context(request.trace_context)
         times = request.times
         common = {schema.REQUEST_ID: request.request_id, schema.ENGINE_INDEX: self.engine_index}
@@ -178,7 +207,7 @@ class EngineSpanBuilder:
         first_token = times.first_token_time or end
         prefill = self.tracer.start_span(schema.PREFILL, context=parent, start_time=_ns(scheduled), attributes={
             **common, schema.NUM_CACHED_TOKENS: request.num_cached_tokens, schema.NUM_PROMPT_TOKENS: request.num_prompt_tokens,
-        })
+        }, links=timelines)
         for chunk_time, num_tokens in times.prefill_chunks:
             if chunk_time <= first_token:
                 prefill.add_event(schema.EVENT_PREFILL_CHUNK, {schema.CHUNK_TOKENS: num_tokens}, timestamp=_ns(chunk_time))
@@ -197,7 +226,7 @@ class EngineSpanBuilder:
             schema.TOKEN_TIMES: [_ns(t) for t in times.token_times],
             schema.NUM_PREEMPTIONS: len(times.preemption_times),
             schema.FINISH_REASON: request.finish_reason,
-        })
+        }, links=timelines)
         for preempted in decode_preemptions:
             decode.add_event(schema.EVENT_PREEMPTED, timestamp=_ns(preempted))
         self._end(decode, end, request.finish_reason)
@@ -253,7 +282,15 @@ class EngineSpanBuilder:
             schema.NUM_RUNNING: stats.num_running_reqs,
         }
         times = record.times
-        step = self.tracer.start_span(schema.STEP, context=Context(), start_time=_ns(times.start),
+        timeline = self._timeline(times.start, times.end)
+        window = self._window.get_span_context()
+        for scheduled in out.scheduled:
+            if scheduled.request_id not in served_contexts:  # not traced: no spans to link from
+                continue
+            seen = self._timelines_of.setdefault(scheduled.request_id, [])
+            if not seen or seen[-1] != window:
+                seen.append(window)
+        step = self.tracer.start_span(schema.STEP, context=timeline, start_time=_ns(times.start),
                                       attributes=attributes, links=links)
         step_context = trace.set_span_in_context(step)
         phases = [(schema.SCHEDULE, times.start, times.scheduled, None),

@@ -50,8 +50,8 @@ class CappedOTLPJsonFileExporter(OTLPJsonFileExporter):
         self._segment_size = 0
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        steps = [s for s in spans if s.name in schema.STEP_SPANS]
-        others = [s for s in spans if s.name not in schema.STEP_SPANS]
+        steps = [s for s in spans if s.name in schema.TIMELINE_SPANS]
+        others = [s for s in spans if s.name not in schema.TIMELINE_SPANS]
         run_dir = self.path.parent
         with self._lock:
             if self._file.closed:
@@ -71,19 +71,19 @@ class CappedOTLPJsonFileExporter(OTLPJsonFileExporter):
         return SpanExportResult.SUCCESS
 
     def _lines(self, spans: list[ReadableSpan]):
-        """(line, spans) pieces of at most half a segment each, a trace's spans together (a step and
-        its phases, a request's stages): an offline run exports everything at once, and what is
-        kept or dropped must still be a part of it."""
+        """(line, spans) pieces of at most half a segment each, each part together (a step and its
+        phases, a request's stages: _group): an offline run exports everything at once, and what
+        is kept or dropped must still be a part of it."""
         if not spans:
             return
         line = _line(spans)
-        traces = list(dict.fromkeys(s.context.trace_id for s in spans))
-        if len(line) <= self.segment_bytes // 2 or len(traces) == 1:
+        groups = list(dict.fromkeys(map(_group, spans)))
+        if len(line) <= self.segment_bytes // 2 or len(groups) == 1:
             yield line, spans
             return
-        first = set(traces[:len(traces) // 2])
-        yield from self._lines([s for s in spans if s.context.trace_id in first])
-        yield from self._lines([s for s in spans if s.context.trace_id not in first])
+        first = set(groups[:len(groups) // 2])
+        yield from self._lines([s for s in spans if _group(s) in first])
+        yield from self._lines([s for s in spans if _group(s) not in first])
 
     def _write_steps(self, line: str) -> None:
         """Append to the newest segment (starting one when it is full), then drop the oldest
@@ -115,6 +115,16 @@ class CappedOTLPJsonFileExporter(OTLPJsonFileExporter):
                 if self._segment_size == 0:  # started by the last drop, never written
                     self._segment_path.unlink(missing_ok=True)
         super().shutdown()
+
+
+def _group(span: ReadableSpan) -> int:
+    """What is kept or dropped together: a step and its phases (the steps of a timeline window share its
+    trace, but each step is a part of its own), else a whole trace (a request's stages)."""
+    if span.name == schema.STEP:
+        return span.context.span_id
+    if span.name in schema.STEP_SPANS and span.parent is not None:
+        return span.parent.span_id
+    return span.context.trace_id
 
 
 def _line(spans: Sequence[ReadableSpan]) -> str:
@@ -155,7 +165,7 @@ def drop_oldest_segment(run_dir: Path) -> bool:
             continue
         owner = path.name.split(_SEGMENT_MARK)[0] + ".jsonl"
         # Span names are JSON strings in the line: counting them is exact.
-        spans = sum(text.count(f'"name":"{name}"') for name in schema.STEP_SPANS)
+        spans = sum(text.count(f'"name":"{name}"') for name in schema.TIMELINE_SPANS)
         record_dropped(run_dir, owner, steps=text.count(f'"name":"{schema.STEP}"'), spans=spans)
         return True
     return False

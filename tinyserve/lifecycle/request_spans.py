@@ -38,9 +38,13 @@ class RequestSpans:
                 schema.GEN_AI_PROVIDER_NAME: schema.PROVIDER,
                 schema.GEN_AI_REQUEST_MODEL: model,
                 schema.GEN_AI_RESPONSE_ID: request_id,
+                schema.GEN_AI_RESPONSE_MODEL: model,
                 schema.REQUEST_ID: request_id,
+                schema.OPENINFERENCE_SPAN_KIND: schema.OPENINFERENCE_LLM,
+                schema.LLM_MODEL_NAME: model,
             },
         )
+        self._num_prompt_tokens = 0
         self.context = trace.set_span_in_context(self.span)
         self.detokenizing = DetokenizeClock()  # the output processor's `with`: the detokenize span's input
         self._ended = False
@@ -74,8 +78,14 @@ class RequestSpans:
             schema.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
             schema.GEN_AI_REQUEST_TOP_P: params.top_p,
             schema.GEN_AI_USAGE_INPUT_TOKENS: len(prompt_token_ids),
+            schema.LLM_TOKEN_COUNT_PROMPT: len(prompt_token_ids),
             **({schema.GEN_AI_REQUEST_SEED: params.seed} if params.seed is not None else {}),
         })
+        self._num_prompt_tokens = len(prompt_token_ids)
+        if not self.redact_inputs:  # what a viewer shows as the request's input: the messages, or the prompt
+            self.span.set_attributes(
+                {schema.INPUT_VALUE: json.dumps(messages, ensure_ascii=False), schema.INPUT_MIME_TYPE: "application/json"}
+                if messages is not None else {schema.INPUT_VALUE: prompt or "", schema.INPUT_MIME_TYPE: "text/plain"})
         attributes = {
             schema.NUM_PROMPT_TOKENS: len(prompt_token_ids),
             # Stop strings are user text too: a redacted trace keeps only how many there were.
@@ -113,13 +123,19 @@ class RequestSpans:
             return
         completions = sorted(completions, key=lambda c: c.index)
         self._detokenize_span(completions)
+        num_output_tokens = sum(len(c.token_ids) for c in completions)
         attributes = {
             schema.GEN_AI_RESPONSE_FINISH_REASONS: [c.finish_reason or "abort" for c in completions],
-            schema.GEN_AI_USAGE_OUTPUT_TOKENS: sum(len(c.token_ids) for c in completions),
+            schema.GEN_AI_USAGE_OUTPUT_TOKENS: num_output_tokens,
+            schema.LLM_TOKEN_COUNT_COMPLETION: num_output_tokens,
+            schema.LLM_TOKEN_COUNT_TOTAL: self._num_prompt_tokens + num_output_tokens,
         }
         if not self.redact_inputs and completions:
             attributes[schema.OUTPUT_TOKEN_IDS] = completions[0].token_ids
             attributes[schema.OUTPUT_TEXT] = completions[0].text
+            attributes[schema.OUTPUT_VALUE] = completions[0].text if len(completions) == 1 else "\n\n".join(
+                c.text for c in completions)
+            attributes[schema.OUTPUT_MIME_TYPE] = "text/plain"
             attributes[schema.COMPLETIONS] = json.dumps([
                 {"index": c.index, "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason}
                 for c in completions

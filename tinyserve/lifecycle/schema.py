@@ -56,6 +56,12 @@ DECODE = "tinyserve.decode"
 DETOKENIZE = "tinyserve.detokenize"
 RESPOND = "tinyserve.respond"
 STEP = "tinyserve.step"
+# The parent of an engine's steps over one window of time (TIMELINE_WINDOW_S): a trace of its own, so that
+# an OTLP viewer's trace list shows requests (one trace each) and a bounded number of engine timelines,
+# not a trace per step. Steps link to the requests they served; a request's prefill and decode spans link
+# back to the timelines its steps are in.
+ENGINE_TIMELINE = "tinyserve.engine_timeline"
+TIMELINE_WINDOW_S = 60.0
 SCHEDULE = "tinyserve.schedule"
 EXECUTE = "tinyserve.execute"
 UPDATE = "tinyserve.update"
@@ -81,6 +87,19 @@ GEN_AI_RESPONSE_ID = "gen_ai.response.id"
 GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+# OpenInference's names (Phoenix, Langfuse and other LLM viewers show these on the request span): its
+# kind always; the prompt and the output text unless --trace-redact-inputs, as the logged inputs.
+OPENINFERENCE_SPAN_KIND = "openinference.span.kind"
+OPENINFERENCE_LLM = "LLM"
+INPUT_VALUE = "input.value"
+INPUT_MIME_TYPE = "input.mime_type"
+OUTPUT_VALUE = "output.value"
+OUTPUT_MIME_TYPE = "output.mime_type"
+LLM_MODEL_NAME = "llm.model_name"
+LLM_TOKEN_COUNT_PROMPT = "llm.token_count.prompt"
+LLM_TOKEN_COUNT_COMPLETION = "llm.token_count.completion"
+LLM_TOKEN_COUNT_TOTAL = "llm.token_count.total"
 PROVIDER = "tinyserve"
 
 # ---- tinyserve's own attributes --------------------------------------------------
@@ -184,6 +203,7 @@ def engine_trace_file(engine_index: int) -> str:
 # Under --trace-max-mb a process writes its step spans to numbered segments beside its file
 # (otlp_capped.py), and the manifest counts what was dropped under this key.
 STEP_SPANS = (STEP, SCHEDULE, EXECUTE, UPDATE)
+TIMELINE_SPANS = (*STEP_SPANS, ENGINE_TIMELINE)  # what a capped folder keeps in its step segments
 MANIFEST_DROPPED = "dropped"
 # The machine a run folder came from ({"host", "headless", "ranks"}); `trace merge` joins
 # the folders of several nodes and lists theirs under MANIFEST_NODES.
