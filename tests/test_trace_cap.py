@@ -21,7 +21,7 @@ from tinyserve.lifecycle.summary import summarize
 from tinyserve.lifecycle.tracing import shutdown_tracing
 from tinyserve.testing import ServerProcess
 
-CAP_MB = 0.1  # 100 kB: the requests of the run below and a few dozen of its 120 steps
+CAP_MB = 0.15  # 150 kB: the requests of the run below (in their half) and a few dozen of its 120 steps
 
 
 def folder_bytes(folder) -> int:
@@ -104,10 +104,12 @@ def test_a_capped_servers_engine_drops_its_oldest_steps_to_keep_the_folder_under
     assert len(run.requests) == 4 and all(r.completions[0].finish_reason == "length" for r in run.requests)
 
 
-def test_when_request_spans_alone_fill_the_cap_new_ones_are_dropped_and_counted(tmp_path):
-    run_dir = generate_traced(tmp_path, 0.012, num_prompts=8, max_tokens=8)  # 12 kB: about 2 requests' spans
+def test_when_request_spans_fill_their_share_new_ones_are_dropped_and_counted_and_the_newest_steps_stay(tmp_path):
+    run_dir = generate_traced(tmp_path, 0.024, num_prompts=8, max_tokens=8)  # 24 kB: half is 2 requests' spans
     run = load_run(run_dir)
     dropped = run.manifest[schema.MANIFEST_DROPPED][schema.OFFLINE_TRACE_FILE]
-    assert folder_bytes(run_dir) <= 12_000
+    assert folder_bytes(run_dir) <= 24_000 * (1 + 1 / SEGMENTS)
+    assert run.steps and run.steps[-1].step_id == max(s.step_id for s in run.steps)  # the last steps are there
+    assert run.steps[-1].finished_request_ids  # the run's very last step, which finished its last requests
     assert dropped["spans"] > dropped["steps"] * len(schema.STEP_SPANS) > 0  # steps, and request spans too
     assert 0 < len(run.requests) < 8

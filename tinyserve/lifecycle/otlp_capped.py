@@ -13,8 +13,9 @@ The cap is the whole run folder's: every process of the run (the API server, eac
 adds up the sizes of all the folder's trace files before it writes. Past the cap, it removes
 the run's least recently written segment, of any engine, but never one an engine may still
 be writing (its newest): so the folder may pass the cap by up to a segment (an eighth of
-the cap) per engine. Request spans are written while the request spans alone fit, and
-dropped after that. Every drop is counted in the run's manifest.json, under
+the cap) per engine. Request spans are written while they fit in REQUEST_SHARE of the
+cap, and new ones are dropped after that: the rest of the cap is the steps', so a busy run
+keeps its newest steps however many requests it serves. Every drop is counted in the run's manifest.json, under
 "dropped" and the file's name: {"steps": step spans dropped, "spans": every span dropped}.
 load_run reads the segments like any other file, and Run.block_tables leaves out the
 requests whose table began in a dropped step.
@@ -34,6 +35,7 @@ from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.otlp_file import OTLPJsonFileExporter, open_owner_only, spans_to_otlp_json
 
 SEGMENTS = 8  # a run's steps are kept in about this many files per engine: dropping one frees a part
+REQUEST_SHARE = 0.5  # of the cap, the most the request spans may take; the steps have the rest at least
 _SEGMENT_MARK = ".steps-"
 
 
@@ -57,14 +59,14 @@ class CappedOTLPJsonFileExporter(OTLPJsonFileExporter):
             if self._file.closed:
                 return SpanExportResult.FAILURE
             for line, chunk in self._lines(others):
+                if folder_bytes(run_dir, steps=False) + len(line) > self.max_bytes * REQUEST_SHARE:
+                    record_dropped(run_dir, self.path.name, steps=0, spans=len(chunk))  # their share is full
+                    continue
                 while folder_bytes(run_dir) + len(line) > self.max_bytes and drop_oldest_segment(run_dir):
-                    pass  # engine steps make room for request spans
-                if folder_bytes(run_dir, steps=False) + len(line) > self.max_bytes:
-                    record_dropped(run_dir, self.path.name, steps=0, spans=len(chunk))  # request spans alone fill it
-                else:
-                    self._file.write(line)
-                    self._file.flush()
-                    self.num_exported += len(chunk)
+                    pass  # the oldest engine steps make room for request spans
+                self._file.write(line)
+                self._file.flush()
+                self.num_exported += len(chunk)
             for line, chunk in self._lines(steps):
                 self._write_steps(line)
                 self.num_exported += len(chunk)
