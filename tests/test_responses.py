@@ -142,3 +142,17 @@ def test_retrieving_a_response_wants_an_id_of_the_servers_form(server):
     response = httpx.get(f"{server.url}/v1/responses/not-an-id", timeout=10)
     assert response.status_code == 400 and response.json()["error"]["param"] == "response_id"
     assert httpx.get(f"{server.url}/v1/responses/resp_{'0' * 32}", timeout=10).status_code == 404
+
+
+def test_the_response_store_is_bounded_by_bytes_as_well_as_by_count():
+    from tinyserve.entrypoints.api.other_apis.responses_protocol import ResponseStore
+
+    store = ResponseStore(max_entries=100, max_bytes=10_000)
+    for i in range(20):  # each about 3 kB of JSON
+        store.put({"id": f"resp_{i}", "text": {"format": "x" * 3000}}, [{"role": "user", "content": "hi"}])
+    kept = [f"resp_{i}" for i in range(20) if store.response(f"resp_{i}") is not None]
+    assert kept == ["resp_17", "resp_18", "resp_19"] and store.num_bytes <= 10_000
+    store.put({"id": "resp_huge", "text": {"format": "y" * 50_000}}, [])
+    assert store.response("resp_huge") is not None and store.response("resp_19") is None  # the newest stays
+    store.put({"id": "resp_huge", "text": {"format": "z"}}, [])  # stored again under its id: counted once
+    assert store.num_bytes < 100

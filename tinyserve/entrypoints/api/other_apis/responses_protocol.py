@@ -26,6 +26,7 @@ kept is a 404 naming previous_response_id.
 from collections import OrderedDict
 from typing import Annotated, Any, ClassVar, Literal
 
+import msgspec
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from tinyserve.entrypoints.api.openai_protocol import StrictBody, Text
@@ -41,6 +42,7 @@ from tinyserve.entrypoints.api.tools.structured_protocol import (
 )
 
 DEFAULT_MAX_STORED_RESPONSES = 1024
+DEFAULT_MAX_STORED_RESPONSE_BYTES = 64 << 20  # the store's JSON bytes: a few huge responses cannot fill memory
 RESPONSE_ID_PATTERN = r"^resp_[0-9a-f]{32}$"  # the ids this server gives (responses_serving.py)
 ITEM_STATUS = Literal["in_progress", "completed", "incomplete"]
 
@@ -245,17 +247,25 @@ class ResponsesRequest(StrictBody):
 
 
 class ResponseStore:
-    """Finished responses by id, for previous_response_id and GET /v1/responses/{id}; the oldest go first."""
+    """Finished responses by id, for previous_response_id and GET /v1/responses/{id}; the oldest go first,
+    once there are max_entries of them or their JSON passes max_bytes (the newest one always stays)."""
 
-    def __init__(self, max_entries: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
+    def __init__(self, max_entries: int = DEFAULT_MAX_STORED_RESPONSES,
+                 max_bytes: int = DEFAULT_MAX_STORED_RESPONSE_BYTES) -> None:
         self.max_entries = max_entries
-        self._entries: OrderedDict[str, tuple[list[dict], dict]] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._entries: OrderedDict[str, tuple[list[dict], dict, int]] = OrderedDict()
 
     def put(self, response: dict, conversation: list[dict]) -> None:
         """conversation: the messages this response answered (no instructions) followed by its reply."""
-        self._entries[response["id"]] = (conversation, response)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        size = len(msgspec.json.encode((conversation, response)))
+        if (old := self._entries.pop(response["id"], None)) is not None:
+            self.num_bytes -= old[2]
+        self._entries[response["id"]] = (conversation, response, size)
+        self.num_bytes += size
+        while len(self._entries) > 1 and (len(self._entries) > self.max_entries or self.num_bytes > self.max_bytes):
+            self.num_bytes -= self._entries.popitem(last=False)[1][2]
 
     def conversation(self, response_id: str) -> list[dict] | None:
         entry = self._entries.get(response_id)
