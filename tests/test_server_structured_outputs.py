@@ -129,10 +129,14 @@ def test_completions_take_response_format_and_structured_outputs(client):
 
 
 def test_a_schema_the_grammar_library_cannot_compile_is_a_400_naming_it(client):
-    bad = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
+    bad = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}  # refused before it is compiled
     with pytest.raises(openai.BadRequestError) as error:
         chat(client, response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": bad}})
-    assert "no-such-type" in error.value.message and error.value.body["param"] == "response_format"
+    assert "no-such-type" in error.value.message and error.value.body["param"] == "response_format.json_schema.schema"
+    uncompilable = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(unclosed"}}}
+    with pytest.raises(openai.BadRequestError, match="cannot be compiled") as error:
+        chat(client, response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": uncompilable}})
+    assert error.value.body["param"] == "response_format"
     with pytest.raises(openai.BadRequestError, match="cannot be compiled"):
         chat(client, extra_body={"structured_outputs": {"regex": "(unclosed"}})
 
@@ -267,19 +271,30 @@ def test_a_conversation_with_calls_and_their_results_renders(client):
     assert longer.usage.prompt_tokens > short.usage.prompt_tokens + 10
 
 
+REMOTE_REF = {"type": "object", "properties": {"x": {"$ref": "http://127.0.0.1:9/x.json"}}}
+BAD_TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]
+
+
 @pytest.mark.parametrize("body, message, param", [
-    ({"tool_choice": "required"}, "tool_choice needs tools", None),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools", None),
+    ({"tool_choice": "required"}, "tool_choice needs tools", "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools",
+     "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined",
-     None),
-    ({"tools": [TOOLS[0], TOOLS[0]]}, "distinct names", None),
+     "tool_choice"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "distinct names", "tools"),
     ({"functions": [{"name": "f"}]}, "not supported", "functions"),
+    # A schema that is not one is refused even where nothing compiles it (tool_choice "none"), as OpenAI does.
+    ({"tools": BAD_TOOL, "tool_choice": "none"}, "type must be one of", "tools.0.function.parameters"),
+    ({"tools": BAD_TOOL}, "type must be one of", "tools.0.function.parameters"),
+    # Nothing is fetched: a remote $ref would leave the output unconstrained.
+    ({"structured_outputs": {"json": REMOTE_REF}}, "points outside the schema", "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": REMOTE_REF}}},
+     "points outside the schema", "response_format.json_schema.schema"),
 ])
-def test_inconsistent_tool_requests_are_refused(client, body, message, param):
+def test_inconsistent_tool_requests_and_unusable_schemas_are_refused_naming_the_field(client, body, message, param):
     with pytest.raises(openai.BadRequestError, match=message) as error:
         chat(client, extra_body=body)
-    if param is not None:
-        assert error.value.body["param"] == param
+    assert error.value.body["param"] == param
 
 
 # ---- Anthropic ---------------------------------------------------------------

@@ -107,9 +107,12 @@ def test_constrained_and_free_requests_share_a_batch(llm):
 
 
 def test_a_schema_the_backend_cannot_compile_is_refused_naming_the_problem(llm):
-    bad = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
-    with pytest.raises(ValueError, match=r"structured_outputs\.json cannot be compiled by \w+: .*no-such-type"):
+    bad = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}  # refused before it reaches the library
+    with pytest.raises(ValueError, match=r"not a usable JSON schema: .*no-such-type"):
         llm.generate(PROMPTS[0], constrained(json=bad), use_tqdm=False)
+    uncompilable = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(unclosed"}}}
+    with pytest.raises(ValueError, match=r"structured_outputs\.json cannot be compiled by \w+: "):
+        llm.generate(PROMPTS[0], constrained(json=uncompilable), use_tqdm=False)
     with pytest.raises(ValueError, match=r"structured_outputs\.regex cannot be compiled"):
         llm.generate(PROMPTS[0], constrained(regex="(unclosed"), use_tqdm=False)
 

@@ -10,6 +10,7 @@ import json
 import msgspec
 
 from tinyserve.errors import InvalidInputError
+from tinyserve.structured_output.schema_check import check_json_schema
 
 _GREEDY_EPS = 1e-5  # temperatures below this mean greedy, as in vLLM
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -38,12 +39,15 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
         given = [kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False)]
         _check(len(given) == 1, "structured_outputs",
                f"must set exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, got {given or 'none'}")
+        schema = self.json
         if isinstance(self.json, str):
             try:
                 schema = json.loads(self.json)
             except ValueError as error:
                 raise InvalidInputError(f"structured_outputs.json is not valid JSON: {error}", "structured_outputs") from None
             _check(isinstance(schema, (dict, bool)), "structured_outputs.json", "must be a JSON schema object")
+        if schema is not None:
+            check_json_schema(schema, "structured_outputs")
         _check(self.choice is None or (isinstance(self.choice, list) and self.choice
                                        and all(isinstance(c, str) and c for c in self.choice)),
                "structured_outputs.choice", f"must be a non-empty list of non-empty strings, got {self.choice!r}")

@@ -83,9 +83,11 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
         reason = (errors[0].get("ctx") or {}).get("error", "malformed")
         return f"the request body is not valid JSON: {reason} (at character {errors[0]['loc'][-1]})", None
     deepest = max(errors, key=lambda e: len(_location(e)))
-    param = ".".join(_location(deepest)) or None
+    # A check of ours that names its field (InvalidInputError) in a validator of the whole body.
+    named = getattr((deepest.get("ctx") or {}).get("error"), "param", None)
+    location = ".".join(_location(deepest)) or None
     message = deepest.get("msg", "invalid value").removeprefix("Value error, ")  # pydantic's prefix for our checks
-    return (f"{param}: {message}" if param else message), param
+    return (f"{location}: {message}" if location else message), location or named
 
 
 def build_app(

@@ -15,11 +15,12 @@ id and name), then input_json_delta events with the input's JSON text, content_b
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from tinyserve.entrypoints.api.sse import sse_event
 from tinyserve.entrypoints.api.guards.strict_body import StrictBody, Text
 from tinyserve.entrypoints.api.tools.tool_calls import ToolCallDeltas, tool_constraint
+from tinyserve.structured_output.schema_check import check_json_schema
 
 
 class TextBlock(StrictBody):
@@ -54,6 +55,12 @@ class AnthropicTool(StrictBody):
     description: Text | None = None
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None  # Anthropic's own server tools (web search, ...) are not served here
+
+    @field_validator("input_schema")
+    @classmethod
+    def _usable_schema(cls, value):
+        check_json_schema(value, "tools")
+        return value
 
 
 class AnthropicToolChoice(StrictBody):

@@ -30,6 +30,7 @@ import msgspec
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from tinyserve.entrypoints.api.openai_protocol import StrictBody, Text
+from tinyserve.structured_output.schema_check import check_json_schema
 from tinyserve.entrypoints.api.tools.structured_protocol import (
     AssistantToolCall,
     FunctionDefinition,
@@ -105,6 +106,13 @@ class FunctionTool(StrictBody):
     description: Text | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _usable_schema(cls, value):
+        if value is not None:
+            check_json_schema(value, "tools")
+        return value
 
     @field_validator("type", mode="before")
     @classmethod

@@ -13,10 +13,12 @@ a schema the engine's grammar library cannot compile (checked by the input proce
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from tinyserve.entrypoints.api.guards.strict_body import StrictBody, Text
+from tinyserve.errors import InvalidInputError
 from tinyserve.sampling_params import StructuredOutputsParams
+from tinyserve.structured_output.schema_check import check_json_schema
 
 
 def _json_text(value: str) -> str:
@@ -35,6 +37,12 @@ class JsonSchemaFormat(StrictBody):
     description: Text | None = None
     schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None  # the schema is enforced whether or not it is strict
+
+    @field_validator("schema_")
+    @classmethod
+    def _usable_schema(cls, value):
+        check_json_schema(value, "response_format")
+        return value
 
 
 class ResponseFormat(StrictBody):
@@ -97,6 +105,13 @@ class FunctionDefinition(StrictBody):
     parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _usable_schema(cls, value):
+        if value is not None:  # checked even when tool_choice is "none": the template shows it
+            check_json_schema(value, "tools")
+        return value
+
     @property
     def parameters_schema(self) -> dict:
         return self.parameters or {"type": "object", "properties": {}}
@@ -140,13 +155,13 @@ def check_tool_choice(tools: list[Tool] | None, tool_choice, constrained: bool) 
     """tool_choice without tools, a named function that is not among them, or a tool_choice that
     constrains the output as well as response_format or structured_outputs: each a ValueError."""
     if tool_choice is not None and tool_choice != "none" and not tools:
-        raise ValueError("tool_choice needs tools: give the tools the model may call")
+        raise InvalidInputError("tool_choice needs tools: give the tools the model may call", "tool_choice")
     names = [tool.function.name for tool in tools or ()]
     if len(set(names)) != len(names):
-        raise ValueError(f"tools must have distinct names, got {names}")
+        raise InvalidInputError(f"tools must have distinct names, got {names}", "tools")
     if isinstance(tool_choice, NamedToolChoice) and tool_choice.function.name not in names:
-        raise ValueError(f"tool_choice names the function {tool_choice.function.name!r}, which is not among "
-                         f"the tools {names}")
+        raise InvalidInputError(f"tool_choice names the function {tool_choice.function.name!r}, which is not "
+                                f"among the tools {names}", "tool_choice")
     if constrained and (tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)):
-        raise ValueError("a required or named tool_choice constrains the output itself: it cannot be combined "
-                         "with response_format or structured_outputs")
+        raise InvalidInputError("a required or named tool_choice constrains the output itself: it cannot be "
+                                "combined with response_format or structured_outputs", "tool_choice")
