@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.hf_reference import MAX_TOKENS, hf_greedy, hf_model
+from tests.patience import patient
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM, SamplingParams
 
@@ -118,8 +119,22 @@ def test_a_rank_that_dies_fails_the_step_instead_of_hanging(tp_llm):
         generate(llm, prompts_for(folder))
 
 
+def test_a_stopped_rank_fails_the_step_naming_it_within_the_watchdogs_bound(tp_llm):
+    folder = tiny_model_with_tokenizer("llama")
+    llm = tp_llm(folder, 2, tensor_parallel_watchdog_s=2.0)
+    assert generate(llm, prompts_for(folder)[:1])  # the group works
+    [worker] = llm.engine_core.tp_workers.processes
+    os.kill(worker.pid, signal.SIGSTOP)  # alive, but it will never reach the next all_reduce
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 \(stopped\) did not answer: rank 0 waited \d+ s"):
+        generate(llm, prompts_for(folder))
+    assert time.monotonic() - started < patient(10)  # the watchdog's 2 s, not the group's timeout (minutes)
+    worker.join(patient(5))
+    assert worker.exitcode == -signal.SIGKILL  # the watchdog killed it: nothing is left stopped
+
+
 @pytest.mark.server
-def test_a_server_with_two_ranks_serves_and_goes_down_when_a_rank_dies():
+def test_a_server_with_two_ranks_serves_and_goes_down_when_a_rank_stops_answering():
     import httpx
     import psutil
 
@@ -127,17 +142,18 @@ def test_a_server_with_two_ranks_serves_and_goes_down_when_a_rank_dies():
 
     folder = tiny_model_with_tokenizer("llama")
     server = ServerProcess(str(folder), "--served-model-name", "tiny", "--tensor-parallel-size", "2",
-                           "--num-kv-blocks", "64")
+                           "--num-kv-blocks", "64", "--tensor-parallel-watchdog-timeout", "3")
     try:
         body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": MAX_TOKENS, "temperature": 0.0}
         answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
         assert answer["usage"]["completion_tokens"] == len(hf_greedy(folder, [5, 6, 7, 8]))
         engine = [c for c in psutil.Process(server.process.pid).children() if "engine" in c.name()][0]
         [rank1] = [c for c in engine.children() if c.name().endswith("-tp1")]
-        rank1.kill()
-        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        rank1.suspend()  # SIGSTOP: alive, silent; the watchdog (3 s here) makes it a dead rank
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=patient(30))
         assert response.status_code >= 500
-        assert server.process.wait(30) == 1  # the engine died with its rank: the server goes down
+        assert server.process.wait(patient(10)) == 1  # the engine died with its rank: the server goes down
+        assert "tensor-parallel rank 1 (stopped) did not answer" in server.output()
     finally:
         server.stop()
 

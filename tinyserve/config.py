@@ -55,6 +55,8 @@ class EngineArgs:
     # The tensor-parallel path even at size 1: a one-rank process group, its all-reduces
     # included (benchmarks/gpu_check.py runs NCCL so on a machine with one GPU).
     force_tensor_parallel: bool = False
+    # A rank that does not reach a collective in this many seconds fails the engine, named (tp_watchdog.py); 0: off
+    tensor_parallel_watchdog_s: float = 30.0
     structured_outputs_backend: str = "xgrammar"  # the grammar library: xgrammar or llguidance
     # Tracing of the engine process(es): the run folder for engine-<i>.jsonl, and/or an OTLP/HTTP endpoint.
     trace_run_dir: str | None = None
@@ -76,6 +78,9 @@ class EngineArgs:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.tensor_parallel_watchdog_s < 0:
+            raise ValueError(f"tensor_parallel_watchdog_s must be non-negative (0: off), got "
+                             f"{self.tensor_parallel_watchdog_s}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be non-negative, or -1 for the whole vocabulary, "
                              f"got {self.max_logprobs}")

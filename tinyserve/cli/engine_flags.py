@@ -42,6 +42,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split each engine's model over this many worker processes, one per device "
                             "(torch.distributed: gloo on CPU, NCCL on CUDA; default 1)")
+    group.add_argument("--tensor-parallel-watchdog-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="a rank that does not reach a collective within this many seconds (stopped, stuck) "
+                            "fails the engine, named in the error (default 30; 0: never)")
     group.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests (default 0)")
     group.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     group.add_argument("--max-logprobs", type=int, default=20,
@@ -89,6 +92,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         cpu_threads=args.cpu_threads,
         max_logprobs=args.max_logprobs,
         tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_watchdog_s=args.tensor_parallel_watchdog_timeout,
         structured_outputs_backend=args.structured_outputs_backend,
     )
     engine_args.validate()

@@ -22,7 +22,8 @@ request state; rank 0's tokens are the step's.
 The process group is set up by rendezvous on a torch.distributed TCPStore that rank 0
 hosts: an address and a port are all a rank needs, so ranks could be on other hosts.
 A rank that dies breaks the next collective on the others: the engine's step raises and
-the engine fails every request, as when an engine process dies.
+the engine fails every request, as when an engine process dies. A rank that lives but does
+not answer is made one that died by tp_watchdog.py.
 
 With one rank (EngineArgs.force_tensor_parallel) no process starts: the group is rank 0
 alone, and the same layers call the same all-reduce, a collective of one.
@@ -45,6 +46,7 @@ import zmq
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.engine.child_process import ChildProcess
 from tinyserve.engine.worker.tp_group import RENDEZVOUS_TIMEOUT_S, host_store, join_group, join_store, rank_device
+from tinyserve.engine.worker.tp_watchdog import CollectiveWatchdog
 from tinyserve.engine.core.scheduler_output import SchedulerOutput
 from tinyserve.lifecycle.engine_records import RankTimes
 from tinyserve.lifecycle.tracing import tracing_enabled
@@ -114,6 +116,8 @@ class TensorParallelWorkers:
         self._wait_for_ranks()
         self.tp = join_group(0, self.size, store, rank_device(args, engine_index, 0))
         self._encoder = msgspec.msgpack.Encoder()
+        self.watchdog = CollectiveWatchdog(self.tp.timer, self.processes, args.tensor_parallel_watchdog_s) \
+            if args.tensor_parallel_watchdog_s > 0 and self.processes else None
 
     def _wait_for_ranks(self) -> None:
         """Until every rank is about to join the group; RuntimeError at once if one has died. (Joining
@@ -164,6 +168,8 @@ class TensorParallelWorkers:
             socket.send(message)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
+        if getattr(self, "watchdog", None) is not None:
+            self.watchdog.stop()
         for socket in self._sockets:
             with contextlib.suppress(zmq.ZMQError):
                 socket.send(_STOP, flags=zmq.NOBLOCK)
@@ -188,8 +194,14 @@ class TensorParallelRunner:
 
     def execute_model(self, scheduler_output: SchedulerOutput):
         self.workers.send(scheduler_output)
-        with self.workers.clocked(scheduler_output):  # every rank's execute, for the step span
-            return self.runner.execute_model(scheduler_output)
+        try:
+            with self.workers.clocked(scheduler_output):  # every rank's execute, for the step span
+                return self.runner.execute_model(scheduler_output)
+        except Exception as error:
+            watchdog = self.workers.watchdog
+            if watchdog is not None and watchdog.fired:  # the collective failed because the ranks were killed
+                raise RuntimeError(watchdog.fired) from error
+            raise
 
     @property
     def last_rank_times(self) -> list[RankTimes] | None:

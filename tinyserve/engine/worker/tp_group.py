@@ -18,14 +18,18 @@ RENDEZVOUS_TIMEOUT_S = 300  # ranks import torch and load their shard before the
 
 
 class GroupTimer:
-    """The process group's all_reduce, timed: how long this rank waited in collectives."""
+    """The process group's all_reduce, timed: how long this rank waited in collectives, and since when it
+    has been waiting in the current one (tp_watchdog.py's clue that a rank is not coming)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.waiting_since: float | None = None  # time.monotonic() on entering all_reduce; None outside it
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
+        self.waiting_since = time.monotonic()
         dist.all_reduce(tensor)
+        self.waiting_since = None
         self.seconds += time.perf_counter() - started
         return tensor
 
