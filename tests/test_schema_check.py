@@ -4,7 +4,14 @@ import pytest
 
 from tinyserve.errors import InvalidInputError
 from tinyserve.sampling_params import StructuredOutputsParams
-from tinyserve.structured_output.schema_check import MAX_DEPTH, check_json_schema
+from tinyserve.structured_output.schema_check import (
+    MAX_CHOICES,
+    MAX_DEPTH,
+    MAX_GRAMMAR_CHARS,
+    MAX_PROPERTIES,
+    MAX_REGEX_CHARS,
+    check_json_schema,
+)
 
 USABLE = [
     True, {}, {"type": "object", "properties": {"a": {"type": ["string", "null"]}}, "required": ["a"]},
@@ -49,3 +56,20 @@ def test_nesting_is_bounded_and_the_engine_checks_too():
     with pytest.raises(InvalidInputError, match="points outside") as refused:  # offline, as over HTTP
         StructuredOutputsParams(json='{"$ref": "http://127.0.0.1:9/x.json"}')
     assert refused.value.param == "structured_outputs"
+
+
+def test_constraints_past_their_size_limits_are_refused_naming_the_field_and_the_limit():
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(MAX_PROPERTIES + 1)}}
+    with pytest.raises(InvalidInputError, match=f"{MAX_PROPERTIES + 1} properties; at most {MAX_PROPERTIES}"):
+        check_json_schema(wide, "response_format")
+    nested = {"$defs": {"a": {"properties": {f"q{i}": {} for i in range(MAX_PROPERTIES)}}},
+              "properties": {"x": {"$ref": "#/$defs/a"}}}  # definitions count too
+    with pytest.raises(InvalidInputError, match="properties; at most"):
+        check_json_schema(nested, "tools")
+    for fields, words in (({"regex": "a" * (MAX_REGEX_CHARS + 1)}, "structured_outputs.regex has"),
+                          ({"grammar": "root ::= " + '"a" ' * MAX_GRAMMAR_CHARS}, "structured_outputs.grammar has"),
+                          ({"choice": ["x"] * (MAX_CHOICES + 1)}, "choices; at most")):
+        with pytest.raises(InvalidInputError, match=words) as refused:
+            StructuredOutputsParams(**fields)
+        assert refused.value.param == "structured_outputs"
+    StructuredOutputsParams(regex="a" * MAX_REGEX_CHARS)  # at the limit: fine

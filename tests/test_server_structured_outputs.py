@@ -141,6 +141,18 @@ def test_a_schema_the_grammar_library_cannot_compile_is_a_400_naming_it(client):
         chat(client, extra_body={"structured_outputs": {"regex": "(unclosed"}})
 
 
+def test_a_schema_too_large_to_compile_is_refused_before_it_takes_a_compile_thread(client):
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(6000)}}
+    for _ in range(2):  # neither is compiled: a compile this size would hold a thread for half a minute
+        with pytest.raises(openai.BadRequestError, match="6000 properties; at most 5000") as error:
+            chat(client, response_format={"type": "json_schema", "json_schema": {"name": "wide", "schema": wide}})
+        assert error.value.body["param"] == "response_format.json_schema.schema"
+    answer = chat(client, response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}})
+    jsonschema.validate(json.loads(answer.choices[0].message.content), WEATHER)
+    with pytest.raises(openai.BadRequestError, match="at most 128"):
+        chat(client, tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)])
+
+
 @pytest.mark.parametrize("body, message", [
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "cannot both constrain"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of"),

@@ -10,7 +10,7 @@ import json
 import msgspec
 
 from tinyserve.errors import InvalidInputError
-from tinyserve.structured_output.schema_check import check_json_schema
+from tinyserve.structured_output.schema_check import check_constraint_size, check_json_schema
 
 _GREEDY_EPS = 1e-5  # temperatures below this mean greedy, as in vLLM
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -55,6 +55,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, str) and value), f"structured_outputs.{name}",
                    "must be a non-empty string")
+        for name in ("regex", "grammar", "choice"):
+            if getattr(self, name) is not None:
+                check_constraint_size(name, getattr(self, name), "structured_outputs")
         _check(isinstance(self.json_object, bool), "structured_outputs.json_object", "must be true or false")
 
     @property

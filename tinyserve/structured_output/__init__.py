@@ -50,16 +50,18 @@ def get_backend_module(name: str):
     return importlib.import_module(f"tinyserve.structured_output.{name}_backend")
 
 
-_checked: set[tuple[str, str, str]] = set()  # constraints that passed: (backend, kind, spec)
+_checked: set[tuple[str, str, bytes]] = set()  # constraints that passed: (backend, kind, digest of the spec)
 _MAX_CHECKED = 1024
 
 
 def check_structured_outputs(params, backend: str) -> None:
     """Raise GrammarError if `backend` cannot compile the StructuredOutputsParams `params`.
 
-    One that passed is remembered (up to _MAX_CHECKED of them), so a schema sent with
-    every request is parsed once."""
-    key = (backend, params.kind, params.spec)
+    One that passed is remembered (up to _MAX_CHECKED of them, by a 32-byte digest, so that
+    huge schemas cost no memory here), so a schema sent with every request is parsed once."""
+    import hashlib
+
+    key = (backend, params.kind, hashlib.sha256(params.spec.encode()).digest())
     if key in _checked:
         return
     get_backend_module(backend).check(params)

@@ -11,7 +11,11 @@ output (types, properties, items, combinators, references) and refuses, naming t
 - keywords of the wrong kind (`properties` not an object of schemas, `required` not a list
   of strings, `anyOf` not a non-empty list of schemas, ...);
 - a `$ref` that does not point inside the schema (`#...`): nothing is fetched from elsewhere;
-- nesting deeper than MAX_DEPTH.
+- nesting deeper than MAX_DEPTH, or more than MAX_PROPERTIES properties in all (OpenAI's
+  limit): compiling grows with them (6,000 properties take xgrammar about 25 s on two cores),
+  and a compile holds one of the engine's two compile threads however long it takes.
+
+The size of the other constraints is bounded in `check_constraint_size`.
 
 It is not a full meta-schema validation: keywords it does not know are left to the library.
 """
@@ -20,6 +24,12 @@ from tinyserve.errors import InvalidInputError
 
 JSON_TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
 MAX_DEPTH = 64  # schemas nested deeper than this are refused (a recursion bound, far past real ones)
+MAX_PROPERTIES = 5000  # properties in a whole schema, as OpenAI's structured outputs allow
+# A regex or a grammar's text, and a choice's strings together, at most this many characters; at most
+# MAX_CHOICES choices (OpenAI's limit on enum values). Past them, a 400 naming the field and the limit.
+MAX_REGEX_CHARS = 16_384
+MAX_GRAMMAR_CHARS = 65_536
+MAX_CHOICES = 1000
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMAS = ("additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
@@ -31,6 +41,35 @@ def check_json_schema(schema, param: str) -> None:
     problem = _problem(schema, "", 0)
     if problem is not None:
         raise InvalidInputError(f"not a usable JSON schema: {problem}", param)
+    num_properties = _count_properties(schema)
+    if num_properties > MAX_PROPERTIES:
+        raise InvalidInputError(f"the schema has {num_properties} properties; at most {MAX_PROPERTIES} are compiled",
+                                param)
+
+
+def check_constraint_size(kind: str, value, param: str) -> None:
+    """A regex, grammar or choice over its limit: InvalidInputError naming the field and the limit."""
+    if kind == "choice":
+        if len(value) > MAX_CHOICES:
+            raise InvalidInputError(f"{param}.choice has {len(value)} choices; at most {MAX_CHOICES}", param)
+        size, limit = sum(len(c) for c in value), MAX_GRAMMAR_CHARS
+    else:
+        size, limit = len(value), MAX_REGEX_CHARS if kind == "regex" else MAX_GRAMMAR_CHARS
+    if size > limit:
+        raise InvalidInputError(f"{param}.{kind} has {size} characters; at most {limit} are compiled", param)
+
+
+def _count_properties(schema) -> int:
+    """Every property of every object in the schema (definitions included); the schema passed _problem."""
+    count, stack = 0, [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            count += len(node["properties"]) if isinstance(node.get("properties"), dict) else 0
+            stack.extend(value for key, value in node.items() if key not in ("enum", "const", "default", "examples"))
+    return count
 
 
 def _problem(schema, path: str, depth: int) -> str | None:

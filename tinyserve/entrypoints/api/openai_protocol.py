@@ -180,7 +180,7 @@ class ChatCompletionRequest(SamplingFields):
     # (an assistant message the reply continues), as vLLM's echo does
     echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking)
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)  # OpenAI's limit: each is shown to the template
     tool_choice: ToolChoice | None = None  # with tools: "auto" when left out, as OpenAI's
     parallel_tool_calls: bool = True
 
