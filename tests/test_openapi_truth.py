@@ -106,3 +106,40 @@ def test_a_405_says_which_methods_are_allowed(server):
     assert response.status_code == 405 and response.headers["allow"] == "GET"
     response = httpx.get(f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"})
     assert response.status_code == 405 and response.headers["allow"] == "POST"
+
+
+def _valid(document, schema_name: str, body: dict) -> bool:
+    import jsonschema
+
+    root = {"$ref": f"#/components/schemas/{schema_name}", "components": document["components"]}
+    return jsonschema.Draft202012Validator(root).is_valid(body)
+
+
+CHAT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION_BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+
+
+@pytest.mark.parametrize("schema_name, path, body, accepted", [
+    # rules between fields, in the document as the server applies them
+    ("ChatCompletionRequest", "/v1/chat/completions", {**CHAT_BODY, "continue_final_message": True}, False),
+    ("ChatCompletionRequest", "/v1/chat/completions", {**CHAT_BODY, "top_logprobs": 2}, False),
+    ("ChatCompletionRequest", "/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user"}]}, False),
+    ("ChatCompletionRequest", "/v1/chat/completions", {**CHAT_BODY, "top_logprobs": 2, "logprobs": True}, True),
+    ("CompletionRequest", "/v1/completions", {**COMPLETION_BODY, "stream_options": {"include_usage": True}}, False),
+    ("CompletionRequest", "/v1/completions", {**COMPLETION_BODY, "prompt": ""}, False),
+    ("TokenizeRequest", "/tokenize", {"model": MODEL}, False),
+    ("TokenizeRequest", "/tokenize", {"model": MODEL, "prompt": "hi"}, True),
+    # bounds a float-comparing validator holds exactly; token ids within the vocabulary
+    ("CompletionRequest", "/v1/completions", {**COMPLETION_BODY, "seed": 2**63 - 1}, False),
+    ("DetokenizeRequest", "/detokenize", {"model": MODEL, "tokens": [512]}, False),
+    ("DetokenizeRequest", "/detokenize", {"model": MODEL, "tokens": [511]}, True),
+    # 1.0 is an integer to JSON Schema, and so to the server
+    ("CompletionRequest", "/v1/completions", {**COMPLETION_BODY, "max_tokens": 2.0, "min_tokens": 1.0}, True),
+])
+def test_the_document_and_the_server_agree_on_rules_between_fields_and_bounds(server, document, schema_name, path,
+                                                                              body, accepted):
+    assert _valid(document, schema_name, body) is accepted
+    response = httpx.post(f"{server.url}{path}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert (response.status_code == 200) is accepted, response.text
+    if not accepted:
+        assert response.status_code == 400

@@ -106,14 +106,14 @@ ASKING = {
     "thinking": {"type": "enabled", "budget_tokens": 1024}, "modalities": ["text", "audio"],
     "echo": True, "use_beam_search": True, "length_penalty": 0.5, "include_reasoning": False,
     "spaces_between_special_tokens": False, "add_special_tokens": True, "parallel_tool_calls": True,
-    "background": True, "truncation": "auto", "top_logprobs": 2, "suffix": "end", "bad_words": ["ugly"],
+    "background": True, "truncation": "auto", "top_logprobs": 2, "suffix": "end",
 }
 # What a client typically sends in each field without effect.
 TYPICAL = {"metadata": {"user_id": "u-1"}, "store": True, "service_tier": "auto", "safety_identifier": "s-1",
            "prompt_cache_key": "k-1", "prompt_cache_retention": "24h", "prompt_cache_options": {},
            "request_id": "r-1", "user": "u-1", "cache_control": {"type": "ephemeral"}, "inference_geo": "us",
            "speed": "standard", "diagnostics": {}, "user_profile_id": "p-1", "workspace_id": "w-1",
-           "max_tool_calls": 2}
+           "max_tool_calls": 2, "reasoning_effort": "low"}
 
 
 def post(server, kind: str, **changes) -> httpx.Response:
@@ -257,6 +257,21 @@ def check_logit_bias(server, kind):
     assert answer_text(kind, answer) == expected
 
 
+def check_allowed_token_ids(server, kind):
+    """One token allowed: it is all the reply, however hot the sampling."""
+    forced = token_id(server, " is")
+    answer = ok(server, kind, allowed_token_ids=[forced], temperature=2.0, seed=0)
+    expected = httpx.post(f"{server.url}/detokenize", json={"tokens": [forced] * 8}).json()["prompt"]
+    assert answer_text(kind, answer) == expected
+
+
+def check_bad_words(server, kind):
+    """A token forced by logit_bias, named as a bad word: banned all the same."""
+    forced = {"logit_bias": {str(token_id(server, " is")): 100}, "ignore_eos": True}
+    expected = httpx.post(f"{server.url}/detokenize", json={"tokens": [token_id(server, " is")] * 8}).json()["prompt"]
+    assert text(server, kind, **forced) == expected != text(server, kind, **forced, bad_words=["is"])
+
+
 def check_logprobs(server, kind):
     if kind == "chat":
         answer = ok(server, kind, logprobs=True, top_logprobs=2)
@@ -397,6 +412,11 @@ def check_echo(server, kind):
     assert text(server, kind, echo=True).startswith(COMPLETION["prompt"])
 
 
+def check_request_id(server, kind):
+    """vLLM's: the answer's id is the request's, after chat's "chatcmpl-" or completions' "cmpl-"."""
+    assert ok(server, kind, request_id="r-1")["id"] == {"chat": "chatcmpl-r-1", "completions": "cmpl-r-1"}[kind]
+
+
 def check_return_tokens_as_token_ids(server, kind):
     logprobs = {"logprobs": True, "top_logprobs": 1} if kind == "chat" else {"logprobs": 1}
     answer = ok(server, kind, return_tokens_as_token_ids=True, **logprobs)["choices"][0]["logprobs"]
@@ -512,6 +532,7 @@ OPENAI_SHARED = {
     "skip_special_tokens": check_skip_special_tokens, "prompt_logprobs": check_prompt_logprobs,
     "priority": check_priority, "response_format": check_response_format,
     "structured_outputs": check_structured_outputs, "return_tokens_as_token_ids": check_return_tokens_as_token_ids,
+    "allowed_token_ids": check_allowed_token_ids, "request_id": check_request_id,
 }
 IMPLEMENTED = {
     "chat": {**OPENAI_SHARED, "messages": check_prompt_changes_prompt_tokens("messages", [
@@ -519,7 +540,7 @@ IMPLEMENTED = {
         "max_completion_tokens": check_max_tokens("max_completion_tokens"), "top_logprobs": check_top_logprobs,
         "add_generation_prompt": check_add_generation_prompt, "continue_final_message": check_continue_final_message,
         "chat_template_kwargs": check_chat_template_kwargs, "tools": check_tools, "tool_choice": check_tool_choice,
-        "parallel_tool_calls": check_parallel_tool_calls, "echo": check_echo},
+        "parallel_tool_calls": check_parallel_tool_calls, "echo": check_echo, "bad_words": check_bad_words},
     "completions": {**OPENAI_SHARED, "echo": check_echo,
                     "prompt": check_prompt_changes_prompt_tokens("prompt", "Flat is better than nested")},
     "messages": {"model": check_model, "max_tokens": check_max_tokens("max_tokens"),

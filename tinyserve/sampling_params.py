@@ -14,6 +14,9 @@ from tinyserve.structured_output.schema_check import check_constraint_size, chec
 
 _GREEDY_EPS = 1e-5  # temperatures below this mean greedy, as in vLLM
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# As vLLM's: bad words once tokenized (each spelling a sequence), so that the per-step check stays small
+MAX_NUM_BAD_WORDS = 128
+MAX_BAD_WORDS_TOTAL_TOKENS = 1024
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
@@ -91,7 +94,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # words the output must not contain (see update_from_tokenizer)
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
+    # bad_words as token ids, filled by update_from_tokenizer before the request reaches the engine
+    _bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -118,6 +125,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if self.logit_bias:
             bad = [(t, b) for t, b in self.logit_bias.items() if not -100 <= b <= 100]
             _check(not bad, "logit_bias", f"values must be in [-100, 100], got {bad[:3]}")
+        _check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids",
+               "must not be empty: no token could be sampled")
 
     def _check_types(self) -> None:
         """Wrong types fail here, naming the parameter, rather than later inside an engine step."""
@@ -136,6 +145,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         _check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(map(_is_int, self.logit_bias))
                                            and all(map(_is_number, self.logit_bias.values()))),
                "logit_bias", f"must map token ids to numbers, got {self.logit_bias!r}")
+        _check(self.allowed_token_ids is None
+               or (isinstance(self.allowed_token_ids, list) and all(map(_is_int, self.allowed_token_ids))),
+               "allowed_token_ids", f"must be a list of token ids, got {_short(self.allowed_token_ids)}")
+        _check(self.bad_words is None
+               or (isinstance(self.bad_words, list) and all(isinstance(word, str) for word in self.bad_words)),
+               "bad_words", f"must be a list of strings, got {_short(self.bad_words)}")
 
     @property
     def is_greedy(self) -> bool:
@@ -144,6 +159,40 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """Each bad word as token ids, once update_from_tokenizer has run (vLLM's name)."""
+        return self._bad_words_token_ids
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """Tokenize bad_words as vLLM does: each word with its leading spaces stripped, then again after
+        one space (the word inside a text), that second spelling kept when it starts with another token
+        and has as many:
+
+            "ugly"    -> [ugly], and [Ġugly] from " ugly"     each banned
+            "Zen of"  -> [Zen, Ġof]                          Ġof banned right after Zen
+
+        The sampler bans a sequence's last token whenever the output ends with the tokens before
+        it (engine/worker/token_filters.py). Token ids outside the vocabulary are the input
+        processor's to refuse.
+        """
+        if not self.bad_words:
+            return
+        token_ids = []
+        for word in self.bad_words:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            _check(len(plain) > 0, "bad_words", f"entries must be at least one token, got {word!r}")
+            token_ids.append(plain)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                token_ids.append(spaced)
+        _check(len(token_ids) <= MAX_NUM_BAD_WORDS, "bad_words",
+               f"are {len(token_ids)} token sequences once tokenized, more than the limit of {MAX_NUM_BAD_WORDS}")
+        num_tokens = sum(map(len, token_ids))
+        _check(num_tokens <= MAX_BAD_WORDS_TOTAL_TOKENS, "bad_words",
+               f"are {num_tokens} tokens once tokenized, more than the limit of {MAX_BAD_WORDS_TOTAL_TOKENS}")
+        self._bad_words_token_ids = token_ids
 
     def clone(self, **changes) -> "SamplingParams":
         return msgspec.structs.replace(self, **changes)
@@ -155,6 +204,12 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _short(value) -> str:
+    """A value for an error message: its repr, cut short (a list may hold a whole vocabulary)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _check(ok: bool, name: str, message: str) -> None:

@@ -21,6 +21,7 @@ import uvicorn
 from tinyserve.cli.data_parallel_flags import add_data_parallel_flags, check_data_parallel_flags, size_local
 from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from
 from tinyserve.cli.load_balancing_flags import add_load_balancing_flags, check_load_balancing_flags
+from tinyserve.cli.metrics_flags import add_metrics_flags
 from tinyserve.entrypoints.api.guards.field_limits import (
     DEFAULT_MAX_LOGIT_BIAS_ENTRIES,
     DEFAULT_MAX_MESSAGES,
@@ -57,6 +58,7 @@ def add_parser(commands) -> None:
                        help="log each request's inputs and one access line per request "
                             "(the log holds prompt text and token ids, --trace-redact-inputs or not)")
     add_load_balancing_flags(parser)
+    add_metrics_flags(parser)
     tools = parser.add_argument_group("tool calling")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='let requests use tool_choice "auto" (the default with tools): the model decides, '
@@ -103,8 +105,9 @@ def add_parser(commands) -> None:
                          help="cap the run folder at about this many MB: past it the oldest engine steps "
                               "are dropped first, then new request spans, each counted in manifest.json "
                               "(default: no cap)")
-    tracing.add_argument("--otlp-endpoint", default=None,
-                         help="also export spans over OTLP/HTTP, e.g. http://localhost:4318 (Jaeger, Tempo, a collector)")
+    tracing.add_argument("--otlp-endpoint", "--otlp-traces-endpoint", dest="otlp_endpoint", default=None,
+                         help="also export spans over OTLP/HTTP, e.g. http://localhost:4318 (Jaeger, Tempo, a collector); "
+                              "--otlp-traces-endpoint is vLLM's name for it")
     tracing.add_argument("--trace-redact-inputs", action="store_true",
                          help="keep token counts in traces but drop prompt and output text and token ids "
                               "(replay then needs the prompts from elsewhere)")
@@ -154,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"tinyserve: tracing to {run_dir}", flush=True)
     field_limits = FieldLimits(max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
                                max_messages=args.max_messages, max_logit_bias_entries=args.max_logit_bias_entries)
-    metrics = ServerMetrics(names[0], engine.engine_indices, engine.model_info.max_model_len)
+    metrics = ServerMetrics(names[0], engine.engine_indices, engine.model_info.max_model_len,
+                            prefix=args.metrics_prefix)
     app = build_app(ctx, metrics, api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
                     field_limits=field_limits, track_server_load=args.enable_server_load_tracking)
     port = listener.getsockname()[1]

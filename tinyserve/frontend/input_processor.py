@@ -54,16 +54,19 @@ class InputProcessor(Renderer):
 
         This is the one place a request is validated, for the offline LLM and the server
         alike: the prompt against the vocabulary and max_model_len, token ids in the
-        sampling parameters, and whether the request could ever fit in the KV pool of
-        `num_kv_blocks` blocks. Child i of an n > 1 request gets `child_request_id(...)`
+        sampling parameters (bad_words tokenized first), and whether the request could
+        ever fit in the KV pool of `num_kv_blocks` blocks. Child i of an n > 1 request gets `child_request_id(...)`
         and, if seeded, the seed + i, so the n samples differ yet each is reproducible.
         """
         self.model_info.validate_prompt(prompt.prompt_token_ids)
         if priority != 0 and self.scheduling_policy != "priority":  # as vLLM: never silently ignored
             raise InvalidInputError(f"priority={priority} needs --scheduling-policy priority; this engine schedules "
                                     f"{self.scheduling_policy!r}", "priority")
+        sampling_params = self.resolve_bad_words(sampling_params)
         for name, token_ids in (("stop_token_ids", sampling_params.stop_token_ids),
-                                ("logit_bias", sampling_params.logit_bias)):
+                                ("logit_bias", sampling_params.logit_bias),
+                                ("allowed_token_ids", sampling_params.allowed_token_ids),
+                                ("bad_words", [t for word in sampling_params.bad_words_token_ids or () for t in word])):
             for token_id in token_ids or ():
                 if not 0 <= token_id < self.model_info.vocab_size:
                     raise InvalidInputError(
@@ -89,6 +92,15 @@ class InputProcessor(Renderer):
             for index in range(n)
         ]
 
+
+    def resolve_bad_words(self, sampling_params: SamplingParams) -> SamplingParams:
+        """bad_words tokenized by this tokenizer (SamplingParams.update_from_tokenizer), on a copy: the
+        caller's SamplingParams may serve other prompts."""
+        if not sampling_params.bad_words:
+            return sampling_params
+        resolved = sampling_params.clone()
+        resolved.update_from_tokenizer(self.tokenizer)
+        return resolved
 
     def resolve_logprobs(self, sampling_params: SamplingParams) -> SamplingParams:
         """logprobs and prompt_logprobs checked against --max-logprobs, -1 (vLLM's "the whole vocabulary")

@@ -28,7 +28,6 @@ import queue
 import threading
 
 from opentelemetry import trace
-from opentelemetry.context import Context
 from opentelemetry.trace import Link, Status, StatusCode
 
 from tinyserve.lifecycle import schema
@@ -39,6 +38,7 @@ from tinyserve.lifecycle.engine_records import (
     TracedRequest,
     block_changes,
 )
+from tinyserve.lifecycle.timeline_windows import TimelineWindows
 from tinyserve.lifecycle.tracing import extract_context, flush_tracing, get_tracer
 
 INLINE_BATCH = 256  # steps whose spans an inline builder holds before building them
@@ -62,11 +62,7 @@ class EngineSpanBuilder:
         self._links: dict[str, Link | None] = {}
         self._traced: dict[str, TracedRequest] = {}  # the engine thread's own: requests not finished yet
         self._prefix_cache_hits = 0  # the engine's cumulative count at the last step
-        # The builder thread's: the open timeline window (its span, start, last step's end), and per running
-        # request the timelines its steps are in (a few: one per window it ran through).
-        self._window = None
-        self._window_start = self._window_end = 0.0
-        self._timelines_of: dict[str, list] = {}
+        self.timelines = TimelineWindows(self.tracer, engine_index)  # the steps' parents, per minute
         self._released: list[str] = []  # finished since the last step span, not yet in one
         self._thread = None
         if not inline:
@@ -139,13 +135,13 @@ class EngineSpanBuilder:
             return
         self._queue.put(None)
         self._thread.join(timeout=30)
-        self._end_window()
+        self.timelines.end()
 
     def _build_pending(self) -> None:
         pending, self._pending = self._pending, []
         for item in pending:
             self._build(*item)
-        self._end_window()  # generate() ended, or a batch: its timeline goes out with its steps
+        self.timelines.end()  # generate() ended, or a batch: its timeline goes out with its steps
         flush_tracing()  # export now, in this thread, not on the exporter's thread during a step
 
     # ---- the background thread -----------------------------------------------------
@@ -156,7 +152,7 @@ class EngineSpanBuilder:
             if item is None:
                 return
             if isinstance(item, threading.Event):
-                self._end_window()  # a flush: everything so far, the open timeline too, is built
+                self.timelines.end()  # a flush: everything so far, the open timeline too, is built
                 item.set()
                 continue
             self._build(*item)
@@ -167,26 +163,9 @@ class EngineSpanBuilder:
         for request in finished:
             self._request_spans(request)
 
-    def _timeline(self, start: float, end: float):
-        """The context of the engine_timeline span a step from start to end belongs to: the open
-        window's, or a new one's when the window has run TIMELINE_WINDOW_S."""
-        if self._window is not None and start - self._window_start >= schema.TIMELINE_WINDOW_S:
-            self._end_window()
-        if self._window is None:
-            self._window = self.tracer.start_span(schema.ENGINE_TIMELINE, context=Context(), start_time=_ns(start),
-                                                  attributes={schema.ENGINE_INDEX: self.engine_index})
-            self._window_start = start
-        self._window_end = max(self._window_end, end)
-        return trace.set_span_in_context(self._window)
-
-    def _end_window(self) -> None:
-        if self._window is not None:
-            self._window.end(end_time=_ns(self._window_end))
-            self._window = None
-
     def _request_spans(self, request: FinishedRequest) -> None:
         self._links.pop(request.request_id, None)
-        timelines = [Link(context) for context in self._timelines_of.pop(request.request_id, ())]
+        timelines = self.timelines.links_of(request.request_id)
         parent = extract_context(request.trace_context)
         times = request.times
         common = {schema.REQUEST_ID: request.request_id, schema.ENGINE_INDEX: self.engine_index}
@@ -282,14 +261,8 @@ class EngineSpanBuilder:
             schema.NUM_RUNNING: stats.num_running_reqs,
         }
         times = record.times
-        timeline = self._timeline(times.start, times.end)
-        window = self._window.get_span_context()
-        for scheduled in out.scheduled:
-            if scheduled.request_id not in served_contexts:  # not traced: no spans to link from
-                continue
-            seen = self._timelines_of.setdefault(scheduled.request_id, [])
-            if not seen or seen[-1] != window:
-                seen.append(window)
+        timeline = self.timelines.context_for(times.start, times.end,
+                                              [s.request_id for s in out.scheduled if s.request_id in served_contexts])
         step = self.tracer.start_span(schema.STEP, context=timeline, start_time=_ns(times.start),
                                       attributes=attributes, links=links)
         step_context = trace.set_span_in_context(step)

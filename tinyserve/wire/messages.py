@@ -77,6 +77,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_hits: int = 0  # tokens found there (cumulative)
     num_preemptions: int = 0  # cumulative
     step_id: int = 0
+    # Of the waiting: those that cannot be scheduled yet whatever the room (their grammar is still being
+    # compiled), vLLM's "deferred" waiting requests; the rest wait for room ("capacity").
+    num_waiting_deferred_reqs: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

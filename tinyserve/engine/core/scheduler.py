@@ -232,6 +232,7 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             step_id=self.step_id,
+            num_waiting_deferred_reqs=sum(1 for request in self.waiting if request.waiting_for_grammar),
         )
 
     # ---- helpers -------------------------------------------------------------

@@ -32,6 +32,8 @@ class CachedRequestState:
     # lives as long as the request, preemptions included, so its tokens do not change.
     generator: torch.Generator | None = None
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs were reported (prompt_logprobs)
+    # allowed_token_ids as a mask over the vocabulary (True: forbidden), made at its first step (token_filters.py)
+    allowed_token_ids_mask: torch.Tensor | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -5,6 +5,7 @@ The order of operations follows vLLM's (v1) sampler:
     raw logits ─► grammar bitmask (structured outputs): tokens the grammar forbids get -inf
         ├─► logprobs reported to the user (before any further processing)
         │
+        ├─► allowed_token_ids, bad_words: the tokens a request forbids get -inf (token_filters.py)
         ├─► min_tokens: stop tokens (EOS included) masked until enough tokens were generated
         ├─► logit_bias: added to the chosen tokens' logits
         ├─► penalties (repetition on prompt+output; presence/frequency on output)
@@ -22,6 +23,7 @@ sampling params, prompt and the output tokens sampled before this step.
 import torch
 
 from tinyserve.engine.worker.request_state import CachedRequestState
+from tinyserve.engine.worker.token_filters import apply_token_filters
 from tinyserve.wire.messages import TokenLogprobs
 
 
@@ -44,6 +46,7 @@ class Sampler:
 
         logits = logits.clone()
         for row, (request, p) in enumerate(zip(requests, params)):
+            apply_token_filters(logits[row], request)
             if request.num_output_tokens < p.min_tokens:
                 logits[row, list(request.min_tokens_stop_ids)] = float("-inf")
             if p.logit_bias:

@@ -1,10 +1,19 @@
-"""Prometheus metrics with vLLM's names, definitions and buckets, under the `tinyserve:` prefix.
+"""Prometheus metrics with vLLM's names, definitions and buckets, under the `tinyserve:` prefix (or another).
+
+`--metrics-prefix vllm` names them `vllm:...`, exactly as vLLM does (same names, same labels),
+so that vLLM's Grafana dashboards and alerts read this server unchanged. The HTTP metrics
+(http_metrics.py) carry no prefix in either case, as vLLM's do.
 
 Two clocks, never mixed (the API process and each engine have their own):
 - front-end clock (this process): arrival → each token received → finish gives
   TTFT, inter-token latency, time per output token and end-to-end latency;
 - engine clock (reported when a request finishes): queued → first scheduled →
   first token → finished gives queue, prefill, decode and inference (running) time.
+
+Waiting requests are split as vLLM splits them (`num_requests_waiting_by_reason`): "deferred"
+ones cannot be scheduled yet whatever the room (here: their structured-output grammar is still
+being compiled), "capacity" ones wait for a seat, token budget or KV blocks. tinyserve has no
+other reason to defer a request (no LoRA budget, no KV transfer).
 
 A request is counted as finished with the finish its client got. One that ended on a
 stop string is finished by the front end (the output processor marks the engine's
@@ -20,6 +29,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
+from tinyserve.entrypoints.api.http_metrics import HttpMetrics
 from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, RequestTimes
 from tinyserve.sampling_params import SamplingParams
 
@@ -32,6 +42,11 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
+PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+
+DEFAULT_METRICS_PREFIX = "tinyserve"
+WAITING_REASON_CAPACITY = "capacity"  # vLLM's reasons (vllm/v1/metrics/loggers.py)
+WAITING_REASON_DEFERRED = "deferred"
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -71,31 +86,40 @@ class _EngineCounters:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, engine_indices: Sequence[int], max_model_len: int) -> None:
-        """engine_indices: the `engine` label of each engine (0..N-1, or R alone with --data-parallel-rank R)."""
+    def __init__(self, model_name: str, engine_indices: Sequence[int], max_model_len: int,
+                 prefix: str = DEFAULT_METRICS_PREFIX) -> None:
+        """engine_indices: the `engine` label of each engine (0..N-1, or R alone with --data-parallel-rank R).
+        prefix: what names start with, before the colon (`vllm` gives vLLM's names)."""
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self.model_name = model_name
         self.engine_indices = list(engine_indices)
+        self.prefix = prefix
         labels = ["model_name", "engine"]
         token_buckets = build_1_2_5_buckets(max_model_len)
 
-        def gauge(name, doc):
-            return Gauge(f"tinyserve:{name}", doc, labels, registry=self.registry)
+        def gauge(name, doc, extra=()):
+            return Gauge(f"{prefix}:{name}", doc, labels + list(extra), registry=self.registry)
 
         def counter(name, doc, extra=()):
-            return Counter(f"tinyserve:{name}", doc, labels + list(extra), registry=self.registry)
+            return Counter(f"{prefix}:{name}", doc, labels + list(extra), registry=self.registry)
 
         def histogram(name, doc, buckets):
-            return Histogram(f"tinyserve:{name}", doc, labels, buckets=buckets, registry=self.registry)
+            return Histogram(f"{prefix}:{name}", doc, labels, buckets=buckets, registry=self.registry)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the engine's running set.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.num_requests_waiting_by_reason = gauge(
+            "num_requests_waiting_by_reason", "Waiting requests by reason: 'capacity' = waiting for room to be "
+            "scheduled; 'deferred' = not schedulable yet (structured-output grammar still compiling). The reasons "
+            "sum to num_requests_waiting.", ["reason"])
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that reached their first token.")
+        self.prompt_tokens_cached = counter("prompt_tokens_cached", "Of those, the prompt tokens found in the "
+                                            "prefix cache (not computed).")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = counter("request_success", "Finished requests, by finish reason.", ["finished_reason"])
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine step (prompt tokens of "
@@ -105,6 +129,11 @@ class ServerMetrics:
                                                token_buckets)
         self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens, per finished "
                                                    "request.", token_buckets)
+        self.request_prefill_kv_computed = histogram(
+            "request_prefill_kv_computed_tokens", "Prompt tokens computed (not found in the prefix cache), per "
+            "finished request.", token_buckets)
+        self.request_num_preemptions = histogram("request_num_preemptions", "Times a request was preempted, per "
+                                                 "finished request.", PREEMPTION_BUCKETS)
         self.request_params_n = histogram("request_params_n", "The n request parameter.", N_BUCKETS)
         self.request_params_max_tokens = histogram("request_params_max_tokens", "The max_tokens request parameter.",
                                                    token_buckets)
@@ -128,8 +157,9 @@ class ServerMetrics:
                                      REQUEST_LATENCY_BUCKETS)
         # Requests the server failed (a 500, its traceback in the server log), by path: a bad request is a 4xx
         # and is not counted here, so that monitoring sees the server's own faults.
-        self.server_errors = Counter("tinyserve:server_errors", "Requests answered 500 (internal errors), by path.",
+        self.server_errors = Counter(f"{prefix}:server_errors", "Requests answered 500 (internal errors), by path.",
                                      ["path"], registry=self.registry)
+        self.http = HttpMetrics(self.registry)  # filled by http_metrics.HttpMetricsMiddleware
         self.cache_config_info = None  # set once the engines report their KV pools (record_cache_config)
         self._clocks: dict[str, _RequestClock] = {}
         self._parents: dict[str, _Parent] = {}
@@ -138,6 +168,8 @@ class ServerMetrics:
         for engine in self.engine_indices:  # make every series visible from the start
             for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc):
                 metric.labels(model_name, str(engine)).set(0)
+            for reason in (WAITING_REASON_CAPACITY, WAITING_REASON_DEFERRED):
+                self.num_requests_waiting_by_reason.labels(model_name, str(engine), reason).set(0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -146,7 +178,8 @@ class ServerMetrics:
         """vLLM's cache_config_info: a gauge at 1 whose labels are the KV cache's configuration, per engine."""
         info = {"block_size": engine_args.block_size, "enable_prefix_caching": engine_args.enable_prefix_caching,
                 "gpu_memory_utilization": engine_args.gpu_memory_utilization, "cache_dtype": engine_args.kv_cache_dtype}
-        self.cache_config_info = Gauge("tinyserve:cache_config_info", "Information of the engine's KV cache config.",
+        self.cache_config_info = Gauge(f"{self.prefix}:cache_config_info",
+                                       "Information of the engine's KV cache config.",
                                        [*info, "num_gpu_blocks", "engine"], registry=self.registry)
         for engine, num_blocks in zip(self.engine_indices, num_kv_blocks, strict=True):
             values = {name: str(value) for name, value in info.items()}
@@ -154,7 +187,8 @@ class ServerMetrics:
 
     def forget_engine_gauges(self) -> None:
         """The engines are gone: their gauges go too, rather than stand at the last values they reported."""
-        for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc):
+        for metric in (self.num_requests_running, self.num_requests_waiting, self.num_requests_waiting_by_reason,
+                       self.kv_cache_usage_perc):
             metric.clear()
         self._awaiting_engine_times.clear()  # their timestamps will never come
 
@@ -176,6 +210,10 @@ class ServerMetrics:
         if stats is not None:
             self.num_requests_running.labels(*labels).set(stats.num_running_reqs)
             self.num_requests_waiting.labels(*labels).set(stats.num_waiting_reqs)
+            deferred = stats.num_waiting_deferred_reqs
+            self.num_requests_waiting_by_reason.labels(*labels, WAITING_REASON_CAPACITY).set(
+                stats.num_waiting_reqs - deferred)
+            self.num_requests_waiting_by_reason.labels(*labels, WAITING_REASON_DEFERRED).set(deferred)
             self.kv_cache_usage_perc.labels(*labels).set(stats.kv_cache_usage)
             seen = self._counters.setdefault(outputs.engine_index, _EngineCounters())
             # The engine reports running totals; Prometheus counters want increments.
@@ -198,6 +236,7 @@ class ServerMetrics:
                     clock.first_token_time = now
                     iteration_tokens += clock.num_prompt_tokens
                     self.prompt_tokens.labels(*labels).inc(clock.num_prompt_tokens)
+                    self.prompt_tokens_cached.labels(*labels).inc(output.num_cached_tokens)
                     self.time_to_first_token.labels(*labels).observe(now - clock.arrival_time)
                 else:
                     self.inter_token_latency.labels(*labels).observe(now - clock.last_token_time)
@@ -216,6 +255,9 @@ class ServerMetrics:
         self.e2e_latency.labels(*labels).observe(now - clock.arrival_time)
         self.request_prompt_tokens.labels(*labels).observe(clock.num_prompt_tokens)
         self.request_generation_tokens.labels(*labels).observe(clock.num_generated)
+        # num_cached_tokens: the prefix-cache hit when the request was first scheduled (0 if it never was).
+        self.request_prefill_kv_computed.labels(*labels).observe(
+            max(clock.num_prompt_tokens - output.num_cached_tokens, 0))
         if clock.max_tokens is not None:
             self.request_params_max_tokens.labels(*labels).observe(clock.max_tokens)
         if clock.first_token_time is not None and clock.num_generated > 1:
@@ -235,6 +277,7 @@ class ServerMetrics:
             self._awaiting_engine_times[output.request_id] = labels
 
     def _observe_engine_times(self, times: RequestTimes, labels) -> None:
+        self.request_num_preemptions.labels(*labels).observe(len(times.preemption_times))
         if times.first_scheduled_time is None:
             return
         self.queue_time.labels(*labels).observe(times.first_scheduled_time - times.queued_time)

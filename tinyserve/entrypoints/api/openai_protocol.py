@@ -2,20 +2,25 @@
 
 Field names and ranges follow the OpenAI API, plus vLLM's extra sampling fields
 (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
-prompt_logprobs, continue_final_message, chat_template_kwargs, priority). Unknown
-fields are ignored, as OpenAI clients send fields a server may not use; but a known
+allowed_token_ids, bad_words, prompt_logprobs, continue_final_message,
+chat_template_kwargs, priority, request_id). Unknown
+fields are ignored, as OpenAI clients send fields a server may not use (and named in a
+warning and the X-Ignored-Fields header, as strict_body.py says); but a known
 field that would change what is generated and that tinyserve does not implement
 (best_of, suffix, ...: the tables in request_fields.py) is refused with a 400
 naming it, rather than quietly giving other output than was asked for. The fields
 that constrain the output (response_format, structured_outputs, tools) are
-structured_protocol.py's; strict types and valid Unicode are strict_body.py's.
+structured_protocol.py's; strict types and valid Unicode are strict_body.py's. The module
+is over 300 lines because every OpenAI body, with all of vLLM's extra fields, is here in one
+place, where a reader (and tests/test_request_fields.py) finds the whole surface.
 """
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tinyserve.entrypoints.api.guards.strict_body import StrictBody, Text
+from tinyserve.entrypoints.api.request_ids import MAX_REQUEST_ID_CHARS
 from tinyserve.entrypoints.api.tools.structured_protocol import (
     AssistantToolCall,
     ConstrainedFields,
@@ -24,13 +29,18 @@ from tinyserve.entrypoints.api.tools.structured_protocol import (
     ToolChoice,
     check_tool_choice,
 )
-from tinyserve.sampling_params import SamplingParams
+from tinyserve.sampling_params import MAX_NUM_BAD_WORDS, SamplingParams
 
-INT64 = 2**63  # seeds, priorities and top_k cross to the engine as 64-bit integers
+# Seeds and priorities cross to the engine as 64-bit integers. The bound is the largest float below 2**63
+# rather than 2**63 itself: a JSON Schema validator comparing numbers as floats reads 2**63 + 100 as 2**63,
+# so /openapi.json states a bound every validator holds exactly, and the server keeps the same one.
+INT64 = 2**63 - 1024
 
 
 class StreamOptions(StrictBody):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (its choice's tokens), not only the last
+    continuous_usage_stats: bool | None = False
 
 
 class TextPart(StrictBody):
@@ -39,6 +49,10 @@ class TextPart(StrictBody):
 
 
 class ChatMessage(StrictBody):
+    # What _content_unless_assistant checks, said in the schema: only an assistant turn may leave content out.
+    model_config = StrictBody.model_config | ConfigDict(json_schema_extra={
+        "if": {"properties": {"role": {"const": "assistant"}}, "required": ["role"]},
+        "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}})
     # system, developer, user, assistant, tool; or any other role, handed to the chat template as vLLM does
     role: Text = Field(min_length=1)
     content: Text | list[TextPart] | None = None  # None only for an assistant turn (one that called tools)
@@ -71,7 +85,10 @@ class ChatMessage(StrictBody):
 class SamplingFields(ConstrainedFields):
     """Fields shared by chat and completions (and response_format, structured_outputs: ConstrainedFields)."""
 
+    reports_ignored_fields: ClassVar[bool] = True
     model: Text | None = None
+    # vLLM's: the answer's id is "chatcmpl-" or "cmpl-" and this, unless an x-request-id header names it (request_ids.py)
+    request_id: Text | None = Field(None, max_length=MAX_REQUEST_ID_CHARS)
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -83,19 +100,22 @@ class SamplingFields(ConstrainedFields):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     user: Text | None = None
     # vLLM's extras
-    top_k: int | None = Field(None, ge=-1, lt=INT64)
+    top_k: int | None = Field(None, ge=-1, lt=2**31)  # the sampler's int32; -1 and 0: off
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, lt=INT64)
+    min_tokens: int = Field(0, ge=0, lt=2**31)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=-INT64, lt=INT64)
     stop_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = None
-    prompt_logprobs: int | None = Field(None, ge=-1, lt=INT64)  # of every prompt token after the first; -1: all
+    prompt_logprobs: int | None = Field(None, ge=-1, lt=2**31)  # of every prompt token after the first; -1: all
     # vLLM's: logprob tokens named "token_id:N"; None: as the server's --return-tokens-as-token-ids
     return_tokens_as_token_ids: bool | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # {"token id": bias}
+    # only these may be sampled (empty: nothing could be, a 400 as in vLLM)
+    allowed_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = Field(None, min_length=1)
+    bad_words: list[Text] | None = Field(None, max_length=MAX_NUM_BAD_WORDS)  # words the output must not contain
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -158,12 +178,19 @@ class SamplingFields(ConstrainedFields):
             stop_token_ids=self.stop_token_ids or None,
             prompt_logprobs=self.prompt_logprobs,
             logit_bias={int(token_id): bias for token_id, bias in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words or None,
             structured_outputs=structured_outputs,
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: usage in every streamed chunk; only with include_usage, as in vLLM."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -173,7 +200,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     # At most the server's --max-logprobs (20 unless set; the engine checks); -1: the whole vocabulary, as vLLM
-    top_logprobs: int | None = Field(None, ge=-1, lt=INT64)
+    top_logprobs: int | None = Field(None, ge=-1, lt=2**31)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the reply continues the last message instead of opening a turn
     # vLLM's: the answer starts with the last message's content when that message is in the answer's role
@@ -235,7 +262,7 @@ class CompletionRequest(SamplingFields):
     prompt: Text | list[Text] | list[int] | list[list[int]]
     echo: bool = False
     max_tokens: int | None = Field(16, ge=0)  # 0 with echo: score the prompt, generate nothing (as vLLM)
-    logprobs: int | None = Field(None, ge=-1, lt=INT64)  # as chat's top_logprobs: -1 is the whole vocabulary
+    logprobs: int | None = Field(None, ge=-1, lt=2**31)  # as chat's top_logprobs: -1 is the whole vocabulary
 
     @field_validator("max_tokens")
     @classmethod
@@ -261,12 +288,14 @@ class CompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(StrictBody):
+    reports_ignored_fields: ClassVar[bool] = True
     model: Text | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True  # with messages, rendered as a chat request would be
     continue_final_message: bool = False
+    return_token_strs: bool = False  # vLLM's: the answer's token_strs, each token as the vocabulary spells it
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -275,5 +304,6 @@ class TokenizeRequest(StrictBody):
 
 
 class DetokenizeRequest(StrictBody):
+    reports_ignored_fields: ClassVar[bool] = True
     model: Text | None = None
     tokens: list[int]

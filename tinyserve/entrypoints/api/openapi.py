@@ -10,9 +10,9 @@ stream=true, the Prometheus text of /metrics, the small JSON of /health and
 the field limits a request must keep. `make_truthful` adds all that to the
 document FastAPI generates, once, the first time it is asked for.
 
-What no document can say is whether a prompt fits the context once tokenized,
-or whether its token ids are in the vocabulary: a request the schema allows may
-still be refused with a 400 that names the field at fault.
+What no document can say is whether a prompt fits the context once tokenized:
+a request the schema allows may still be refused with a 400 that names the field
+at fault. Token ids are bounded by the vocabulary in the document too.
 """
 
 from fastapi import FastAPI
@@ -52,13 +52,18 @@ BODY_ERRORS = {  # what any request with a body may be answered
 }
 
 
-def make_truthful(app: FastAPI, *, model_names: list[str], api_key: bool, field_limits: FieldLimits) -> None:
+def make_truthful(app: FastAPI, *, model_names: list[str], api_key: bool, field_limits: FieldLimits,
+                  vocab_size: int | None = None, auto_tool_choice: bool = True) -> None:
     """Replace the app's OpenAPI document by FastAPI's own, completed."""
     generate = app.openapi
 
     def openapi() -> dict:
         if app.openapi_schema is None:  # generate() keeps what it made, completed here in place
-            _complete(generate(), model_names=model_names, api_key=api_key, field_limits=field_limits)
+            document = generate()
+            _complete(document, model_names=model_names, api_key=api_key, field_limits=field_limits,
+                      auto_tool_choice=auto_tool_choice)
+            if vocab_size is not None:
+                _bound_token_ids(document["components"]["schemas"], vocab_size)
         return app.openapi_schema
 
     app.openapi = openapi
@@ -88,7 +93,8 @@ def _text(description: str, schema: dict) -> dict:
     return {"description": description, "content": {"text/plain": {"schema": schema}}}
 
 
-def _complete(document: dict, *, model_names: list[str], api_key: bool, field_limits: FieldLimits) -> None:
+def _complete(document: dict, *, model_names: list[str], api_key: bool, field_limits: FieldLimits,
+              auto_tool_choice: bool = True) -> None:
     components = document.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
     schemas.pop("HTTPValidationError", None)
@@ -130,6 +136,7 @@ def _complete(document: dict, *, model_names: list[str], api_key: bool, field_li
     [model_id] = document["paths"]["/v1/models/{model_id}"]["get"]["parameters"]
     model_id["schema"]["enum"] = list(model_names)  # any other name is a 404
     _write_limits(schemas, field_limits)
+    _write_rules(schemas, auto_tool_choice)
     for name in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest", "MessagesRequest",
                  "MessagesCountTokensRequest", "TokenizeRequest", "DetokenizeRequest"):
         for variant in _variants(schemas[name]["properties"]["model"]):
@@ -160,3 +167,121 @@ def _write_limits(schemas: dict, limits: FieldLimits) -> None:
         for variant in _variants(schemas[name]["properties"]["logit_bias"]):
             if variant.get("type") == "object":
                 variant["maxProperties"] = limits.max_logit_bias_entries
+
+
+TOKEN_ID_FIELDS = {"ChatCompletionRequest": ("stop_token_ids", "allowed_token_ids"),
+                   "CompletionRequest": ("stop_token_ids", "allowed_token_ids", "prompt"),
+                   "DetokenizeRequest": ("tokens",)}
+
+
+def _bound_token_ids(schemas: dict, vocab_size: int) -> None:
+    """Every token id a body may hold (arrays of integers, at any depth), within [0, vocab_size)."""
+
+    def bound(node) -> None:
+        if isinstance(node, dict):
+            if node.get("type") == "integer":
+                node["minimum"], node["maximum"] = 0, vocab_size - 1
+                node.pop("exclusiveMaximum", None)
+            for child in (node.get("items"), *node.get("anyOf", ())):
+                bound(child)
+
+    for name, fields in TOKEN_ID_FIELDS.items():
+        for field in fields:
+            prop = schemas.get(name, {}).get("properties", {}).get(field)
+            if prop is not None:
+                for variant in _variants(prop):
+                    if variant.get("type") == "array":
+                        bound(variant["items"])
+
+
+def _needs(field: str, when: dict, then: dict) -> dict:
+    """The JSON Schema of a rule between fields: when `field` matches `when`, the body must match `then`."""
+    return {"if": {"properties": {field: when}, "required": [field]}, "then": then}
+
+
+_TOOLS_NEEDED = {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}
+_NO_GENERATION_PROMPT = {"required": ["add_generation_prompt"],
+                         "properties": {"add_generation_prompt": {"const": False}}}
+# The rules between fields that the handlers check (each a 400 naming them), said in the document, so that a
+# client or a tester generating bodies from it does not make ones the server must refuse.
+RULES = {
+    "ChatCompletionRequest": [
+        _needs("continue_final_message", {"const": True}, _NO_GENERATION_PROMPT),
+        _needs("top_logprobs", {"type": "integer"}, {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}),
+        _needs("tool_choice", {"not": {"enum": [None, "none"]}}, _TOOLS_NEEDED),
+        _needs("stream_options", {"type": "object"}, {"required": ["stream"], "properties": {"stream": {"const": True}}}),
+    ],
+    "CompletionRequest": [
+        _needs("stream_options", {"type": "object"}, {"required": ["stream"], "properties": {"stream": {"const": True}}}),
+    ],
+    "TokenizeRequest": [_needs("continue_final_message", {"const": True}, _NO_GENERATION_PROMPT)],
+    "ResponsesRequest": [_needs("tool_choice", {"not": {"enum": [None, "none"]}}, _TOOLS_NEEDED)],
+    "MessagesRequest": [_needs("tool_choice", {"type": "object", "properties": {"type": {"not": {"const": "none"}}}},
+                               _TOOLS_NEEDED)],
+    "MessagesCountTokensRequest": [_needs("tool_choice", {"type": "object",
+                                                          "properties": {"type": {"not": {"const": "none"}}}},
+                                          _TOOLS_NEEDED)],
+}
+
+
+_ANTHROPIC_FORCED = {"type": "object", "properties": {"type": {"enum": ["any", "tool"]}}}
+_ANTHROPIC_FORMAT_RULES = [  # output_format is output_config.format's other spelling; neither with a forced tool
+    _needs("output_format", {"type": "object"}, {"properties": {"output_config": {
+        "anyOf": [{"type": "null"}, {"properties": {"format": {"type": "null"}}}]}}}),
+    _needs("tool_choice", _ANTHROPIC_FORCED, {"properties": {
+        "output_format": {"type": "null"},
+        "output_config": {"anyOf": [{"type": "null"}, {"properties": {"format": {"type": "null"}}}]}}}),
+]
+# tool_choice "auto", and tools without a tool_choice (auto by default), need --tool-call-parser
+_NO_AUTO = {
+    "ChatCompletionRequest": [_needs("tool_choice", {"const": "auto"}, {"not": {}}),
+                              _needs("tools", {"type": "array", "minItems": 1},
+                                     {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"type": "null"}}}})],
+    "ResponsesRequest": [_needs("tool_choice", {"const": "auto"}, {"not": {}}),
+                         _needs("tools", {"type": "array", "minItems": 1},
+                                {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"type": "null"}}}})],
+    "MessagesRequest": [_needs("tool_choice", {"type": "object", "properties": {"type": {"const": "auto"}}},
+                               {"not": {}}),
+                        _needs("tools", {"type": "array", "minItems": 1},
+                               {"required": ["tool_choice"], "properties": {"tool_choice": {"type": "object"}}})],
+}
+
+
+def _write_rules(schemas: dict, auto_tool_choice: bool = True) -> None:
+    for name, rules in RULES.items():
+        if name in schemas:
+            schemas[name].setdefault("allOf", []).extend(rules)
+    for name in ("MessagesRequest", "MessagesCountTokensRequest"):
+        if name in schemas:
+            schemas[name].setdefault("allOf", []).extend(_ANTHROPIC_FORMAT_RULES)
+    if "AnthropicToolChoice" in schemas:  # a name with type "tool", and only then
+        schemas["AnthropicToolChoice"].setdefault("allOf", []).append({
+            "if": {"properties": {"type": {"const": "tool"}}, "required": ["type"]},
+            "then": {"required": ["name"], "properties": {"name": {"type": "string"}}},
+            "else": {"properties": {"name": {"type": "null"}}}})
+    if not auto_tool_choice:
+        for name, rules in _NO_AUTO.items():
+            if name in schemas:
+                schemas[name].setdefault("allOf", []).extend(rules)
+    if "TokenizeRequest" in schemas:  # a prompt or messages, not both, not neither
+        schemas["TokenizeRequest"]["oneOf"] = [
+            {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+            {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]
+    for variant in _variants(schemas["CompletionRequest"]["properties"]["prompt"]):  # an empty prompt is a 400
+        if variant.get("type") == "string":
+            variant["minLength"] = 1
+        elif variant.get("type") == "array":
+            variant["minItems"] = 1
+            items = variant.get("items", {})
+            if items.get("type") == "string":
+                items["minLength"] = 1
+            elif items.get("type") == "array":
+                items["minItems"] = 1
+    for name, field in (("MessagesRequest", "stop_sequences"), ("ChatCompletionRequest", "stop"),
+                        ("CompletionRequest", "stop")):
+        for variant in _variants(schemas.get(name, {}).get("properties", {}).get(field, {})):
+            if variant.get("type") == "array":
+                variant["items"]["minLength"] = 1  # an empty stop string is a 400
+            elif variant.get("type") == "string":
+                variant["minLength"] = 1
+

@@ -59,8 +59,6 @@ _VLLM_EXTRAS = {
     "spaces_between_special_tokens": Refused("special tokens are detokenized without spaces added",
                                              (None, True)),
     "truncate_prompt_tokens": Refused("prompts are never truncated; a prompt that does not fit is a 400"),
-    "allowed_token_ids": Refused("use logit_bias"),
-    "bad_words": Refused("no bad-words filter; use logit_bias", (None, [])),
     "logits_processors": Refused("no custom logits processors"),
     "return_token_ids": Refused("the answer does not carry token ids", (None, False)),
     "cache_salt": Refused("the prefix cache is shared by all requests: it has no salt to isolate them"),
@@ -92,8 +90,6 @@ REFUSED: dict[str, dict[str, Refused]] = {
         "prediction": Refused("no predicted outputs"),
         "web_search_options": Refused("no web search"),
         "moderation": Refused("no moderation"),
-        "reasoning_effort": Refused("the model has no reasoning effort to set; a template's own switch "
-                                    "(enable_thinking, say) goes in chat_template_kwargs"),
         "verbosity": Refused("the model has no verbosity to set"),
         "include_reasoning": Refused("reasoning is not parsed out of the answer", (None, True)),
         "add_special_tokens": Refused("the chat template adds the special tokens", (None, False)),
@@ -129,9 +125,16 @@ REFUSED: dict[str, dict[str, Refused]] = {
     },
 }
 
+# request_id is implemented by chat and completions: their answer's id is "chatcmpl-" or "cmpl-" and it, as vLLM's.
+_CHAT_AND_COMPLETIONS_NO_EFFECT = {name: why for name, why in _OPENAI_NO_EFFECT.items() if name != "request_id"}
+
 NO_EFFECT: dict[str, dict[str, str]] = {
-    "chat": _OPENAI_NO_EFFECT,
-    "completions": _OPENAI_NO_EFFECT,
+    "chat": {
+        **_CHAT_AND_COMPLETIONS_NO_EFFECT,
+        "reasoning_effort": "how long a reasoning model thinks: a model that does not reason answers the same, "
+                            "as in vLLM (a template's own switch, enable_thinking say, goes in chat_template_kwargs)",
+    },
+    "completions": _CHAT_AND_COMPLETIONS_NO_EFFECT,
     "messages": {
         "metadata": "the caller's user id, for a hosted API's abuse monitoring",
         "service_tier": "a hosted API's capacity tier",

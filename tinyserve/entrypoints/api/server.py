@@ -7,6 +7,7 @@ answers in the endpoint's own error format with a 4xx/5xx status, and never
 with a traceback. A request passes, outermost first:
 
     RequestIdMiddleware      x-request-id on the response: the client's, or a new one
+    HttpMetricsMiddleware    http_requests_total and the HTTP latencies of /metrics (http_metrics.py)
     ApiKeyMiddleware         401 on /v1 without the key (with --api-key)
     TracingMiddleware        the HTTP span, the root of the request's trace
     RequestLimitsMiddleware  415 for non-JSON, 413 for bodies over the limit
@@ -15,21 +16,17 @@ with a traceback. A request passes, outermost first:
 """
 
 import gc
+import json
 import logging
-import re
-import sys
 from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from pydantic import ValidationError
 
 import tinyserve
-from tinyserve.frontend.async_llm import RequestRejectedError
-from tinyserve.errors import InvalidInputError
-from tinyserve.frontend.engine_client import EngineDeadError
 from tinyserve.entrypoints.api import serving_tokenization
 from tinyserve.entrypoints.api.other_apis.anthropic_serving import (
     MessagesCountTokensRequest,
@@ -39,10 +36,13 @@ from tinyserve.entrypoints.api.other_apis.anthropic_serving import (
 )
 from tinyserve.entrypoints.api.guards.auth import ApiKeyMiddleware
 from tinyserve.entrypoints.api.serving_completion import create_completion
-from tinyserve.entrypoints.api.errors import APIError, error_response
+from tinyserve.entrypoints.api.error_handlers import install_error_handlers
+from tinyserve.entrypoints.api.errors import APIError
 from tinyserve.entrypoints.api.guards.field_limits import FieldLimits
 from tinyserve.entrypoints.api.guards.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestLimitsMiddleware
+from tinyserve.entrypoints.api.guards.strict_body import with_ignored_fields
 from tinyserve.entrypoints.api.load_reports import LoadReportsMiddleware, ServerLoad
+from tinyserve.entrypoints.api.http_metrics import HttpMetricsMiddleware
 from tinyserve.entrypoints.api.metrics import ServerMetrics
 from tinyserve.entrypoints.api.openapi import make_truthful
 from tinyserve.entrypoints.api.openai_protocol import (
@@ -56,39 +56,10 @@ from tinyserve.entrypoints.api.serving_engine import ServingContext
 from tinyserve.entrypoints.api.request_ids import RequestIdMiddleware
 from tinyserve.entrypoints.api.other_apis.responses_protocol import RESPONSE_ID_PATTERN, ResponsesRequest, ResponseStore
 from tinyserve.entrypoints.api.other_apis.responses_serving import create_response
-from tinyserve.entrypoints.api.sse import engine_dead_message
 from tinyserve.lifecycle.http_spans import TracingMiddleware
 from tinyserve.lifecycle.tracing import shutdown_tracing
 
 logger = logging.getLogger("tinyserve.api")
-
-RETRY_AFTER_S = 1  # what a refused client is told to wait: requests finish in seconds
-# Where pydantic names the alternative of a union it tried ("str", "list[TextPart]",
-# "function-after[...]", a model's class name: no field of these APIs is in CamelCase):
-# not a field the client sent, so not part of `param`.
-_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|list|dict)$|\[|^function-|^[A-Z][A-Za-z0-9]*$")
-
-
-def _location(error: dict) -> list[str]:
-    return [str(part) for part in error.get("loc", ())
-            if part not in ("body", "path", "query") and not _UNION_MEMBER.search(str(part))]
-
-
-def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
-    """One message naming the parameter: of a union's failed alternatives, the one that got furthest."""
-    errors = error.errors()
-    if not errors:
-        return "invalid request body", None
-    if errors[0].get("type") == "json_invalid":
-        reason = (errors[0].get("ctx") or {}).get("error", "malformed")
-        return f"the request body is not valid JSON: {reason} (at character {errors[0]['loc'][-1]})", None
-    deepest = max(errors, key=lambda e: len(_location(e)))
-    # A check of ours that names its field (InvalidInputError) in a validator of the whole body.
-    named = getattr((deepest.get("ctx") or {}).get("error"), "param", None)
-    location = ".".join(_location(deepest)) or None
-    message = deepest.get("msg", "invalid value").removeprefix("Value error, ")  # pydantic's prefix for our checks
-    return (f"{location}: {message}" if location else message), location or named
-
 
 def build_app(
     ctx: ServingContext,
@@ -117,50 +88,7 @@ def build_app(
     app.state.ctx = ctx
     app.state.metrics = metrics
 
-    # ---- errors: always the endpoint's own format ----------------------------
-
-    @app.exception_handler(APIError)
-    async def on_api_error(request: Request, error: APIError):
-        return error_response(request.url.path, error.status, error.message, error.param, error.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, error: RequestValidationError):
-        message, param = _validation_message(error)
-        return error_response(request.url.path, 400, message, param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, error: StarletteHTTPException):
-        if isinstance(error.__cause__, RecursionError):  # FastAPI's "error parsing the body", said plainly
-            return error_response(request.url.path, 400, "the request body nests too deeply: JSON arrays and "
-                                  f"objects may nest at most about {sys.getrecursionlimit()} levels")
-        # error.headers: Starlette's 405 says which methods the path allows (Allow), as RFC 9110 wants.
-        return error_response(request.url.path, error.status_code, str(error.detail), headers=error.headers)
-
-    @app.exception_handler(EngineDeadError)
-    async def on_engine_dead(request: Request, error: EngineDeadError):
-        return error_response(request.url.path, 503, engine_dead_message(error))
-
-    @app.exception_handler(RequestRejectedError)
-    async def on_rejected(request: Request, error: RequestRejectedError):
-        return error_response(request.url.path, 503, str(error), headers={"Retry-After": str(RETRY_AFTER_S)})
-
-    @app.exception_handler(ValueError)
-    async def on_value_error(request: Request, error: ValueError):
-        if isinstance(error, InvalidInputError):  # a check of the request (renderer, engine); names the field
-            return error_response(request.url.path, 400, str(error), error.param)
-        # Any other ValueError is the server's own failure (JSON that cannot be written, say), not the client's.
-        logger.error("%s %s failed", request.method, request.url.path, exc_info=error)
-        return internal_error(request)
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, error: Exception):
-        # Starlette logs the traceback after this; the client gets no part of it.
-        return internal_error(request)
-
-    def internal_error(request: Request) -> Response:
-        route = request.scope.get("route")  # the route's pattern: /v1/responses/{response_id}, not each id
-        metrics.server_errors.labels(getattr(route, "path", request.url.path)).inc()
-        return error_response(request.url.path, 500, "internal server error; see the server log")
+    install_error_handlers(app, metrics)  # every error in the endpoint's own format (error_handlers.py)
 
     # ---- routes ------------------------------------------------------------------
 
@@ -173,11 +101,11 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: Chat, request: Request):
-        return await create_chat_completion(ctx, body, request)
+        return with_ignored_fields(await create_chat_completion(ctx, body, request), body)
 
     @app.post("/v1/completions")
     async def completions(body: Completion, request: Request):
-        return await create_completion(ctx, body, request)
+        return with_ignored_fields(await create_completion(ctx, body, request), body)
 
     @app.post("/v1/responses")
     async def create_responses(body: Responses, request: Request):
@@ -200,7 +128,7 @@ def build_app(
 
     def model_card(name: str) -> dict:
         info = ctx.engine.model_info
-        return {"id": name, "object": "model", "created": 0, "owned_by": "tinyserve", "root": str(info.path),
+        return {"id": name, "object": "model", "created": 0, "owned_by": "tinyserve", "root": ctx.model_root,
                 "max_model_len": info.max_model_len}
 
     @app.get("/v1/models")
@@ -224,6 +152,11 @@ def build_app(
         reason = f"an engine died: {ctx.engine.dead_reason}" if ctx.engine.errored else "the engines are not running"
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
+    @app.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)
+    async def ping():
+        # SageMaker's health check, vLLM's too: /health's answer.
+        return await health()
+
     @app.get("/version")
     async def version():
         return {"version": tinyserve.__version__}
@@ -239,24 +172,61 @@ def build_app(
             metrics.forget_engine_gauges()
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.post("/v1/embeddings", include_in_schema=False)  # never answered otherwise: not in the document
+    async def embeddings():
+        # vLLM's answer for a model that has no embedding task, said with what the model is.
+        raise APIError(400, f"The model does not support Embeddings API: {ctx.model_names[0]!r} is a generative "
+                       "model (it generates text), not a pooling (embedding) model")
+
     @app.post("/tokenize")
     async def tokenize(body: Tokenize):
-        return await serving_tokenization.tokenize(ctx, body)
+        return with_ignored_fields(await serving_tokenization.tokenize(ctx, body), body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        return await serving_tokenization.detokenize(ctx, body)
+        return with_ignored_fields(await serving_tokenization.detokenize(ctx, body), body)
 
-    make_truthful(app, model_names=ctx.model_names, api_key=api_key is not None, field_limits=field_limits)
+    @app.post("/invocations", include_in_schema=False)  # its bodies are documented at their own routes
+    async def invocations(request: Request):
+        """SageMaker's inference route, as vLLM routes it: the body is answered by the first of chat and
+        completions that it validates as (a body with messages is a chat, one with prompt a completion). A body
+        that is neither is a 400: the errors of the route its shape names, else vLLM's message."""
+        try:
+            body = json.loads(await request.body())
+        except json.JSONDecodeError as error:
+            raise APIError(400, f"the request body is not valid JSON: {error.msg} (at character {error.pos})") \
+                from None
+        except RecursionError:
+            raise APIError(400, "the request body nests too deeply") from None
+        errors = {}
+        for shape, (body_type, create) in {"messages": (Chat, create_chat_completion),
+                                           "prompt": (Completion, create_completion)}.items():
+            try:
+                parsed = body_type.model_validate(body)
+            except ValidationError as error:
+                errors[shape] = error
+                continue
+            return with_ignored_fields(await create(ctx, parsed, request), parsed)
+        shape = next((shape for shape in errors if isinstance(body, dict) and shape in body), None)
+        if shape is None:
+            raise APIError(400, "Cannot find suitable handler for request. Expected one of: "
+                           "['ChatCompletionRequest', 'CompletionRequest'] (a body with messages, or with prompt)")
+        raise RequestValidationError(errors[shape].errors())
+
+    make_truthful(app, model_names=ctx.model_names, api_key=api_key is not None, field_limits=field_limits,
+                  vocab_size=getattr(getattr(ctx.engine, "model_info", None), "vocab_size", None),
+                  auto_tool_choice=ctx.tool_call_parser is not None)
 
     # Added innermost first. The API key is checked before the HTTP span, so a refused client costs no span;
     # the span covers the rest, body limits included, for requests to a route that exists. The request id
     # is outermost: every answer carries it, a 401 too.
-    post_routes = frozenset(route.path for route in app.routes if "POST" in getattr(route, "methods", ()))
+    post_routes = frozenset(route.path for route in app.routes if "POST" in getattr(route, "methods", ())
+                            and route.path != "/ping")  # a POST /ping carries no body to check
     app.add_middleware(LoadReportsMiddleware, engine=ctx.engine, server_load=server_load)
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=max_request_body_bytes, json_paths=post_routes)
     app.add_middleware(TracingMiddleware, routes=app.router.routes)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(HttpMetricsMiddleware, http=metrics.http, routes=app.router.routes)  # a 401 counts too
     app.add_middleware(RequestIdMiddleware)
     return app

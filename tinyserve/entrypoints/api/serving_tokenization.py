@@ -19,17 +19,31 @@ from tinyserve.entrypoints.api.serving_engine import ServingContext
 _JSON_SLICE = 65536  # ids JSON-encoded per call, so that no one call holds the GIL for long
 
 
-def tokens_body(token_ids: list[int], max_model_len: int) -> bytes:
-    """The /tokenize answer, built slice by slice: between slices the thread lets the event loop run."""
+def tokens_body(token_ids: list[int], max_model_len: int, tokenizer=None) -> bytes:
+    """The /tokenize answer, built slice by slice: between slices the thread lets the event loop run.
+
+    With a tokenizer (return_token_strs), token_strs is each token as vLLM gives it,
+    `tokenizer.convert_ids_to_tokens`: the vocabulary's spelling ("Ġis" for " is" in a
+    byte-level BPE), not decoded text; null when not asked.
+    """
     parts = ['{"tokens":[']
     for start in range(0, len(token_ids), _JSON_SLICE):
         parts.append(("," if start else "") + ",".join(map(str, token_ids[start:start + _JSON_SLICE])))
-    parts.append(f'],"count":{len(token_ids)},"max_model_len":{max_model_len}}}')
+    parts.append(f'],"count":{len(token_ids)},"max_model_len":{max_model_len},"token_strs":')
+    if tokenizer is None:
+        parts.append("null")
+    else:
+        parts.append("[")
+        for start in range(0, len(token_ids), _JSON_SLICE):
+            strs = tokenizer.convert_ids_to_tokens(token_ids[start:start + _JSON_SLICE])
+            parts.append(("," if start else "") + json.dumps(strs, ensure_ascii=False, separators=(",", ":"))[1:-1])
+        parts.append("]")
+    parts.append("}")
     return "".join(parts).encode()
 
 
 async def tokenize(ctx: ServingContext, body: TokenizeRequest) -> Response:
-    ctx.check_model(body.model)
+    ctx.check_tokenizer_model(body.model)
     engine = ctx.engine
     threads = engine.render_threads
     if (body.prompt is None) == (body.messages is None):
@@ -45,12 +59,13 @@ async def tokenize(ctx: ServingContext, body: TokenizeRequest) -> Response:
         token_ids = prompt.prompt_token_ids
     else:
         token_ids = await threads.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    content = await threads.run(len(token_ids) * CHARS_PER_ID, tokens_body, token_ids, engine.model_info.max_model_len)
+    content = await threads.run(len(token_ids) * CHARS_PER_ID, tokens_body, token_ids, engine.model_info.max_model_len,
+                                engine.tokenizer if body.return_token_strs else None)
     return Response(content, media_type="application/json")
 
 
 async def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> Response:
-    ctx.check_model(body.model)
+    ctx.check_tokenizer_model(body.model)
     vocab_size = ctx.engine.model_info.vocab_size
     threads = ctx.engine.render_threads
     bad = await threads.run(len(body.tokens) * CHARS_PER_ID,

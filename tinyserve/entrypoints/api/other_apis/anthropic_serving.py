@@ -73,7 +73,9 @@ class JsonOutputFormat(StrictBody):
 
 class OutputConfig(StrictBody):
     format: JsonOutputFormat | None = None
-    effort: Text | None = None
+    # Refused unless null (the model has no reasoning effort), which the schema says too
+    effort: Text | None = Field(None, json_schema_extra=lambda schema: schema.update(
+        {"anyOf": [{"type": "null"}], "description": "not supported: the model has no reasoning effort to set"}))
 
     @field_validator("effort")
     @classmethod
@@ -137,7 +139,7 @@ class MessagesRequest(MessagesCountTokensRequest):
     stop_sequences: list[Text] | None = None
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0, lt=2**63)  # the sampler holds it in an int64
+    top_k: int | None = Field(None, ge=0, lt=2**31)  # the sampler's int32
     stream: bool = False
     metadata: Metadata | None = None
 

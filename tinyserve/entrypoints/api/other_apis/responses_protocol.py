@@ -27,7 +27,7 @@ from collections import OrderedDict
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from tinyserve.entrypoints.api.openai_protocol import StrictBody, Text
 from tinyserve.structured_output.schema_check import check_json_schema
@@ -142,6 +142,13 @@ class NamedFunctionChoice(StrictBody):
 
 class TextFormat(StrictBody):
     """text.format: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "name", "schema"}."""
+
+    # What _name_and_schema_iff_json_schema checks, said in the schema.
+    model_config = StrictBody.model_config | ConfigDict(json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+        "then": {"required": ["name", "schema"],
+                 "properties": {"name": {"type": "string"}, "schema": {"type": "object"}}},
+        "else": {"properties": {"name": {"type": "null"}, "schema": {"type": "null"}}}})
 
     type: Literal["text", "json_object", "json_schema"]
     name: Text | None = Field(None, max_length=64)
