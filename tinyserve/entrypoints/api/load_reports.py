@@ -21,7 +21,7 @@ one engine of a --data-parallel-rank server.
 
 Server load (--enable-server-load-tracking, vLLM's): GET /load answers
 {"server_load": N}, the generation requests (chat, completions, responses,
-messages) in flight now, each counted once past the body checks until the last
+messages, invocations) in flight now, each counted once past the body checks until the last
 byte of its answer is sent or its client goes. Without the flag /load answers 0.
 """
 
@@ -35,7 +35,8 @@ logger = logging.getLogger("tinyserve.api")
 FORMAT_HEADER = "endpoint-load-metrics-format"
 REPORT_HEADER = "endpoint-load-metrics"
 ORCA_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-TRACKED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
+TRACKED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                           "/invocations"})
 
 
 def named_metrics(engine_stats: list[SchedulerStats]) -> list[tuple[str, float]]:

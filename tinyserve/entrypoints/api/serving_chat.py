@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tinyserve.entrypoints.api.errors import APIError
 from tinyserve.entrypoints.api.openai_protocol import ChatCompletionRequest
+from tinyserve.entrypoints.api.request_ids import client_request_id, engine_request_id
 from tinyserve.entrypoints.api.serving_engine import (
     ServingContext,
     ToolCallPlan,
@@ -24,6 +25,7 @@ from tinyserve.entrypoints.api.serving_engine import (
     prompt_logprobs_json,
     render_and_tokenize,
     tool_call_plan,
+    running_usage,
     usage,
 )
 from tinyserve.entrypoints.api.sse import EventStreamResponse, final_outputs_unless_disconnected, sse_data
@@ -61,8 +63,10 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     model = ctx.check_model(body.model)
     engine = ctx.engine
     engine.check_admission(body.n)  # refuse before rendering: overload should cost little
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    spans = start_request_spans(schema.OPERATION_CHAT, model, request_id, redact_inputs=ctx.redact_inputs)
+    given_id = client_request_id(raw_request.headers, body.request_id)
+    request_id = f"chatcmpl-{given_id or uuid.uuid4().hex}"  # the answer's id, as vLLM's
+    engine_id = engine_request_id(request_id, given_id is not None)
+    spans = start_request_spans(schema.OPERATION_CHAT, model, engine_id, redact_inputs=ctx.redact_inputs)
     try:
         constraint, constrained_field, make_calls = chat_constraint(ctx, body)
         prompt, params = await render_and_tokenize(
@@ -72,7 +76,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
             continue_final_message=body.continue_final_message, template_kwargs=body.chat_template_kwargs,
             tools=body.template_tools,
         )
-        stream = await add_constrained_request(engine, constrained_field, prompt, params, request_id,
+        stream = await add_constrained_request(engine, constrained_field, prompt, params, engine_id,
                                                priority=body.priority, spans=spans,
                                                output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
     except InvalidInputError as error:
@@ -86,7 +90,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     answer = ChatAnswer(request_id, int(time.time()), model, len(prompt.prompt_token_ids), params.n,
                         body.top_logprobs or 0, ctx.tokens_as_ids(body.return_tokens_as_token_ids), make_calls)
     if body.stream:
-        events = chat_stream(answer, stream, body.include_usage, body.echoed_text)
+        events = chat_stream(answer, stream, body.include_usage, body.echoed_text, body.continuous_usage)
         return EventStreamResponse(guard_stream(events), [stream])
 
     outputs = await final_outputs_unless_disconnected([stream], raw_request)
@@ -136,21 +140,29 @@ class ChatAnswer:
                          "model": self.model, "choices": choices, **extra})
 
 
-async def chat_stream(answer: ChatAnswer, stream, include_usage: bool, echoed: str = "") -> AsyncIterator[str]:
+async def chat_stream(answer: ChatAnswer, stream, include_usage: bool, echoed: str = "",
+                      continuous_usage: bool = False) -> AsyncIterator[str]:
     """Stage ⑨ for a streamed chat: a role chunk per choice (and the echoed text's, with echo), then each
-    RequestOutput's delta as chunks."""
+    RequestOutput's delta as chunks. With continuous_usage (vLLM's continuous_usage_stats) every chunk
+    carries the usage so far: the prompt's tokens and its own choice's generated ones, as vLLM counts."""
+    generated = [0] * answer.n  # per choice
+
+    def so_far(index: int) -> dict:
+        return {"usage": running_usage(answer.num_prompt_tokens, generated[index])} if continuous_usage else {}
+
     for index in range(answer.n):
         yield answer.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}])
+                             "finish_reason": None}], **so_far(index))
         if echoed:
             yield answer.chunk([{"index": index, "delta": {"content": echoed}, "logprobs": None,
-                                 "finish_reason": None}])
+                                 "finish_reason": None}], **so_far(index))
     num_generated = num_cached = 0
     calls = [answer.make_calls() for _ in range(answer.n)] if answer.make_calls else None
     async for output in stream:
         num_cached = output.num_cached_tokens
         for c in output.outputs:
             num_generated += len(c.token_ids)
+            generated[c.index] += len(c.token_ids)
             if not c.text and not c.finished() and c.logprobs is None:
                 continue  # nothing to show yet (e.g. held back: half a character, maybe a stop string)
             finish_reason = c.finish_reason
@@ -164,6 +176,7 @@ async def chat_stream(answer: ChatAnswer, stream, include_usage: bool, echoed: s
                 yield answer.chunk([{"index": c.index, "delta": delta,
                                      "logprobs": chat_logprobs(c, answer.num_top, answer.tokens_as_ids) if last else None,
                                      "finish_reason": finish_reason if last else None,
-                                     **({"stop_reason": c.stop_reason} if c.finished() and last else {})}])
+                                     **({"stop_reason": c.stop_reason} if c.finished() and last else {})}],
+                                   **so_far(c.index))
     if include_usage:
         yield answer.chunk([], usage=usage(answer.num_prompt_tokens, num_generated, num_cached))

@@ -17,6 +17,7 @@ from tinyserve.frontend.request_stream import RequestStream
 from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError
 from tinyserve.entrypoints.api.openai_protocol import CompletionRequest
+from tinyserve.entrypoints.api.request_ids import client_request_id, engine_request_id
 from tinyserve.entrypoints.api.serving_engine import (
     ServingContext,
     add_constrained_request,
@@ -24,6 +25,7 @@ from tinyserve.entrypoints.api.serving_engine import (
     json_logprob,
     logprob_token,
     prompt_logprobs_json,
+    running_usage,
     tokenize,
     usage,
 )
@@ -83,10 +85,12 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
     if not prompts:
         raise APIError(400, "prompt must not be empty", "prompt")
     ctx.engine.check_admission(len(prompts) * body.n)  # all prompts or none
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    given_id = client_request_id(raw_request.headers, body.request_id)
+    request_id = f"cmpl-{given_id or uuid.uuid4().hex}"  # the answer's id, as vLLM's
+    engine_id = engine_request_id(request_id, given_id is not None)  # each prompt's: engine_id-index
     processed, params_list, spans_list = [], [], []
     for index, text_or_ids in enumerate(prompts):
-        spans = start_request_spans(schema.OPERATION_TEXT_COMPLETION, model, f"{request_id}-{index}",
+        spans = start_request_spans(schema.OPERATION_TEXT_COMPLETION, model, f"{engine_id}-{index}",
                                     redact_inputs=ctx.redact_inputs)
         spans_list.append(spans)
         try:
@@ -110,7 +114,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
             raise
         processed.append(prompt)
         params_list.append(params)
-    streams = await _add_all(ctx, body, request_id, processed, params_list, spans_list)
+    streams = await _add_all(ctx, body, engine_id, processed, params_list, spans_list)
     created = int(time.time())
     tokenizer = ctx.engine.tokenizer
     as_token_id = ctx.tokens_as_ids(body.return_tokens_as_token_ids)
@@ -156,14 +160,14 @@ def _as_answered(output: CompletionOutput, body: CompletionRequest) -> Completio
                                finish_reason="length" if output.finished() else None, stop_reason=None)
 
 
-async def _add_all(ctx, body, request_id, processed, params_list, spans_list) -> list[RequestStream]:
-    """Send one engine request per prompt; if one cannot be sent, none stays."""
+async def _add_all(ctx, body, engine_id, processed, params_list, spans_list) -> list[RequestStream]:
+    """Send one engine request per prompt (engine_id-index); if one cannot be sent, none stays."""
     streams = []
     kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
     try:
         for index, (prompt, params, spans) in enumerate(zip(processed, params_list, spans_list)):
             streams.append(await add_constrained_request(ctx.engine, body.constraint()[1], prompt, params,
-                                                         f"{request_id}-{index}", output_kind=kind,
+                                                         f"{engine_id}-{index}", output_kind=kind,
                                                          priority=body.priority, spans=spans))
     except Exception as error:
         for spans in spans_list:
@@ -190,6 +194,7 @@ async def _completion_stream(body, streams, processed, request_id, created, mode
     echoed = set()
     next_offsets: dict[int, int] = {}  # per choice index, the next token's text_offset
     num_generated, remaining = 0, len(tasks)
+    generated: dict[int, int] = {}  # per choice index: its tokens so far (continuous_usage_stats counts them)
     num_cached = [0] * len(streams)
     try:
         while remaining:
@@ -204,6 +209,7 @@ async def _completion_stream(body, streams, processed, request_id, created, mode
                 c = _as_answered(c, body)
                 num_generated += len(c.token_ids)
                 index = prompt_index * body.n + c.index
+                generated[index] = generated.get(index, 0) + len(c.token_ids)
                 prefix = ""
                 if body.echo and index not in echoed:
                     echoed.add(index)
@@ -222,6 +228,9 @@ async def _completion_stream(body, streams, processed, request_id, created, mode
                     "choices": [{"index": index, "text": prefix + c.text, "logprobs": logprobs,
                                  "finish_reason": c.finish_reason,
                                  **({"stop_reason": c.stop_reason} if c.finished() else {})}],
+                    # vLLM's continuous_usage_stats: the usage so far of this choice, with its prompt's tokens
+                    **({"usage": running_usage(len(processed[prompt_index].prompt_token_ids), generated[index])}
+                       if body.continuous_usage else {}),
                 })
         if body.include_usage:
             num_prompt = sum(len(p.prompt_token_ids) for p in processed)

@@ -39,6 +39,17 @@ class ServingContext:
             raise APIError(404, f"The model `{model}` does not exist. Available: {self.model_names}", "model")
         return self.model_names[0]
 
+    @property
+    def model_root(self) -> str:
+        """Where the served model came from, as /v1/models gives it in each card's `root`."""
+        return str(self.engine.model_info.path)
+
+    def check_tokenizer_model(self, model: str | None) -> None:
+        """check_model for /tokenize and /detokenize, which take the `root` of /v1/models too: clients that
+        tokenize remotely (lm-eval's) name the tokenizer by the model it came from."""
+        if model != self.model_root:
+            self.check_model(model)
+
     def tokens_as_ids(self, requested: bool | None) -> bool:
         """A request's return_tokens_as_token_ids; left out (None), the server's flag decides."""
         return self.return_tokens_as_token_ids if requested is None else requested
@@ -86,6 +97,12 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """The usage each chunk of a stream carries with vLLM's continuous_usage_stats: the counts so far."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 LOGPROB_FLOOR = -9999.0  # vLLM's: JSON has no -inf

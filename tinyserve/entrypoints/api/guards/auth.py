@@ -1,4 +1,5 @@
-"""`--api-key`: every /v1 route wants the key; /health, /metrics and the rest stay open.
+"""`--api-key`: every /v1 route wants the key, and /invocations (which answers as chat and completions do);
+/health, /metrics and the rest stay open.
 
 OpenAI clients send `Authorization: Bearer <key>`; Anthropic clients send
 `x-api-key: <key>`. Either is accepted on every /v1 route (a client that lists
@@ -19,7 +20,7 @@ def _given_key(headers: dict[bytes, bytes]) -> bytes:
 
 
 class ApiKeyMiddleware:
-    """ASGI middleware: 401 in the endpoint's own error format for a missing or wrong key on /v1."""
+    """ASGI middleware: 401 in the endpoint's own error format for a missing or wrong key on /v1 and /invocations."""
 
     def __init__(self, app, *, api_key: str) -> None:
         if not api_key:
@@ -29,7 +30,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and path.startswith("/v1"):
+        if scope["type"] == "http" and (path.startswith("/v1") or path == "/invocations"):
             given = _given_key(dict(scope.get("headers", [])))
             if not hmac.compare_digest(given, self.expected):
                 await error_response(path, 401, "invalid or missing API key")(scope, receive, send)
