@@ -11,6 +11,8 @@ the output as it was, and every implemented field changes it as documented.
 
 import json
 
+import anthropic.types.beta.message_count_tokens_params as anthropic_beta_count_tokens
+import anthropic.types.beta.message_create_params as anthropic_beta_messages
 import anthropic.types.message_count_tokens_params as anthropic_count_tokens
 import anthropic.types.message_create_params as anthropic_messages
 import httpx
@@ -42,6 +44,15 @@ VLLM_CHAT = [*VLLM_SAMPLING, *VLLM_SHARED, "bad_words", "echo", "add_generation_
              "documents", "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "structural_tag",
              "reasoning_effort", "include_reasoning"]
 VLLM_COMPLETIONS = [*VLLM_SAMPLING, *VLLM_SHARED, "prompt_embeds"]
+# vLLM's ResponsesRequest (vllm/entrypoints/openai/responses/protocol.py): its fields beyond OpenAI's, and
+# min_tokens, which benchmark clients send to every endpoint.
+VLLM_RESPONSES = ["top_k", "logit_bias", "skip_special_tokens", "include_stop_str_in_output", "request_id",
+                  "mm_processor_kwargs", "priority", "cache_salt", "enable_response_messages",
+                  "previous_input_messages", "previous_response", "structured_outputs", "repetition_penalty", "seed",
+                  "stop", "ignore_eos", "vllm_xargs", "min_tokens"]
+# vLLM's AnthropicMessagesRequest (vllm/entrypoints/anthropic/protocol.py): its extras, and ignore_eos,
+# which vLLM's benchmark clients send.
+VLLM_MESSAGES = ["kv_transfer_params", "chat_template_kwargs", "ignore_eos"]
 
 
 def client_fields(module) -> set[str]:
@@ -53,12 +64,21 @@ def client_fields(module) -> set[str]:
     return fields
 
 
+def beta_fields(module) -> set[str]:
+    """client_fields of an anthropic beta module's own request TypedDicts (not the ones it imports), less
+    `betas`, which the client sends as the anthropic-beta header."""
+    own = {name: value for name, value in vars(module).items() if getattr(value, "__module__", None) == module.__name__}
+    return client_fields(type("own", (), own)) - {"betas"}
+
+
 ENDPOINTS = {  # kind in request_fields.py: (the body's model, the fields clients send)
     "chat": (ChatCompletionRequest, client_fields(openai_chat) | set(VLLM_CHAT)),
     "completions": (CompletionRequest, client_fields(openai_completions) | set(VLLM_COMPLETIONS)),
-    "responses": (ResponsesRequest, client_fields(openai_responses)),
-    "messages": (MessagesRequest, client_fields(anthropic_messages) | {"temperature", "top_p", "top_k", "stream"}),
-    "count_tokens": (MessagesCountTokensRequest, client_fields(anthropic_count_tokens)),
+    "responses": (ResponsesRequest, client_fields(openai_responses) | set(VLLM_RESPONSES)),
+    "messages": (MessagesRequest, client_fields(anthropic_messages) | beta_fields(anthropic_beta_messages)
+                 | {"temperature", "top_p", "top_k", "stream"} | set(VLLM_MESSAGES)),
+    "count_tokens": (MessagesCountTokensRequest, client_fields(anthropic_count_tokens)
+                     | beta_fields(anthropic_beta_count_tokens) | {"chat_template_kwargs"}),
 }
 TABLES = {"count_tokens": "messages"}  # count_tokens takes the messages endpoint's tables
 
@@ -106,20 +126,24 @@ ASKING = {
     "thinking": {"type": "enabled", "budget_tokens": 1024}, "modalities": ["text", "audio"],
     "echo": True, "use_beam_search": True, "length_penalty": 0.5, "include_reasoning": False,
     "spaces_between_special_tokens": False, "add_special_tokens": True, "parallel_tool_calls": True,
-    "background": True, "truncation": "auto", "top_logprobs": 2, "suffix": "end",
+    "background": True, "top_logprobs": 2, "suffix": "end",
+    "reasoning": {"effort": "low", "summary": "detailed"}, "include": ["message.output_text.logprobs"],
 }
 # What a client typically sends in each field without effect.
 TYPICAL = {"metadata": {"user_id": "u-1"}, "store": True, "service_tier": "auto", "safety_identifier": "s-1",
            "prompt_cache_key": "k-1", "prompt_cache_retention": "24h", "prompt_cache_options": {},
            "request_id": "r-1", "user": "u-1", "cache_control": {"type": "ephemeral"}, "inference_geo": "us",
            "speed": "standard", "diagnostics": {}, "user_profile_id": "p-1", "workspace_id": "w-1",
-           "max_tool_calls": 2, "reasoning_effort": "low"}
+           "reasoning_effort": "low", "truncation": "auto", "billing_policy": {"type": "billing_policy", "bill_to": "self"},
+           "fallback_credit_token": "t-1", "fallbacks": "default"}
 
 
 def post(server, kind: str, **changes) -> httpx.Response:
     path, body = BODIES[kind]
     if kind == "completions" and changes.get("add_special_tokens") is True:
         changes["add_special_tokens"] = False  # True is completions' own default
+    if kind == "responses" and "max_tokens" in changes:  # the checks written for chat, in the Responses API's name
+        changes.setdefault("max_output_tokens", changes.pop("max_tokens"))
     return httpx.post(f"{server.url}{path}", json={**body, **changes}, timeout=60)
 
 
@@ -500,6 +524,62 @@ def check_text_format(server, kind):
                                                                                       {"zone": "CET"})
 
 
+def check_responses_ignore_eos(server, kind):
+    eos = {"logit_bias": {str(eos_id(server)): 100}}
+    stopped, ignored = ok(server, kind, **eos), ok(server, kind, **eos, ignore_eos=True)
+    assert (num_generated(stopped), stopped["status"]) == (1, "completed")
+    assert (num_generated(ignored), ignored["status"], ignored["incomplete_details"]) == (
+        8, "incomplete", {"reason": "max_output_tokens"})
+
+
+def check_responses_min_tokens(server, kind):
+    answer = ok(server, kind, logit_bias={str(eos_id(server)): 100}, min_tokens=3)
+    assert (num_generated(answer), answer["status"]) == (4, "completed")
+
+
+def check_responses_repetition_penalty(server, kind):
+    """Twenty tokens boosted alike: the model repeats its favourites, unless repeats are penalized."""
+    favourites = list(dict.fromkeys(httpx.post(f"{server.url}/tokenize", json={
+        "prompt": "Flat is better than nested. Sparse is better than dense. Readability counts.",
+        "add_special_tokens": False}).json()["tokens"]))[:20]
+    boosted = {"max_output_tokens": 16, "logit_bias": {str(t): 100 for t in favourites}}
+
+    def distinct(**changes) -> int:  # the reply's distinct tokens, as it tokenizes again
+        reply = text(server, kind, **boosted, **changes)
+        return len(set(httpx.post(f"{server.url}/tokenize", json={"prompt": reply, "add_special_tokens": False})
+                       .json()["tokens"]))
+
+    assert distinct(repetition_penalty=2.0) > distinct()
+
+
+def check_max_tool_calls(server, kind):
+    """With "," favoured after each call, a required tool_choice goes on calling; the bound closes the list."""
+    calling = {"tools": [RESPONSES_TOOL, RESPONSES_OTHER_TOOL], "tool_choice": "required", "max_output_tokens": 200,
+               "logit_bias": {str(token_id(server, ",")): 100}}
+
+    def calls(answer: dict) -> list[dict]:
+        return [item for item in answer["output"] if item["type"] == "function_call"]
+
+    assert len(calls(ok(server, kind, **calling))) > 2
+    bounded = ok(server, kind, **calling, max_tool_calls=2)
+    assert (len(calls(bounded)), bounded["status"], bounded["max_tool_calls"]) == (2, "completed", 2)
+
+
+def check_messages_ignore_eos(server, kind):
+    """A reply its grammar has ended (only EOS may follow) goes on to max_tokens."""
+    config = {"format": {"type": "json_schema", "schema": {"enum": ["a"]}}}
+    ended, ignored = ok(server, kind, output_config=config), ok(server, kind, output_config=config, ignore_eos=True)
+    assert (ended["stop_reason"], ignored["stop_reason"], num_generated(ignored)) == ("end_turn", "max_tokens", 8)
+    assert answer_text(kind, ignored) == answer_text(kind, ended)  # the EOS tokens after it are not text
+
+
+def check_messages_chat_template_kwargs(server, kind):
+    # As chat's check: they reach the renderer, which refuses the arguments that are its own.
+    response = post(server, kind, chat_template_kwargs={"add_generation_prompt": False})
+    assert response.status_code == 400 and "chat_template_kwargs" in response.json()["error"]["message"]
+    assert post(server, kind, chat_template_kwargs={"enable_thinking": False}).status_code == 200
+
+
 def check_output_config(server, kind):
     """The reply follows the schema; the prompt, and so the count, is the same."""
     config = {"format": {"type": "json_schema", "schema": ZONE}}
@@ -549,17 +629,25 @@ IMPLEMENTED = {
                  "system": check_more_prompt("system", "Be terse."), "stop_sequences": check_messages_stop,
                  "temperature": check_sampling_varies, "top_p": check_greedy_again(top_p=1e-9),
                  "top_k": check_greedy_again(top_k=1), "stream": check_stream, "tools": check_tools,
-                 "tool_choice": check_tool_choice, "output_config": check_output_config},
+                 "tool_choice": check_tool_choice, "output_config": check_output_config,
+                 "ignore_eos": check_messages_ignore_eos, "chat_template_kwargs": check_messages_chat_template_kwargs},
     "count_tokens": {"model": check_model, "messages": check_count_messages,
                      "system": check_more_prompt("system", "Be terse."), "tools": check_tools,
-                     "tool_choice": check_tool_choice, "output_config": check_output_config},
+                     "tool_choice": check_tool_choice, "output_config": check_output_config,
+                     "chat_template_kwargs": check_messages_chat_template_kwargs},
     "responses": {"model": check_model, "input": check_prompt_changes_prompt_tokens("input", "Flat is better"),
                   "instructions": check_more_prompt("instructions", "Be terse."),
                   "max_output_tokens": check_max_tokens("max_output_tokens"), "temperature": check_sampling_varies,
                   "top_p": check_greedy_again(top_p=1e-9), "stream": check_stream, "store": check_store,
                   "previous_response_id": check_previous_response_id, "tools": check_tools,
                   "tool_choice": check_tool_choice, "parallel_tool_calls": check_parallel_tool_calls,
-                  "text": check_text_format},
+                  "text": check_text_format, "max_tool_calls": check_max_tool_calls,
+                  # vLLM's extras, as chat's (the checks written for chat that read only the text) or their own
+                  **{name: OPENAI_SHARED[name] for name in (
+                      "top_k", "seed", "stop", "include_stop_str_in_output", "logit_bias", "skip_special_tokens",
+                      "structured_outputs", "priority")},
+                  "ignore_eos": check_responses_ignore_eos, "min_tokens": check_responses_min_tokens,
+                  "repetition_penalty": check_responses_repetition_penalty},
 }
 
 

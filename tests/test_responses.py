@@ -118,7 +118,7 @@ FUNCTION = {"type": "function", "name": "f", "parameters": {"type": "object"}}
 @pytest.mark.parametrize("change, param, named", [
     ({"tools": [{"type": "web_search"}]}, "tools.0.type", "'web_search' tools are not supported"),
     ({"tools": [FUNCTION], "tool_choice": {"type": "mcp", "server_label": "s"}}, "tool_choice.type", "'mcp'"),
-    ({"reasoning": {"effort": "high"}}, "reasoning", "not supported"),
+    ({"reasoning": {"effort": "high", "summary": "detailed"}}, "reasoning", "not supported"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input.0", "'reasoning'"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]},
      "input.0.function_call.arguments", "JSON"),

@@ -43,6 +43,27 @@ def _tools_unused(value, body: dict) -> bool:
     return value is None or value == [] or body.get("tool_choice") == "none"
 
 
+# What a model that does not reason takes in `reasoning` without it changing the answer: an effort (how
+# long a reasoning model thinks, as chat's reasoning_effort) and a summary of "auto" (whichever the model has).
+_REASONING_EFFORTS = (None, "none", "minimal", "low", "medium", "high", "xhigh", "max")
+# What `include` may name without it changing the answer: output of items this server never makes
+# (hosted tools' calls, reasoning items) and of input images, which it does not take.
+_NEVER_MADE = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+               "message.input_image.image_url", "computer_call_output.output.image_url",
+               "code_interpreter_call.outputs", "reasoning.encrypted_content")
+
+
+def _no_reasoning_asked(value, body: dict) -> bool:
+    return value is None or (isinstance(value, dict) and set(value) <= {"effort", "summary", "generate_summary"}
+                             and value.get("effort") in _REASONING_EFFORTS
+                             and value.get("summary") in (None, "auto") and value.get("generate_summary") in (None, "auto"))
+
+
+def _nothing_included(value, body: dict) -> bool:
+    return value is None or (isinstance(value, list) and all(isinstance(item, str) and item in _NEVER_MADE
+                                                             for item in value))
+
+
 _STRUCTURED = {
     **{name: Refused(f"vLLM's older spelling: give structured_outputs {{\"{name.removeprefix('guided_')}\": ...}}")
        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
@@ -106,15 +127,21 @@ REFUSED: dict[str, dict[str, Refused]] = {
         "thinking": Refused("no extended thinking", (None, {"type": "disabled"})),
         "container": Refused("no code-execution containers"),
         "mcp_servers": Refused("no MCP servers", (None, [])),
+        "context_management": Refused("no context management: the conversation is rendered as sent, its tool "
+                                      "results and thinking kept"),
+        "compaction": Refused("no compaction: the reply is never a summary of the conversation"),
+        "thread": Refused("no server-held threads: send the whole conversation in messages"),
+        "kv_transfer_params": _VLLM_EXTRAS["kv_transfer_params"],  # vLLM's extra
     },
     "responses": {
-        "reasoning": Refused("the model has no reasoning effort to set"),
-        "include": Refused("no extra output can be included", (None, [])),
+        "reasoning": Refused("reasoning is not parsed out of the answer, so there is none to summarize: an effort "
+                             "and a summary of \"auto\" are accepted, and change nothing for a model that does not "
+                             "reason, as in vLLM", asks_nothing=_no_reasoning_asked),
+        "include": Refused("no logprobs in Responses answers; the other items it names are never made here, and "
+                           "are accepted", asks_nothing=_nothing_included),
         "background": Refused("no background responses", (None, False)),
         "conversation": Refused("conversations are not stored; use previous_response_id"),
         "prompt": Refused("no stored prompt templates"),
-        "truncation": Refused("the context is never truncated; a prompt that does not fit is a 400",
-                              (None, "disabled")),
         "top_logprobs": Refused("no logprobs in Responses answers", (None, 0)),
         "context_management": Refused("no context management"),
         "image": Refused("no image generation"),
@@ -122,6 +149,13 @@ REFUSED: dict[str, dict[str, Refused]] = {
         "stream_options": Refused("no stream options for Responses"),
         "background_options": Refused("no background responses"),
         "access_programs": Refused("no access programs"),
+        # vLLM's extras of its ResponsesRequest that tinyserve does not implement
+        **{name: _VLLM_EXTRAS[name] for name in ("mm_processor_kwargs", "cache_salt", "vllm_xargs")},
+        "enable_response_messages": Refused("the answer does not carry the raw messages", (None, False)),
+        "previous_input_messages": Refused("gpt-oss's harmony messages; use previous_response_id, or give the "
+                                           "conversation as input items"),
+        "previous_response": Refused("gpt-oss's stateless continuation; use previous_response_id, or give the "
+                                     "conversation as input items"),
     },
 }
 
@@ -144,11 +178,14 @@ NO_EFFECT: dict[str, dict[str, str]] = {
         "diagnostics": "a hosted API's prompt-cache diagnostics",
         "user_profile_id": "a hosted API's attribution",
         "workspace_id": "a hosted API's workspace",
+        "billing_policy": "which of a hosted API's organizations is billed",
+        "fallback_credit_token": "a hosted API's billing of a retry's prompt cache",
+        "fallbacks": "a hosted API's models tried when the one asked for declines; the model here never declines",
     },
     "responses": {
         **{name: why for name, why in _OPENAI_NO_EFFECT.items() if name != "store"},  # store: implemented
-        "max_tool_calls": "it bounds calls to a hosted API's built-in tools (web search, ...), which are not "
-                          "served; function calls are not counted",
+        "truncation": "\"auto\" drops the start of a conversation that does not fit; one that fits is the same, "
+                      "and one that does not is a 400 naming truncation (the context is never truncated)",
     },
 }
 

@@ -10,8 +10,10 @@ assistant message is a prefill: the reply continues it rather than opening a new
 turn. Tools, tool_choice and tool_use / tool_result blocks are anthropic_tools.py's;
 `output_config.format` ({"type": "json_schema", "schema"}: the anthropic client's
 messages.parse, and the beta API's top-level `output_format`) constrains the reply to the
-schema with the structured outputs chat's response_format uses. Extended thinking is not
-implemented, and a request that asks for it is refused (request_fields.py).
+schema with the structured outputs chat's response_format uses. vLLM's extras: `chat_template_kwargs`
+(more variables for the chat template, as chat's) and `ignore_eos` (generate max_tokens tokens, as
+vLLM's benchmarks ask). Extended thinking is not implemented, and a request that asks for it is
+refused (request_fields.py).
 /v1/messages/count_tokens counts the prompt as /v1/messages would render it, tools included.
 """
 
@@ -96,6 +98,7 @@ class MessagesCountTokensRequest(StrictBody):
     tool_choice: AnthropicToolChoice | None = None
     output_config: OutputConfig | None = None
     output_format: JsonOutputFormat | None = None  # the beta API's spelling of output_config.format
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking)
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -142,6 +145,7 @@ class MessagesRequest(MessagesCountTokensRequest):
     top_k: int | None = Field(None, ge=0, lt=2**31)  # the sampler's int32
     stream: bool = False
     metadata: Metadata | None = None
+    ignore_eos: bool = False  # vLLM's: go on past the end-of-sequence token, up to max_tokens
 
     @field_validator("stop_sequences", mode="before")
     @classmethod
@@ -155,7 +159,8 @@ async def count_tokens(ctx: ServingContext, body: MessagesCountTokensRequest) ->
     try:
         prompt = await ctx.engine.render_threads.tokenize_chat(
             body.conversation(), fit_context=False, add_generation_prompt=not body.prefilled,
-            continue_final_message=body.prefilled, tools=template_tools(body.tools))
+            continue_final_message=body.prefilled, template_kwargs=body.chat_template_kwargs,
+            tools=template_tools(body.tools))
     except ValueError as error:
         raise APIError(400, str(error), getattr(error, "param", None) or "messages") from error
     return {"input_tokens": len(prompt.prompt_token_ids)}
@@ -186,11 +191,13 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request
 
     def make_params(max_tokens: int) -> SamplingParams:
         return ctx.sampling_params(max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                   stop=body.stop_sequences or None, structured_outputs=constraint)
+                                   stop=body.stop_sequences or None, ignore_eos=body.ignore_eos,
+                                   structured_outputs=constraint)
 
     try:
         prompt, params = await render_and_tokenize(ctx, spans, body.conversation(), not body.prefilled,
                                                    body.max_tokens, make_params, continue_final_message=body.prefilled,
+                                                   template_kwargs=body.chat_template_kwargs,
                                                    tools=template_tools(body.tools))
         stream = await add_constrained_request(ctx.engine, constrained_field, prompt, params, message_id, spans=spans,
                                                output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)

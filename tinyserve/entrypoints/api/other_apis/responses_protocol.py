@@ -12,9 +12,16 @@ and each output is a "tool" turn, as chat templates take them. `tools` are funct
 the Responses API's flat shape ({"type": "function", "name", "parameters", ...}: chat's Tool
 inside), and `tool_choice` is "auto", "required", "none" or {"type": "function", "name"}; what
 they do is chat's (serving_engine.tool_call_plan). `text.format` is "text", "json_object" or
-{"type": "json_schema", "name", "schema"}: chat's response_format, flat. Items, tools and
-tool choices of other types (web search, file search, MCP, images, reasoning) and the fields
-in request_fields.py's "responses" table are refused with a 400 naming them.
+{"type": "json_schema", "name", "schema"}: chat's response_format, flat. `max_tool_calls` bounds
+the function calls the output holds (responses_serving.bounded_calls). vLLM's extra fields of
+its ResponsesRequest (top_k, repetition_penalty, seed, stop, ignore_eos, include_stop_str_in_output,
+skip_special_tokens, logit_bias, structured_outputs, priority), and min_tokens as chat has it, do
+what they do in chat; structured_outputs is a constraint as text.format is, and one of the two
+at a time. Items, tools and tool choices of other types (web search, file search, MCP, images,
+reasoning) and the fields in request_fields.py's "responses" table are refused with a 400
+naming them (`reasoning` and `include` only where they ask for what this server cannot give).
+The module is over 300 lines because the whole body, with vLLM's extra fields, is here in one
+place, where a reader (and tests/test_request_fields.py) finds the whole surface.
 
 With `previous_response_id` the conversation continues one this server answered: its
 messages and its reply come first (its instructions do not, as OpenAI's API has it).
@@ -29,7 +36,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from tinyserve.entrypoints.api.openai_protocol import StrictBody, Text
+from tinyserve.entrypoints.api.openai_protocol import INT64, StrictBody, Text
 from tinyserve.structured_output.schema_check import check_json_schema
 from tinyserve.entrypoints.api.tools.structured_protocol import (
     AssistantToolCall,
@@ -38,9 +45,11 @@ from tinyserve.entrypoints.api.tools.structured_protocol import (
     JsonText,
     NamedToolChoice,
     ResponseFormat,
+    StructuredOutputsField,
     Tool,
     check_tool_choice,
 )
+from tinyserve.sampling_params import StructuredOutputsParams
 
 DEFAULT_MAX_STORED_RESPONSES = 1024
 DEFAULT_MAX_STORED_RESPONSE_BYTES = 64 << 20  # the store's JSON bytes: a few huge responses cannot fill memory
@@ -190,12 +199,45 @@ class ResponsesRequest(StrictBody):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None  # "auto" with tools
     parallel_tool_calls: bool = True
+    max_tool_calls: int | None = Field(None, ge=1)  # the most function calls the output holds (bounded_calls)
     text: TextConfig | None = None
+    # "auto" is accepted: it changes nothing while the input fits, and one that does not is a 400 naming it
+    truncation: Literal["auto", "disabled"] | None = None
+    # vLLM's extras (its ResponsesRequest's sampling fields, and min_tokens as chat has it)
+    top_k: int | None = Field(None, ge=-1, lt=2**31)  # the sampler's int32; -1 and 0: off
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    stop: Text | list[Text] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, lt=2**31)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # {"token id": bias}
+    structured_outputs: StructuredOutputsField | None = None
+    priority: int = Field(0, ge=-INT64, lt=INT64)
 
     @field_validator("input", mode="before")
     @classmethod
     def _messages_within_limits(cls, value):
         return cls.limits.check_messages(value) if isinstance(value, list) else value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_within_limits(cls, value):
+        return cls.limits.check_stop(value)
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias_within_limits(cls, value):
+        return cls.limits.check_logit_bias(value)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value):
+        for key in value or ():
+            if not (key.isascii() and key.isdigit()) or int(key) >= INT64:
+                raise ValueError(f"keys must be token ids, got {key!r}")
+        return value
 
     @model_validator(mode="after")
     def _consistent_tools(self) -> "ResponsesRequest":
@@ -203,10 +245,13 @@ class ResponsesRequest(StrictBody):
         if isinstance(chat_choice, NamedFunctionChoice):
             chat_choice = NamedToolChoice.model_validate({"type": "function", "function": {"name": chat_choice.name}})
         check_tool_choice(self.chat_tools, chat_choice, constrained=False)
-        if self.format_constraint is not None and (self.tool_choice == "required"
-                                                   or isinstance(self.tool_choice, NamedFunctionChoice)):
+        if self.structured_outputs is not None and self.text is not None and self.text.format is not None \
+                and self.text.format.type != "text":
+            raise ValueError("structured_outputs and text.format cannot both constrain the output; give one")
+        if self.constraint[0] is not None and (self.tool_choice == "required"
+                                            or isinstance(self.tool_choice, NamedFunctionChoice)):
             raise ValueError('a required or named tool_choice constrains the output itself: it cannot be combined '
-                             'with a text.format of type "json_schema" or "json_object"')
+                             'with a text.format of type "json_schema" or "json_object", or with structured_outputs')
         return self
 
     @property
@@ -231,6 +276,24 @@ class ResponsesRequest(StrictBody):
         """The constraint text.format puts on the output (structured_protocol.ResponseFormat's), or None."""
         text_format = self.text.format if self.text is not None else None
         return text_format.as_response_format().structured_outputs() if text_format is not None else None
+
+    @property
+    def constraint(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """(the constraint text.format or structured_outputs puts on the output, the field it came from)."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.structured_outputs(), "structured_outputs"
+        return (self.format_constraint, "text.format") if self.format_constraint is not None else (None, None)
+
+    def sampling_fields(self) -> dict:
+        """The sampling fields as ServingContext.sampling_params takes them (None: the server's default)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "repetition_penalty": self.repetition_penalty, "seed": self.seed,
+                "stop": [self.stop] if isinstance(self.stop, str) else self.stop or None,
+                "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
+                "include_stop_str_in_output": self.include_stop_str_in_output,
+                "skip_special_tokens": self.skip_special_tokens,
+                "logit_bias": {int(token_id): bias for token_id, bias in self.logit_bias.items()}
+                if self.logit_bias else None}
 
     def echo(self) -> dict:
         """tools, tool_choice, parallel_tool_calls and text as a response object repeats them."""

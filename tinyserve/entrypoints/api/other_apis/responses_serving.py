@@ -28,6 +28,7 @@ from tinyserve.frontend.output_processor import OutputKind
 from tinyserve.entrypoints.api.errors import APIError
 from tinyserve.entrypoints.api.serving_engine import (
     ServingContext,
+    ToolCallPlan,
     add_constrained_request,
     render_and_tokenize,
     tool_call_plan,
@@ -42,11 +43,52 @@ from tinyserve.entrypoints.api.sse import (
 )
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import start_request_spans
-from tinyserve.sampling_params import SamplingParams
+from tinyserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 ABORTED = "the request was aborted before it finished: the server is shutting down"
 # The names render_and_tokenize gives a field at fault, as this API calls them.
 _PARAM_NAMES = {"messages": "input", "prompt": "input", "max_tokens": "max_output_tokens"}
+NOT_TRUNCATED = ('; truncation "auto" would drop the start of the conversation to make it fit, and this server '
+                 'never truncates the context')
+
+
+def bounded_calls(plan: ToolCallPlan, max_tool_calls: int | None) -> ToolCallPlan:
+    """The plan with at most max_tool_calls function calls in the output.
+
+    OpenAI's API counts max_tool_calls against its hosted tools; function tools are the only ones
+    served here, so it bounds them (vLLM takes the field and repeats it in the answer, and bounds
+    nothing). The bound caps the calls parsed out of the output, as vLLM caps them to the first
+    without parallel_tool_calls (it keeps the tool-call deltas of index 0): calls past the bound are
+    dropped as they are read, streamed or not. Where the output is constrained anyway, a "required"
+    tool_choice's array of calls, the grammar carries the bound too (maxItems, as for
+    parallel_tool_calls): generation ends after the last call allowed, so no tokens are spent on
+    calls that would be dropped, and usage counts only what is returned. A named function is one call.
+    """
+    if max_tool_calls is None or plan.make_calls is None:
+        return plan
+    constraint = plan.constraint
+    if plan.field == "tools":  # "required": the output is a JSON array of calls (tool_calls.required_calls_schema)
+        schema = constraint.json
+        constraint = StructuredOutputsParams(json={**schema, "maxItems": min(schema.get("maxItems", max_tool_calls),
+                                                                             max_tool_calls)})
+    make_calls = plan.make_calls
+    return plan._replace(constraint=constraint, make_calls=lambda: _FirstCalls(make_calls(), max_tool_calls))
+
+
+class _FirstCalls:
+    """A reader of tool calls (tool_calls.ToolCallDeltas) whose deltas keep only the first `limit` calls."""
+
+    def __init__(self, calls, limit: int) -> None:
+        self.calls, self.limit = calls, limit
+
+    def feed(self, text: str, finished: bool) -> list[dict]:
+        kept = []
+        for delta in self.calls.feed(text, finished):
+            calls = [call for call in delta.get("tool_calls") or () if call.get("index", 0) < self.limit]
+            delta = {**delta, "tool_calls": calls} if calls else {k: v for k, v in delta.items() if k != "tool_calls"}
+            if delta:
+                kept.append(delta)
+        return kept
 
 
 def _json_or_text(text: str):
@@ -101,7 +143,8 @@ class _Answer:
             "output": self.output.items if finished else [],
             "previous_response_id": body.previous_response_id,
             "store": body.store, "temperature": body.temperature, "top_p": body.top_p, **body.echo(),
-            "truncation": "disabled", "user": body.user, "metadata": {},
+            "max_tool_calls": body.max_tool_calls, "truncation": body.truncation or "disabled", "user": body.user,
+            "metadata": {},
             "usage": {
                 "input_tokens": self.num_prompt_tokens,
                 "input_tokens_details": {"cached_tokens": self.num_cached_tokens},
@@ -124,23 +167,25 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
                            f"in memory, the latest {store.max_entries})", "previous_response_id")
     conversation = history + body.new_messages()
     instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    constraint, constrained_field, make_calls = tool_call_plan(ctx, body.format_constraint, "text.format",
-                                                               body.effective_tool_choice, body.chat_tools,
-                                                               body.parallel_tool_calls)
+    constraint, constrained_field, make_calls = bounded_calls(
+        tool_call_plan(ctx, *body.constraint, body.effective_tool_choice, body.chat_tools, body.parallel_tool_calls),
+        body.max_tool_calls)
     answer = _Answer(body, model, make_calls)
     spans = start_request_spans(schema.OPERATION_CHAT, model, answer.id, redact_inputs=ctx.redact_inputs)
 
     def make_params(max_tokens: int) -> SamplingParams:
-        return ctx.sampling_params(max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                   structured_outputs=constraint)
+        return ctx.sampling_params(max_tokens, **body.sampling_fields(), structured_outputs=constraint)
 
     try:
         prompt, params = await render_and_tokenize(ctx, spans, instructions + conversation, True,
                                                    body.max_output_tokens, make_params, tools=body.template_tools)
-        stream = await add_constrained_request(ctx.engine, constrained_field, prompt, params, answer.id, spans=spans,
+        stream = await add_constrained_request(ctx.engine, constrained_field, prompt, params, answer.id,
+                                               priority=body.priority, spans=spans,
                                                output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
     except APIError as error:
         spans.fail(error)
+        if body.truncation == "auto" and error.param in ("prompt", "max_tokens"):  # the input does not fit
+            error.message, error.param = error.message + NOT_TRUNCATED, "truncation"
         error.param = _PARAM_NAMES.get(error.param, error.param)
         raise
     except Exception as error:
