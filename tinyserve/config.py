@@ -90,8 +90,10 @@ class EngineArgs:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        from tinyserve.structured_output import get_backend_module
+        from tinyserve.structured_output import BACKEND_ALIASES, get_backend_module
 
+        self.structured_outputs_backend = BACKEND_ALIASES.get(self.structured_outputs_backend,
+                                                              self.structured_outputs_backend)  # vLLM's "guidance"
         get_backend_module(self.structured_outputs_backend)  # a clear error if unknown or not installed
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")

@@ -49,8 +49,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     group.add_argument("--max-logprobs", type=int, default=20,
                        help="the most logprobs (or prompt logprobs) one request may ask for (default 20)")
-    group.add_argument("--structured-outputs-backend", choices=STRUCTURED_OUTPUT_BACKENDS, default="xgrammar",
-                       help="the grammar library that constrains structured outputs (default xgrammar)")
+    group.add_argument("--structured-outputs-backend", choices=[*STRUCTURED_OUTPUT_BACKENDS, "guidance"],
+                       default="xgrammar", help="the grammar library that constrains structured outputs "
+                                                "(default xgrammar; guidance is vLLM's name for llguidance)")
     group.add_argument("--cpu-threads", type=int, default=None,
                        help="on CPU: threads of the forward pass, fixed (default: all the engine's cores, "
                             "fewer while other programs keep them busy)")

@@ -29,6 +29,7 @@ import importlib
 from tinyserve.errors import InvalidInputError
 
 STRUCTURED_OUTPUT_BACKENDS = ("xgrammar", "llguidance")
+BACKEND_ALIASES = {"guidance": "llguidance"}  # vLLM's name for the llguidance backend
 
 
 class GrammarError(InvalidInputError):

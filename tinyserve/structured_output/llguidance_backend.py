@@ -14,6 +14,7 @@ import llguidance.hf
 import llguidance.torch
 
 from tinyserve.structured_output import GrammarError, choice_as_ebnf
+from tinyserve.structured_output.lark import grammar_is_likely_lark
 
 
 def _grammar_text(params) -> str:
@@ -28,7 +29,8 @@ def _grammar_text(params) -> str:
         return llguidance.grammar_from("regex", params.regex)
     if kind == "choice":
         return llguidance.grammar_from("grammar", choice_as_ebnf(params.choice))
-    return llguidance.grammar_from("grammar", params.grammar)
+    # Lark or EBNF: said, not guessed by llguidance (whose guess takes a Lark grammar opening with a comment for EBNF)
+    return llguidance.grammar_from("lark" if grammar_is_likely_lark(params.grammar) else "grammar", params.grammar)
 
 
 def check(params) -> None:

@@ -15,6 +15,7 @@ import re
 import xgrammar as xgr
 
 from tinyserve.structured_output import GrammarError, choice_as_ebnf
+from tinyserve.structured_output.lark import convert_lark_to_ebnf, grammar_is_likely_lark
 
 
 def check(params) -> None:
@@ -41,7 +42,10 @@ def _grammar(params) -> "xgr.Grammar":
         return xgr.Grammar.from_regex(params.regex)
     if kind == "choice":
         return xgr.Grammar.from_ebnf(choice_as_ebnf(params.choice))
-    return xgr.Grammar.from_ebnf(params.grammar)
+    grammar = params.grammar
+    if grammar_is_likely_lark(grammar):  # vLLM takes Lark too: xgrammar reads its EBNF form (lark.py)
+        grammar = convert_lark_to_ebnf(grammar)
+    return xgr.Grammar.from_ebnf(grammar)
 
 
 def _schema_text(schema) -> str:
