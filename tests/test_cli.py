@@ -201,7 +201,7 @@ def test_serve_listens_with_nagles_algorithm_off_on_every_connection():
     # The listener is served the way uvicorn serves it: loop.create_server(sock=...).
     import asyncio
 
-    from tinyserve.cli.serve import bind_listener
+    from tinyserve.cli.listener import bind_listener
 
     async def accepted_socket_nodelay() -> int:
         loop = asyncio.get_running_loop()

@@ -124,19 +124,47 @@ class _Collector(http.server.BaseHTTPRequestHandler):
         pass
 
 
+VLLM_LAUNCH_FLAGS = ("--enable-chunked-prefill", "--disable-frontend-multiprocessing", "--enable-tokenizer-info-endpoint",
+                     "--show-hidden-metrics-for-version", "0.9", "--enable-prompt-tokens-details",
+                     "--return-tokens-as-token-ids")
+
+
 @pytest.mark.server
-def test_a_server_started_with_otlp_traces_endpoint_exports_its_spans_there():
+def test_a_server_started_with_vllms_flags_serves_as_they_say_and_exports_to_otlp_traces_endpoint():
+    """One server for both: vLLM's launch flags (each accepted: implemented, always on, or a no-op that says
+    so) and --otlp-traces-endpoint."""
     collector = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
     threading.Thread(target=collector.serve_forever, daemon=True).start()
     endpoint = f"http://127.0.0.1:{collector.server_address[1]}"
     server = ServerProcess(str(tiny_model_with_tokenizer("llama")), "--served-model-name", MODEL,
-                           "--num-kv-blocks", "64", "--otlp-traces-endpoint", endpoint)
+                           "--num-kv-blocks", "64", "--otlp-traces-endpoint", endpoint, *VLLM_LAUNCH_FLAGS)
     try:
         assert httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, timeout=60).status_code == 200
+        body = {**CHAT, "logprobs": True, "top_logprobs": 1}
+        content = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0][
+            "logprobs"]["content"]
+        assert content and all(entry["token"].startswith("token_id:") for entry in content)  # the server's default
+        answer = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "return_tokens_as_token_ids": False},
+                            timeout=60).json()  # a request's own choice wins
+        assert not any(e["token"].startswith("token_id:") for e in answer["choices"][0]["logprobs"]["content"])
+        assert httpx.get(f"{server.url}/tokenizer_info", timeout=60).status_code == 200
     finally:
         server.stop()  # the spans are flushed on the way out
         collector.shutdown()
     assert "/v1/traces" in _Collector.paths
+    output = server.output()
+    assert "--disable-frontend-multiprocessing has no effect here" in output
+    assert "--show-hidden-metrics-for-version has no effect here" in output
+
+
+def test_vllms_flags_parse_and_the_one_that_would_change_the_schedule_is_refused():
+    from tinyserve.cli.main import build_parser
+    from tinyserve.cli.vllm_flags import check_vllm_flags
+
+    args = build_parser().parse_args(["serve", *VLLM_LAUNCH_FLAGS])
+    assert check_vllm_flags(args) is None and args.return_tokens_as_token_ids
+    refused = build_parser().parse_args(["serve", "--no-enable-chunked-prefill"])
+    assert "not implemented" in check_vllm_flags(refused)
 
 
 # ---- stream_options.continuous_usage_stats ----------------------------------------------------

@@ -6,9 +6,12 @@ Several nodes:   the head   --data-parallel-size 4 --data-parallel-size-local 2
                  each other --headless, the same four flags, and --data-parallel-start-rank 2
 The head serves the API and ranks 0 .. size_local-1; a headless node serves ranks
 start_rank .. start_rank+size_local-1 and no API (engine/headless.py, wire/nodes.py).
+A node secret (--data-parallel-node-secret, or TINYSERVE_DP_NODE_SECRET) set on all of
+them keeps other hosts from joining (frontend/remote_engines.py).
 """
 
 import argparse
+import os
 
 DEFAULT_ADDRESS = "127.0.0.1"  # vLLM's data_parallel_master_ip default
 DEFAULT_RPC_PORT = 29550  # vLLM's data_parallel_rpc_port default
@@ -30,6 +33,34 @@ def add_data_parallel_flags(parser: argparse.ArgumentParser) -> None:
                        help="with --headless: the first rank this node serves")
     group.add_argument("--headless", action="store_true",
                        help="run engines only, for the head at --data-parallel-address: no API server")
+    add_node_secret_flag(group)
+
+
+# ---- the node secret ---------------------------------------------------------------------
+# The flag is named like the others; the variable like vLLM's VLLM_DP_* ones, with this
+# project's prefix. The variable is the one to use: a flag's value shows in `ps`.
+NODE_SECRET_ENV = "TINYSERVE_DP_NODE_SECRET"
+
+
+def add_node_secret_flag(group) -> None:
+    group.add_argument("--data-parallel-node-secret", default=None, metavar="SECRET",
+                       help=f"a secret shared by the head and its headless nodes: the head refuses a node "
+                            f"without it (default: ${NODE_SECRET_ENV}, which stays out of `ps`; without "
+                            f"either, any host that reaches --data-parallel-rpc-port can join)")
+
+
+def node_secret(args: argparse.Namespace) -> str | None:
+    """--data-parallel-node-secret, else $TINYSERVE_DP_NODE_SECRET, else None."""
+    return args.data_parallel_node_secret or os.environ.get(NODE_SECRET_ENV) or None
+
+
+def check_node_secret(args: argparse.Namespace) -> str | None:
+    from tinyserve.wire.nodes import MAX_NODE_SECRET_CHARS
+
+    secret = node_secret(args)
+    if secret is not None and len(secret) > MAX_NODE_SECRET_CHARS:
+        return f"--data-parallel-node-secret (or {NODE_SECRET_ENV}) may be {MAX_NODE_SECRET_CHARS} characters at most"
+    return None
 
 
 def size_local(args: argparse.Namespace) -> int:
@@ -55,4 +86,4 @@ def check_data_parallel_flags(args: argparse.Namespace) -> str | None:
                     f"ranks [1, {size}) (rank 0 is the head's); got ranks {start}-{start + local - 1}")
     elif start not in (None, 0):
         return f"--data-parallel-start-rank {start} is for --headless nodes; the head always starts at rank 0"
-    return None
+    return check_node_secret(args)

@@ -18,10 +18,17 @@ import sys
 
 import uvicorn
 
-from tinyserve.cli.data_parallel_flags import add_data_parallel_flags, check_data_parallel_flags, size_local
+from tinyserve.cli.data_parallel_flags import (
+    add_data_parallel_flags,
+    check_data_parallel_flags,
+    node_secret,
+    size_local,
+)
 from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from
 from tinyserve.cli.load_balancing_flags import add_load_balancing_flags, check_load_balancing_flags
+from tinyserve.cli.listener import bind_listener
 from tinyserve.cli.metrics_flags import add_metrics_flags
+from tinyserve.cli.vllm_flags import add_vllm_flags, check_vllm_flags
 from tinyserve.entrypoints.api.guards.field_limits import (
     DEFAULT_MAX_LOGIT_BIAS_ENTRIES,
     DEFAULT_MAX_MESSAGES,
@@ -111,12 +118,13 @@ def add_parser(commands) -> None:
     tracing.add_argument("--trace-redact-inputs", action="store_true",
                          help="keep token counts in traces but drop prompt and output text and token ids "
                               "(replay then needs the prompts from elsewhere)")
+    add_vllm_flags(parser)
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    problem = _check_server_flags(args) or check_load_balancing_flags(args)
+    problem = _check_server_flags(args) or check_load_balancing_flags(args) or check_vllm_flags(args)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -152,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
     from tinyserve.entrypoints.api.guards.slow_clients import DeadlineProtocol
 
     ctx = ServingContext(engine, names, redact_inputs=args.trace_redact_inputs,
-                         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     if run_dir is not None:
         print(f"tinyserve: tracing to {run_dir}", flush=True)
     field_limits = FieldLimits(max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
@@ -190,7 +199,8 @@ def _multi_node(args: argparse.Namespace):
 
     if args.data_parallel_rank is not None or size_local(args) == args.data_parallel_size:
         return None
-    return MultiNode(size_local(args), args.data_parallel_address, args.data_parallel_rpc_port)
+    return MultiNode(size_local(args), args.data_parallel_address, args.data_parallel_rpc_port,
+                     node_secret=node_secret(args))
 
 
 def run_headless(args: argparse.Namespace, served_model_name: str) -> int:
@@ -201,7 +211,7 @@ def run_headless(args: argparse.Namespace, served_model_name: str) -> int:
         engine_args = engine_args_from(args)
         run_dir = start_tracing(args, engine_args, served_model_name, node_ranks=_local_ranks(args))
         node = HeadlessNode(engine_args, args.data_parallel_size, size_local(args), args.data_parallel_start_rank,
-                            args.data_parallel_address, args.data_parallel_rpc_port)
+                            args.data_parallel_address, args.data_parallel_rpc_port, node_secret=node_secret(args))
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -221,25 +231,6 @@ def _local_ranks(args: argparse.Namespace) -> list[int]:
         return [args.data_parallel_rank]
     start = args.data_parallel_start_rank or 0
     return list(range(start, start + size_local(args)))
-
-
-def bind_listener(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the model loads (as vLLM does): a taken port or an
-    unknown host is reported at once instead of after a long start-up. uvicorn serves on it.
-
-    The protocol is named (IPPROTO_TCP, not 0): asyncio turns Nagle's algorithm off only on
-    connections whose socket says TCP. With it on, a response's body, written after its
-    headers, waited for the client's delayed ACK of them: 40 ms more for every response.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, port))
-    except OSError:
-        listener.close()
-        raise
-    return listener
 
 
 def _check_server_flags(args: argparse.Namespace) -> str | None:

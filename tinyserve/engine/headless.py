@@ -17,6 +17,11 @@ its engines' exits. It stops its engines and returns when the head says it is
 stopping (0), when the head goes silent or an engine dies (1), or on SIGTERM and
 Ctrl-C (0). With --trace the engines write their spans into this node's own run
 folder; `tinyserve trace merge` joins it with the head's.
+
+With --data-parallel-node-secret (or TINYSERVE_DP_NODE_SECRET) the hello carries it;
+a head with another secret, or none, refuses the node (frontend/remote_engines.py
+says what the secret protects). What the head sends back is bounded too: a frame
+over MAX_HEAD_MESSAGE_BYTES drops the connection, and its text is cut in the log.
 """
 
 import logging
@@ -35,11 +40,14 @@ from tinyserve.wire.ipc import MessageDecoder
 from tinyserve.wire.nodes import (
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TIMEOUT_S,
+    MAX_HEAD_MESSAGE_BYTES,
+    MAX_REASON_CHARS,
     NODE_MESSAGE_TYPES,
     EngineExited,
     Heartbeat,
     NodeHello,
     NodeMessageKind,
+    peer_text,
 )
 
 logger = logging.getLogger(__name__)
@@ -49,8 +57,9 @@ WELCOME_TIMEOUT_S = 300.0  # the head may still be starting (loading its own eng
 
 class HeadlessNode:
     def __init__(self, engine_args: EngineArgs, data_parallel_size: int, size_local: int, start_rank: int,
-                 address: str, rpc_port: int) -> None:
+                 address: str, rpc_port: int, node_secret: str | None = None) -> None:
         self.engine_args = engine_args
+        self.node_secret = node_secret
         self.model_info = ModelInfo.from_args(engine_args)
         self.data_parallel_size = data_parallel_size
         self.ranks = list(range(start_rank, start_rank + size_local))
@@ -59,6 +68,7 @@ class HeadlessNode:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 500)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_HEAD_MESSAGE_BYTES)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = MessageDecoder(NodeMessageKind, NODE_MESSAGE_TYPES)
         self._stopping = False
@@ -82,7 +92,7 @@ class HeadlessNode:
 
     def _join(self):
         hello = NodeHello(socket.gethostname(), os.getpid(), self.ranks, self.data_parallel_size,
-                          manifest_fingerprint(self.model_info.path))
+                          manifest_fingerprint(self.model_info.path), self.node_secret)
         self._send(NodeMessageKind.HELLO, hello)
         logger.info("waiting for the head at %s to let ranks %s in", self.head, self.ranks)
         deadline = time.monotonic() + WELCOME_TIMEOUT_S
@@ -94,7 +104,7 @@ class HeadlessNode:
             if kind is NodeMessageKind.WELCOME:
                 return body
             if kind is NodeMessageKind.REFUSED:
-                logger.error("the head at %s refused this node: %s", self.head, body.reason)
+                logger.error("the head at %s refused this node: %s", self.head, peer_text(body.reason, 1000))
                 return None
         if not self._stopping:
             logger.error("no answer from the head at %s within %.0f s", self.head, WELCOME_TIMEOUT_S)
@@ -120,7 +130,7 @@ class HeadlessNode:
                 if self.engines.has_exited(position):
                     reason = self.engines.exit_reason(position)
                     logger.error("engine %d exited (%s)", rank, reason)
-                    self._send(NodeMessageKind.ENGINE_EXITED, EngineExited(rank, reason))
+                    self._send(NodeMessageKind.ENGINE_EXITED, EngineExited(rank, reason[:MAX_REASON_CHARS]))
                     return 1
         return 0
 
