@@ -7,9 +7,7 @@ Through the openai client and httpx, on the shared server (one test starts its o
 """
 
 import concurrent.futures
-import http.server
 import json
-import threading
 import time
 import uuid
 
@@ -18,9 +16,7 @@ import openai
 import pytest
 
 from tests.shared_server import MODEL
-from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.cli.main import build_parser
-from tinyserve.testing import ServerProcess
 
 MESSAGES = [{"role": "user", "content": "Errors should never pass silently."}]
 CHAT = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
@@ -108,63 +104,6 @@ def test_otlp_traces_endpoint_is_vllms_name_for_otlp_endpoint():
     for flag in ("--otlp-traces-endpoint", "--otlp-endpoint"):
         assert build_parser().parse_args(["serve", flag, "http://collector:4318"]).otlp_endpoint \
             == "http://collector:4318"
-
-
-class _Collector(http.server.BaseHTTPRequestHandler):
-    paths: list = []
-
-    def do_POST(self):  # noqa: N802 (http.server's naming)
-        self.rfile.read(int(self.headers["Content-Length"]))
-        self.paths.append(self.path)
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
-VLLM_LAUNCH_FLAGS = ("--enable-chunked-prefill", "--disable-frontend-multiprocessing", "--enable-tokenizer-info-endpoint",
-                     "--show-hidden-metrics-for-version", "0.9", "--enable-prompt-tokens-details",
-                     "--return-tokens-as-token-ids")
-
-
-@pytest.mark.server
-def test_a_server_started_with_vllms_flags_serves_as_they_say_and_exports_to_otlp_traces_endpoint():
-    """One server for both: vLLM's launch flags (each accepted: implemented, always on, or a no-op that says
-    so) and --otlp-traces-endpoint."""
-    collector = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
-    threading.Thread(target=collector.serve_forever, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{collector.server_address[1]}"
-    server = ServerProcess(str(tiny_model_with_tokenizer("llama")), "--served-model-name", MODEL,
-                           "--num-kv-blocks", "64", "--otlp-traces-endpoint", endpoint, *VLLM_LAUNCH_FLAGS)
-    try:
-        assert httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, timeout=60).status_code == 200
-        body = {**CHAT, "logprobs": True, "top_logprobs": 1}
-        content = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0][
-            "logprobs"]["content"]
-        assert content and all(entry["token"].startswith("token_id:") for entry in content)  # the server's default
-        answer = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "return_tokens_as_token_ids": False},
-                            timeout=60).json()  # a request's own choice wins
-        assert not any(e["token"].startswith("token_id:") for e in answer["choices"][0]["logprobs"]["content"])
-        assert httpx.get(f"{server.url}/tokenizer_info", timeout=60).status_code == 200
-    finally:
-        server.stop()  # the spans are flushed on the way out
-        collector.shutdown()
-    assert "/v1/traces" in _Collector.paths
-    output = server.output()
-    assert "--disable-frontend-multiprocessing has no effect here" in output
-    assert "--show-hidden-metrics-for-version has no effect here" in output
-
-
-def test_vllms_flags_parse_and_the_one_that_would_change_the_schedule_is_refused():
-    from tinyserve.cli.main import build_parser
-    from tinyserve.cli.vllm_flags import check_vllm_flags
-
-    args = build_parser().parse_args(["serve", *VLLM_LAUNCH_FLAGS])
-    assert check_vllm_flags(args) is None and args.return_tokens_as_token_ids
-    refused = build_parser().parse_args(["serve", "--no-enable-chunked-prefill"])
-    assert "not implemented" in check_vllm_flags(refused)
 
 
 # ---- stream_options.continuous_usage_stats ----------------------------------------------------

@@ -17,6 +17,8 @@ import xgrammar as xgr
 from tinyserve.structured_output import GrammarError, choice_as_ebnf
 from tinyserve.structured_output.lark import convert_lark_to_ebnf, grammar_is_likely_lark
 
+READS_LARK = hasattr(xgr.Grammar, "from_lark")  # xgrammar >= 0.2: Grammar.from_lark
+
 
 def check(params) -> None:
     """Build the grammar without a vocabulary: what the library cannot parse fails here."""
@@ -43,8 +45,10 @@ def _grammar(params) -> "xgr.Grammar":
     if kind == "choice":
         return xgr.Grammar.from_ebnf(choice_as_ebnf(params.choice))
     grammar = params.grammar
-    if grammar_is_likely_lark(grammar):  # vLLM takes Lark too: xgrammar reads its EBNF form (lark.py)
-        grammar = convert_lark_to_ebnf(grammar)
+    if grammar_is_likely_lark(grammar):  # vLLM takes Lark too
+        if READS_LARK:  # xgrammar 0.2 reads it itself, as llguidance does: %import common, %ignore and all
+            return xgr.Grammar.from_lark(grammar)
+        grammar = convert_lark_to_ebnf(grammar)  # an older one reads its EBNF form (lark.py)
     return xgr.Grammar.from_ebnf(grammar)
 
 
