@@ -23,6 +23,12 @@ are refused with RequestRejectedError (the server's 503), so a burst cannot grow
 without bound. On shutdown, `start_draining` refuses new requests and `abort_all` ends
 the ones left with finish_reason "abort", through the engines as any abort.
 
+A data-parallel rank that dies fails the requests it held and no others: their streams
+end with its EngineRankDeadError (a 503, or a stream's error event), a request of n > 1
+with one child there fails whole (its children elsewhere are aborted), and the rank's
+last stats stop counting. Every other request runs on. `errored` turns true only once
+no engine is left; `dead_engines` says which died meanwhile.
+
 The module is over 300 lines because a request's whole way through the front end
 (admission, send, abort, the output loop that ends it) reads best in one place.
 """
@@ -38,7 +44,7 @@ from tinyserve.errors import InvalidInputError
 from tinyserve.frontend.core_client import MPClient
 from tinyserve.frontend.dp_client import data_parallel_engine_indices
 from tinyserve.frontend.remote_engines import MultiNode
-from tinyserve.frontend.engine_client import EngineClient, EngineDeadError
+from tinyserve.frontend.engine_client import EngineClient, EngineDeadError, EngineRankDeadError
 from tinyserve.frontend.inproc_client import AsyncInprocClient
 from tinyserve.frontend.input_processor import InputProcessor, ProcessedPrompt, log_inputs
 from tinyserve.frontend.output_processor import OutputKind, OutputProcessor
@@ -91,6 +97,7 @@ class AsyncLLM:
         self.client: EngineClient = client
         self.queues: dict[str, asyncio.Queue] = {}
         self.engine_stats: dict[int, SchedulerStats] = {}
+        self.dead_engines: dict[int, str] = {}  # engine index -> how it died and what was lost (others live)
         # Objects with on_request(request_id, child EngineCoreRequests, SamplingParams) and on_outputs(...),
         # e.g. the server's Prometheus metrics.
         self.stat_loggers: list = []
@@ -134,6 +141,11 @@ class AsyncLLM:
     def dead_reason(self) -> str | None:
         """Which engine died and how (its process's exit, a headless node's silence); None while all live."""
         return None if self._dead is None else str(self._dead)
+
+    @property
+    def live_engine_indices(self) -> list[int]:
+        """The engines that still serve (all of engine_indices until a data-parallel rank dies)."""
+        return [] if self._dead is not None else [i for i in self.engine_indices if i not in self.dead_engines]
 
     @property
     def num_kv_blocks(self) -> int:
@@ -246,11 +258,13 @@ class AsyncLLM:
             await self.client.abort_requests(child_ids)
 
     async def get_stats(self) -> list[SchedulerStats]:
-        """Fresh scheduler stats from every engine (a utility call to each)."""
-        return [await self.client.call_utility("get_stats", engine_index=i) for i in self.engine_indices]
+        """Fresh scheduler stats from every live engine (a utility call to each)."""
+        return [await self.client.call_utility("get_stats", engine_index=i) for i in self.live_engine_indices]
 
     async def reset_prefix_cache(self) -> list[bool]:
-        return [await self.client.call_utility("reset_prefix_cache", engine_index=i) for i in self.engine_indices]
+        """Each live engine's answer (a rank that died has no cache left to reset)."""
+        return [await self.client.call_utility("reset_prefix_cache", engine_index=i)
+                for i in self.live_engine_indices]
 
     async def _send(self, request: EngineCoreRequest, spans) -> int:
         with spans.stage(schema.IPC_SEND, {schema.REQUEST_ID: request.request_id}) as send_span:
@@ -295,7 +309,11 @@ class AsyncLLM:
         """The single background task that routes engine outputs to request queues."""
         try:
             while True:
-                engine_outputs = await self.client.get_outputs()
+                try:
+                    engine_outputs = await self.client.get_outputs()
+                except EngineRankDeadError as lost:
+                    await self._fail_lost_requests(lost)
+                    continue
                 received_time = time.time()
                 if engine_outputs.scheduler_stats is not None:
                     self.engine_stats[engine_outputs.engine_index] = engine_outputs.scheduler_stats
@@ -317,3 +335,23 @@ class AsyncLLM:
             for request_id, queue in list(self.queues.items()):
                 self.output_processor.abort_request(request_id)
                 queue.put_nowait(self._dead)
+
+    async def _fail_lost_requests(self, lost: EngineRankDeadError) -> None:
+        """One data-parallel rank died, others live: end the requests it held with its error, and only those.
+
+        A request of n > 1 whose child was there fails whole, as a dead engine fails a request
+        today; its children on live engines are aborted so that their KV blocks are freed.
+        """
+        self.dead_engines[lost.engine_index] = str(lost)
+        self.engine_stats.pop(lost.engine_index, None)  # its last report no longer runs anything
+        lost_ids = set(lost.request_ids)
+        parents = {child.parent.request_id for child_id in lost.request_ids
+                   if (child := self.output_processor.children.get(child_id)) is not None}
+        to_abort = []
+        for request_id in parents:
+            to_abort += [c for c in self.output_processor.abort_request(request_id) if c not in lost_ids]
+            queue = self.queues.pop(request_id, None)
+            if queue is not None:
+                queue.put_nowait(lost)
+        if to_abort:
+            await self.client.abort_requests(to_abort)

@@ -12,13 +12,16 @@ With multi_node, the positions from multi_node.size_local on run on headless nod
 their sockets are bound on TCP at the head's address, and remote_engines.py lets the
 nodes in and watches them.
 
-It also watches the engines. Each process has a sentinel, a file descriptor that
-becomes readable the moment the process exits; the event loop watches them, so
-a crash is noticed at once, without polling. From then on the client is dead:
-`get_outputs` raises EngineDeadError (after what was already received), so the
-caller can fail every in-flight request; `add_request` fails fast; the other
-engines are stopped too, since the caller fails their requests as well and their
-work would go nowhere.
+It also watches the engines: the event loop watches each process's sentinel (a file
+descriptor readable the moment the process exits), so a crash is noticed at once; a
+headless node's rank is reported by remote_engines.py. A dead engine loses only what it
+held: `get_outputs` raises one EngineRankDeadError naming the rank and its engine request
+ids, the caller fails those alone and goes on with the live ranks; the load balancer
+never picks the rank again, and the log says how many requests were lost where. With no
+engine left the client is dead: `get_outputs` raises EngineDeadError, `add_request`
+fails fast. (vLLM's MPClient makes any engine's death the whole client's; tinyserve does
+so for the last one only: no collective op joins DP ranks here, so a live rank's
+requests run to completion, and --keep-alive-on-engine-death serves on the ranks left.)
 
 The module is over 300 lines because start-up, sending, receiving and an engine's
 death all work on the same sockets and the same in-flight table.
@@ -36,7 +39,7 @@ import zmq.asyncio
 
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.frontend.dp_client import DPLoadBalancer, data_parallel_engine_indices
-from tinyserve.frontend.engine_client import ClientLiveness, EngineDeadError, EngineStartupError
+from tinyserve.frontend.engine_client import ClientLiveness, EngineDeadError, EngineRankDeadError, EngineStartupError
 from tinyserve.engine.engine_procs import EngineProcesses
 from tinyserve.frontend.remote_engines import MultiNode, RemoteEngines
 from tinyserve.models.fingerprint import manifest_fingerprint
@@ -98,7 +101,8 @@ class MPClient(ClientLiveness):
         self.transport = transport
         self.startup_timeout = startup_timeout
         self.in_flight: dict[str, int] = {}  # request id -> index of the engine that has it
-        self.dead_error: EngineDeadError | None = None
+        self.dead_error: EngineDeadError | None = None  # set once no engine is left
+        self.dead_engines: dict[int, str] = {}  # engine index -> how it died and what was lost, in order
         self.num_kv_blocks: list[int] = []  # per engine, from the handshakes
         self.max_model_len = model_info.max_model_len
         self.load_balancer = DPLoadBalancer(data_parallel_size)
@@ -113,7 +117,7 @@ class MPClient(ClientLiveness):
         self.last_sent_bytes: int | None = None  # the size of the latest message sent
         self._decoder = MessageDecoder(EngineOutputKind, OUTPUT_TYPES)
         self._outputs: asyncio.Queue = asyncio.Queue()  # EngineCoreOutputs, then an EngineDeadError last
-        self._utility_calls: dict[int, asyncio.Future] = {}
+        self._utility_calls: dict[int, tuple[int, asyncio.Future]] = {}  # call id -> (engine index, its answer)
         self._call_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._output_task: asyncio.Task | None = None
@@ -201,8 +205,8 @@ class MPClient(ClientLiveness):
                     ready[message.engine_index - self.start_index] = message
                 elif kind is EngineOutputKind.FAILED:
                     raise EngineStartupError(f"engine {message.engine_index} failed to start: {message.error}")
-            if self.dead_error is not None:  # a headless node lost before all were ready
-                raise EngineStartupError(str(self.dead_error))
+            if self.dead_engines:  # a headless node lost before all were ready
+                raise EngineStartupError(next(iter(self.dead_engines.values())))
             for index in range(self.num_local_engines):
                 if index not in ready and self._engines.has_exited(index):
                     if await self._output_socket.poll(timeout=200):
@@ -218,7 +222,7 @@ class MPClient(ClientLiveness):
     # ---- requests ----------------------------------------------------------------
 
     async def add_request(self, request: EngineCoreRequest) -> int:
-        """Send a request to the least loaded engine; returns that engine's index."""
+        """Send a request to the least loaded live engine; returns that engine's index."""
         self._check_alive()
         position = self.load_balancer.choose_engine()
         index = self.start_index + position
@@ -239,10 +243,12 @@ class MPClient(ClientLiveness):
             self._send(index, EngineInputKind.ABORT, EngineCoreAbort(ids))
 
     async def get_outputs(self) -> EngineCoreOutputs:
-        """The next EngineCoreOutputs from any engine; raises EngineDeadError once one has died."""
+        """The next EngineCoreOutputs from any engine; raises EngineRankDeadError once for each rank that dies
+        while another lives (the next call goes on), EngineDeadError once none is left (and on every call after)."""
         item = await self._outputs.get()
         if isinstance(item, EngineDeadError):
-            self._outputs.put_nowait(item)  # every later call raises too
+            if not isinstance(item, EngineRankDeadError):
+                self._outputs.put_nowait(item)  # every later call raises too
             raise item
         return item
 
@@ -254,9 +260,11 @@ class MPClient(ClientLiveness):
         if not first <= engine_index < end:
             raise ValueError(f"engine_index must be in [{first}, {end}), got {engine_index}")
         self._check_alive()
+        if engine_index in self.dead_engines:
+            raise EngineDeadError(self.dead_engines[engine_index])
         call_id = next(self._call_ids)
         future = self._loop.create_future()
-        self._utility_calls[call_id] = future
+        self._utility_calls[call_id] = (engine_index, future)
         try:
             self._send(engine_index, EngineInputKind.UTILITY, UtilityCall(call_id, method, list(args)))
             reply = await future
@@ -289,14 +297,14 @@ class MPClient(ClientLiveness):
             if kind is EngineOutputKind.OUTPUTS:
                 self._on_outputs(message)
             elif kind is EngineOutputKind.UTILITY_RESULT:
-                future = self._utility_calls.get(message.call_id)
+                _, future = self._utility_calls.get(message.call_id, (None, None))
                 if future is not None and not future.done():
                     future.set_result(message)
             elif kind is EngineOutputKind.FAILED:
                 self._mark_dead(message.engine_index, message.error)
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
-        if self.dead_error is not None:
+        if self.dead_error is not None or outputs.engine_index in self.dead_engines:
             return  # the caller has been told; these requests are failed already
         position = outputs.engine_index - self.start_index
         if not 0 <= position < self.data_parallel_size:
@@ -315,17 +323,42 @@ class MPClient(ClientLiveness):
         self._mark_dead(self.start_index + position, f"process {self._engines.pids[position]} exited ({reason})")
 
     def _mark_dead(self, index: int, reason: str) -> None:
-        if self.dead_error is not None or self._closed:
+        """Engine `index` is gone (its process exited, it reported a failure, or its node was lost):
+        fail what it held, and only that while another engine lives. Called once or more per engine."""
+        if self.dead_error is not None or self._closed or index in self.dead_engines:
             return
-        lost = sum(1 for owner in self.in_flight.values() if owner == index)
-        where = "" if index - self.start_index < self.num_local_engines else " (on a headless node)"
-        self.dead_error = EngineDeadError(f"engine {index}{where} died: {reason}; {lost} in-flight request(s) lost")
-        logger.error("%s", self.dead_error)
-        self._fail_waiters(self.dead_error)
-        self._engines.terminate()
+        position = index - self.start_index
+        lost = [request_id for request_id, owner in self.in_flight.items() if owner == index]
+        for request_id in lost:
+            del self.in_flight[request_id]
+        self.load_balancer.mark_dead(position)
+        where = "" if position < self.num_local_engines else " (on a headless node)"
+        message = f"engine {index}{where} died: {reason}; {len(lost)} in-flight request(s) lost"
+        live = [self.start_index + p for p in range(self.data_parallel_size) if p not in self.load_balancer.dead]
+        if not live:
+            if self.dead_engines:
+                message += "; no engine is left"
+            self.dead_engines[index] = message
+            self.dead_error = EngineDeadError(message)
+            logger.error("%s", self.dead_error)
+            self._fail_waiters(self.dead_error)
+            self._engines.terminate()
+            return
+        message += f" on it; the {len(self.in_flight)} on engine(s) {live} go on"
+        self.dead_engines[index] = message
+        error = EngineRankDeadError(message, index, lost)
+        logger.error("%s", error)
+        for engine_index, future in self._utility_calls.values():
+            if engine_index == index and not future.done():
+                future.set_exception(error)
+        if position < self.num_local_engines:  # one that reported a failure may still be running
+            process = self._engines.processes[position]
+            if process.exitcode is None:
+                process.terminate()
+        self._outputs.put_nowait(error)
 
     def _fail_waiters(self, error: EngineDeadError) -> None:
-        for future in self._utility_calls.values():
+        for _, future in self._utility_calls.values():
             if not future.done():
                 future.set_exception(error)
         self._outputs.put_nowait(error)

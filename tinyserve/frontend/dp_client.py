@@ -31,16 +31,26 @@ def data_parallel_engine_indices(data_parallel_size: int, data_parallel_rank: in
 
 
 class DPLoadBalancer:
+    """Picks the least loaded live engine. A rank that died (mark_dead) is never chosen again, so
+    the live ones take every new request; the client refuses requests before asking once none lives."""
+
     def __init__(self, num_engines: int) -> None:
         self.stats = [SchedulerStats() for _ in range(num_engines)]  # latest report per engine
         self.sent_since_report = [0] * num_engines
+        self.dead: set[int] = set()  # positions of the engines that died
 
     def choose_engine(self) -> int:
         def load(index: int) -> tuple[int, int]:
             stats = self.stats[index]
             return (stats.num_waiting_reqs + self.sent_since_report[index], stats.num_running_reqs)
 
-        return min(range(len(self.stats)), key=load)
+        live = [index for index in range(len(self.stats)) if index not in self.dead]
+        if not live:
+            raise RuntimeError("no live engine to choose")
+        return min(live, key=load)
+
+    def mark_dead(self, engine_index: int) -> None:
+        self.dead.add(engine_index)
 
     def on_request_sent(self, engine_index: int) -> None:
         self.sent_since_report[engine_index] += 1

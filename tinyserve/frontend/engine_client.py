@@ -19,6 +19,22 @@ class EngineDeadError(RuntimeError):
     """An engine is gone; the requests it held are lost and no new ones are taken."""
 
 
+class EngineRankDeadError(EngineDeadError):
+    """One data-parallel rank is gone while others still serve: only the requests it held are lost.
+
+    MPClient.get_outputs raises it once per dead rank, after that rank's outputs already
+    received, and goes on with the live ranks' outputs on the next call. request_ids are the
+    engine request ids the rank held; each of their streams ends with this error. New
+    requests go to the live ranks. When the last rank dies, the plain EngineDeadError
+    follows, as with a single engine.
+    """
+
+    def __init__(self, message: str, engine_index: int, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.engine_index = engine_index
+        self.request_ids = request_ids
+
+
 class EngineStartupError(RuntimeError):
     """An engine process failed to load its model or to answer in time."""
 
@@ -49,7 +65,8 @@ class EngineClient(Protocol):
         """Stop these requests; each answers with a finished output (ids already done are ignored)."""
 
     async def get_outputs(self) -> EngineCoreOutputs:
-        """The next outputs of any engine; raises EngineDeadError once an engine has died."""
+        """The next outputs of any engine; raises EngineDeadError once no engine is left (and
+        EngineRankDeadError, once, for a data-parallel rank that died while others live)."""
 
     async def call_utility(self, method: str, *args, engine_index: int = 0):
         """Run one of wire.ipc.UTILITY_METHODS on an engine between two of its steps."""

@@ -1,8 +1,7 @@
 """Prometheus metrics with vLLM's names, definitions and buckets, under the `tinyserve:` prefix (or another).
 
-`--metrics-prefix vllm` names them `vllm:...`, exactly as vLLM does (same names, same labels),
-so that vLLM's Grafana dashboards and alerts read this server unchanged. The HTTP metrics
-(http_metrics.py) carry no prefix in either case, as vLLM's do.
+`--metrics-prefix vllm` names them `vllm:...` as vLLM does (same names, same labels), for vLLM's
+dashboards and alerts; the HTTP metrics (http_metrics.py) carry no prefix, as vLLM's do.
 
 Two clocks, never mixed (the API process and each engine have their own):
 - front-end clock (this process): arrival → each token received → finish gives
@@ -23,6 +22,7 @@ requests: `request_params_n` and `request_max_num_generation_tokens` are observe
 its last child finishes, the per-request token histograms once per child, as in vLLM.
 """
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -185,8 +185,19 @@ class ServerMetrics:
             values = {name: str(value) for name, value in info.items()}
             self.cache_config_info.labels(**values, num_gpu_blocks=str(num_blocks), engine=str(engine)).set(1)
 
-    def forget_engine_gauges(self) -> None:
-        """The engines are gone: their gauges go too, rather than stand at the last values they reported."""
+    def forget_engine_gauges(self, engine_index: int | None = None) -> None:
+        """The engines are gone (or engine_index alone, a data-parallel rank that died while others serve):
+        their gauges go too, rather than stand at the last values they reported."""
+        if engine_index is not None:
+            labels = (self.model_name, str(engine_index))
+            series = [(metric, labels) for metric in (self.num_requests_running, self.num_requests_waiting,
+                                                      self.kv_cache_usage_perc)]
+            series += [(self.num_requests_waiting_by_reason, (*labels, reason))
+                       for reason in (WAITING_REASON_CAPACITY, WAITING_REASON_DEFERRED)]
+            for metric, values in series:
+                with contextlib.suppress(KeyError):  # removed already, at an earlier scrape
+                    metric.remove(*values)
+            return
         for metric in (self.num_requests_running, self.num_requests_waiting, self.num_requests_waiting_by_reason,
                        self.kv_cache_usage_perc):
             metric.clear()

@@ -146,8 +146,13 @@ def build_app(
 
     @app.get("/health")
     async def health():
-        # vLLM answers an empty 200; a small JSON body says the same to someone with curl.
+        # vLLM answers an empty 200; a small JSON body says the same to someone with curl. vLLM's 503 means
+        # the engine client is dead (EngineDeadError): a data-parallel rank lost while others serve is not
+        # that here (async_llm.py), so it stays 200, "degraded", naming the dead engines.
         if ctx.engine.is_healthy:
+            if ctx.engine.dead_engines:
+                return JSONResponse({"status": "degraded", "live_engines": ctx.engine.live_engine_indices,
+                                     "dead_engines": {str(i): why for i, why in ctx.engine.dead_engines.items()}})
             return JSONResponse({"status": "ok"})
         reason = f"an engine died: {ctx.engine.dead_reason}" if ctx.engine.errored else "the engines are not running"
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
@@ -170,6 +175,8 @@ def build_app(
     async def prometheus_metrics():
         if ctx.engine.errored:  # a dead engine's load is no load (counters stay: they are history)
             metrics.forget_engine_gauges()
+        for engine_index in ctx.engine.dead_engines:  # a data-parallel rank lost while others serve
+            metrics.forget_engine_gauges(engine_index)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/embeddings", include_in_schema=False)  # never answered otherwise: not in the document

@@ -25,8 +25,20 @@ vLLM, rather than leaving a server that answers 503 for ever:
       │ with ENGINE_DEATH_GRACE_S for the responses to send their last bytes
       ▼ the process exits with ENGINE_DEATH_EXIT_CODE, for a supervisor to restart it
 
+With data parallel, a rank that dies (its process, or a headless node's rank)
+fails only the requests it held; the other ranks' requests run on. The server
+still exits with ENGINE_DEATH_EXIT_CODE, but as on SIGTERM: the live ranks'
+requests get --shutdown-timeout seconds to finish, the rest end with
+finish_reason "abort". vLLM has no such case (any engine's death is the whole
+client's, every request fails at once); failing requests that would finish would
+only cost their clients a retry, and the supervisor waits no longer than a
+SIGTERM of its own would make it wait. Once no engine is left it is the single
+engine's case above.
+
 --keep-alive-on-engine-death keeps the server up instead (vLLM's
-VLLM_KEEP_ALIVE_ON_ENGINE_DEATH), answering 503 until someone stops it.
+VLLM_KEEP_ALIVE_ON_ENGINE_DEATH): with ranks left, new requests go to them and
+/health stays 200 (its body says which engines died); with none left, it answers
+503 until someone stops it, as vLLM does.
 """
 
 import asyncio
@@ -86,11 +98,20 @@ class GracefulServer(uvicorn.Server):
         return 0 if self.started else 1
 
     async def on_tick(self, counter: int) -> bool:
-        """uvicorn's tick (every 0.1 s); an engine's death asks for the shutdown."""
-        if self.engine.errored and not self.keep_alive_on_engine_death and not self.should_exit:
-            logger.error("an engine died: stopping the server (--keep-alive-on-engine-death keeps it up)")
+        """uvicorn's tick (every 0.1 s); an engine's death asks for the shutdown.
+
+        With no engine left, only bytes remain to send (ENGINE_DEATH_GRACE_S). With a data-parallel
+        rank left, its requests drain as on SIGTERM (the graceful timeout stays shutdown_timeout's).
+        """
+        dead = self.engine.errored or bool(self.engine.dead_engines)
+        if dead and not self.keep_alive_on_engine_death and not self.should_exit:
             self.stopped_for_engine_death = True
-            self.config.timeout_graceful_shutdown = ENGINE_DEATH_GRACE_S
+            if self.engine.errored:
+                logger.error("an engine died: stopping the server (--keep-alive-on-engine-death keeps it up)")
+                self.config.timeout_graceful_shutdown = ENGINE_DEATH_GRACE_S
+            else:
+                logger.error("an engine died: stopping the server once the requests on engine(s) %s finish "
+                             "(--keep-alive-on-engine-death keeps it up)", self.engine.live_engine_indices)
             self.should_exit = True
         return await super().on_tick(counter)
 

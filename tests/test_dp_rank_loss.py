@@ -1,0 +1,150 @@
+"""Losing one data-parallel rank fails only the requests it held.
+
+A server with --data-parallel-size 2 runs six streams, spread over both engines by
+the load balancer; kill -9 of engine 1's process ends the streams it held with the
+engine-death error (a 503 error event) while engine 0's run to their last token, and
+the log counts the lost requests truthfully. With --keep-alive-on-engine-death the
+server goes on serving on engine 0 and /health stays 200, "degraded"; without it the
+server drains engine 0's requests (as on SIGTERM) and then exits with status 1.
+"""
+
+import concurrent.futures
+import json
+import re
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.server_checks import long_context_model, wait_until
+from tinyserve.frontend.dp_client import DPLoadBalancer
+from tinyserve.testing import ServerProcess
+from tinyserve.wire.messages import SchedulerStats
+
+pytestmark = pytest.mark.server  # a real `tinyserve serve` on loopback
+
+MODEL = "tiny"
+STREAMS = 6
+MAX_TOKENS = 3000  # running at the kill on any machine (~1 s for 400 on 2 cores), done soon after
+FLAGS = ("--served-model-name", MODEL, "--num-kv-blocks", "2048", "--data-parallel-size", "2")
+
+
+def stream(url: str, i: int) -> dict:
+    """One streamed completion: its status, the tokens it reported, its finish reason or error message."""
+    body = {"model": MODEL, "prompt": f"story {i}", "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    outcome = {"status": None, "tokens": None, "finish_reason": None, "error": None}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        outcome["status"] = response.status_code
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if "error" in chunk:
+                outcome["error"] = chunk["error"]
+            for choice in chunk.get("choices", ()):
+                outcome["finish_reason"] = choice.get("finish_reason") or outcome["finish_reason"]
+            if chunk.get("usage"):
+                outcome["tokens"] = chunk["usage"]["completion_tokens"]
+    return outcome
+
+
+def running(url: str) -> dict[str, float]:
+    """tinyserve:num_requests_running by engine, from one scrape of /metrics."""
+    counts = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("tinyserve:num_requests_running{"):
+            counts[line.split('engine="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def engine_process(proc: ServerProcess, index: int) -> psutil.Process:
+    [engine] = [p for p in psutil.Process(proc.process.pid).children() if p.name() == f"tinyserve-engine-{index}"]
+    return engine
+
+
+def kill_engine_1_mid_stream(proc: ServerProcess) -> tuple[list[dict], float]:
+    """Start STREAMS streams on both engines, SIGKILL engine 1 while all run; each stream's outcome, and
+    how many engine 1 held."""
+    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
+        futures = [pool.submit(stream, proc.url, i) for i in range(STREAMS)]
+        seen = []
+
+        def all_run_on_both() -> bool:
+            seen.append(running(proc.url))
+            return min(seen[-1].values(), default=0) > 0 and sum(seen[-1].values()) == STREAMS
+
+        try:
+            wait_until(all_run_on_both, 60, "every stream runs, on both engines")
+        except AssertionError as error:
+            ended = [future.result() for future in futures if future.done()]
+            raise AssertionError(f"{error}; running by engine: {seen[-3:]}; ended already: {ended}") from None
+        on_engine_1 = seen[-1]["1"]
+        engine_process(proc, 1).send_signal(signal.SIGKILL)
+        return [future.result(timeout=180) for future in futures], on_engine_1
+
+
+def check_only_the_dead_ranks_streams_failed(outcomes: list[dict], on_engine_1: float, output: str) -> None:
+    failed = [o for o in outcomes if o["error"] is not None]
+    finished = [o for o in outcomes if o["error"] is None]
+    assert len(failed) == on_engine_1 and len(finished) == STREAMS - on_engine_1, outcomes
+    for outcome in failed:
+        assert outcome["status"] == 200 and outcome["error"]["code"] == 503, outcome
+        assert "engine 1 died" in outcome["error"]["message"] and "killed by SIGKILL" in outcome["error"]["message"]
+    for outcome in finished:
+        assert outcome["tokens"] == MAX_TOKENS and outcome["finish_reason"] == "length", outcome
+    # The log counts what was lost, and where.
+    [lost] = re.findall(r"engine 1 died: .*?; (\d+) in-flight request\(s\) lost on it", output)
+    assert int(lost) == on_engine_1, output[-3000:]
+
+
+def test_the_load_balancer_never_chooses_a_dead_rank():
+    balancer = DPLoadBalancer(3)
+    balancer.on_stats(0, SchedulerStats(num_waiting_reqs=5))
+    balancer.mark_dead(1)  # the least loaded, were it alive
+    chosen = []
+    for _ in range(4):
+        chosen.append(balancer.choose_engine())
+        balancer.on_request_sent(chosen[-1])
+    assert 1 not in chosen and chosen[0] == 2, chosen
+    balancer.mark_dead(0)
+    balancer.mark_dead(2)
+    with pytest.raises(RuntimeError, match="no live engine"):
+        balancer.choose_engine()
+
+
+def test_kept_alive_the_live_rank_finishes_its_streams_and_takes_every_new_request():
+    proc = ServerProcess(long_context_model(), *FLAGS, "--keep-alive-on-engine-death")
+    try:
+        outcomes, on_engine_1 = kill_engine_1_mid_stream(proc)
+        check_only_the_dead_ranks_streams_failed(outcomes, on_engine_1, proc.output())
+        health = httpx.get(f"{proc.url}/health", timeout=10)
+        assert health.status_code == 200, health.text
+        assert health.json()["status"] == "degraded" and health.json()["live_engines"] == [0]
+        assert "killed by SIGKILL" in health.json()["dead_engines"]["1"]
+        for i in range(4):  # each would have gone to engine 1 now and then, were it chosen
+            response = httpx.post(f"{proc.url}/v1/completions", timeout=60,
+                                  json={"model": MODEL, "prompt": f"after {i}", "max_tokens": 4})
+            assert response.status_code == 200, response.text
+        assert proc.process.poll() is None, "the server exited although kept alive"
+        gauges = [line for line in httpx.get(f"{proc.url}/metrics", timeout=10).text.splitlines()
+                  if line.startswith(("tinyserve:num_requests_running{", "tinyserve:kv_cache_usage_perc{"))]
+        assert gauges and all('engine="0"' in line for line in gauges), gauges  # the dead rank's are gone
+    finally:
+        output = proc.stop()
+    assert proc.process.returncode == 0, output[-3000:]
+
+
+def test_without_keep_alive_the_live_ranks_streams_finish_then_the_server_exits_1():
+    proc = ServerProcess(long_context_model(), *FLAGS, "--shutdown-timeout", "120")
+    try:
+        outcomes, on_engine_1 = kill_engine_1_mid_stream(proc)
+        proc.process.wait(60)
+        wait_until(proc.group_is_gone, 10, "every process of the server is gone")
+    finally:
+        output = proc.stop()
+    check_only_the_dead_ranks_streams_failed(outcomes, on_engine_1, output)
+    assert proc.process.returncode == 1, output[-3000:]
+    assert "an engine died: stopping the server once the requests on engine(s) [0] finish" in output
