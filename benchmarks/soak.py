@@ -44,7 +44,7 @@ from tinyserve.testing import ServerProcess
 MODEL_NAME = "soak"
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 BAD_REQUESTS = [  # (path, JSON body or raw bytes): each must be refused with a 4xx
-    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "x"}]}),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "", "content": "x"}]}),  # an empty role
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "top_k": 2**63 + 1}),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "n": 0}),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": [1, 2, 10**9]}),

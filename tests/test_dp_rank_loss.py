@@ -27,7 +27,7 @@ pytestmark = pytest.mark.server  # a real `tinyserve serve` on loopback
 
 MODEL = "tiny"
 STREAMS = 6
-MAX_TOKENS = 3000  # running at the kill on any machine (~1 s for 400 on 2 cores), done soon after
+MAX_TOKENS = 6000  # the streams still run when the last reaches its engine, on a busy 2-core machine (3000: not always)
 FLAGS = ("--served-model-name", MODEL, "--num-kv-blocks", "2048", "--data-parallel-size", "2")
 
 
@@ -51,12 +51,16 @@ def stream(url: str, i: int) -> dict:
     return outcome
 
 
-def running(url: str) -> dict[str, float]:
-    """tinyserve:num_requests_running by engine, from one scrape of /metrics."""
-    counts = {}
+def by_engine(url: str) -> dict[str, dict[str, float]]:
+    """Requests running, waiting and finished, each by engine, from one scrape of /metrics."""
+    counts: dict[str, dict[str, float]] = {"running": {}, "waiting": {}, "finished": {}}
+    names = {"num_requests_running": "running", "num_requests_waiting": "waiting",
+             "request_success_total": "finished"}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("tinyserve:num_requests_running{"):
-            counts[line.split('engine="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+        name = line.removeprefix("tinyserve:").split("{")[0]
+        if line.startswith("tinyserve:") and name in names:
+            engine = line.split('engine="')[1].split('"')[0]
+            counts[names[name]][engine] = counts[names[name]].get(engine, 0) + float(line.rsplit(" ", 1)[1])
     return counts
 
 
@@ -66,22 +70,28 @@ def engine_process(proc: ServerProcess, index: int) -> psutil.Process:
 
 
 def kill_engine_1_mid_stream(proc: ServerProcess) -> tuple[list[dict], float]:
-    """Start STREAMS streams on both engines, SIGKILL engine 1 while all run; each stream's outcome, and
-    how many engine 1 held."""
+    """Start STREAMS streams, SIGKILL engine 1 once each has reached an engine and both engines run some;
+    each stream's outcome, and how many engine 1 ran at the last look before the kill.
+
+    On 2 busy cores the streams reach the engines seconds apart, and an engine alone may finish one
+    before the last arrives: what is waited for is every stream accounted for (running, waiting or
+    finished), not all six running at once."""
     with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
         futures = [pool.submit(stream, proc.url, i) for i in range(STREAMS)]
         seen = []
 
-        def all_run_on_both() -> bool:
-            seen.append(running(proc.url))
-            return min(seen[-1].values(), default=0) > 0 and sum(seen[-1].values()) == STREAMS
+        def both_run_and_all_arrived() -> bool:
+            seen.append(by_engine(proc.url))
+            running, last = seen[-1]["running"], seen[-1]
+            accounted = sum(sum(counts.values()) for counts in last.values())
+            return running.get("0", 0) > 0 and running.get("1", 0) > 0 and accounted == STREAMS
 
         try:
-            wait_until(all_run_on_both, 60, "every stream runs, on both engines")
+            wait_until(both_run_and_all_arrived, 60, "every stream reached an engine and both engines run some")
         except AssertionError as error:
             ended = [future.result() for future in futures if future.done()]
-            raise AssertionError(f"{error}; running by engine: {seen[-3:]}; ended already: {ended}") from None
-        on_engine_1 = seen[-1]["1"]
+            raise AssertionError(f"{error}; by engine: {seen[-3:]}; ended already: {ended}") from None
+        on_engine_1 = seen[-1]["running"]["1"]
         engine_process(proc, 1).send_signal(signal.SIGKILL)
         return [future.result(timeout=180) for future in futures], on_engine_1
 
@@ -89,15 +99,15 @@ def kill_engine_1_mid_stream(proc: ServerProcess) -> tuple[list[dict], float]:
 def check_only_the_dead_ranks_streams_failed(outcomes: list[dict], on_engine_1: float, output: str) -> None:
     failed = [o for o in outcomes if o["error"] is not None]
     finished = [o for o in outcomes if o["error"] is None]
-    assert len(failed) == on_engine_1 and len(finished) == STREAMS - on_engine_1, outcomes
+    assert 1 <= len(failed) <= on_engine_1, (on_engine_1, outcomes)  # one may have finished since the last look
     for outcome in failed:
         assert outcome["status"] == 200 and outcome["error"]["code"] == 503, outcome
         assert "engine 1 died" in outcome["error"]["message"] and "killed by SIGKILL" in outcome["error"]["message"]
-    for outcome in finished:
+    for outcome in finished:  # engine 0's, and any of engine 1's done before the kill: every token
         assert outcome["tokens"] == MAX_TOKENS and outcome["finish_reason"] == "length", outcome
-    # The log counts what was lost, and where.
+    # The log counts what was lost, and where: exactly the streams that failed.
     [lost] = re.findall(r"engine 1 died: .*?; (\d+) in-flight request\(s\) lost on it", output)
-    assert int(lost) == on_engine_1, output[-3000:]
+    assert int(lost) == len(failed), output[-3000:]
 
 
 def test_the_load_balancer_never_chooses_a_dead_rank():
