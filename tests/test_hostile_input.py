@@ -81,7 +81,7 @@ def user(content):
     (user(None), "messages.0"),
     ({"messages": [{"role": "user"}]}, "messages.0"),
     ({"messages": [{"content": "no role"}]}, "messages.0.role"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "", "content": "x"}]}, "messages.0.role"),  # any other role goes to the template
     (user([{"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}]), "messages.0.content.0.type"),
     (user([{"type": "text"}]), "messages.0.content.0.text"),
     (user({"text": "not a list"}), "messages.0.content"),
