@@ -29,6 +29,7 @@ from tinyserve.entrypoints.api.tools.structured_protocol import (
     ToolChoice,
     check_tool_choice,
 )
+from tinyserve.errors import InvalidInputError
 from tinyserve.sampling_params import MAX_NUM_BAD_WORDS, SamplingParams
 
 # Seeds and priorities cross to the engine as 64-bit integers. The bound is the largest float below 2**63
@@ -220,9 +221,10 @@ class ChatCompletionRequest(SamplingFields):
     def _consistent_options(self) -> "ChatCompletionRequest":
         check_tool_choice(self.tools, self.tool_choice, self.constraint()[0] is not None)
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
+            raise InvalidInputError("top_logprobs needs logprobs=true", "top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+            raise InvalidInputError("continue_final_message and add_generation_prompt cannot both be true",
+                                    "continue_final_message")
         return self
 
     @property
