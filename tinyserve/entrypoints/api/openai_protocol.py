@@ -83,6 +83,14 @@ class ChatMessage(StrictBody):
         return message
 
 
+def token_id_keys(logit_bias: dict | None) -> dict | None:
+    """logit_bias's keys must be token ids ("42"), as OpenAI sends them."""
+    for key in logit_bias or ():
+        if not (key.isascii() and key.isdigit()) or int(key) >= INT64:
+            raise ValueError(f"keys must be token ids, got {key!r}")
+    return logit_bias
+
+
 class SamplingFields(ConstrainedFields):
     """Fields shared by chat and completions (and response_format, structured_outputs: ConstrainedFields)."""
 
@@ -131,10 +139,7 @@ class SamplingFields(ConstrainedFields):
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, value):
-        for key in value or ():
-            if not (key.isascii() and key.isdigit()) or int(key) >= INT64:
-                raise ValueError(f"keys must be token ids, got {key!r}")
-        return value
+        return token_id_keys(value)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":

@@ -36,7 +36,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from tinyserve.entrypoints.api.openai_protocol import INT64, StrictBody, Text
+from tinyserve.entrypoints.api.openai_protocol import INT64, StrictBody, Text, token_id_keys
 from tinyserve.structured_output.schema_check import check_json_schema
 from tinyserve.entrypoints.api.tools.structured_protocol import (
     AssistantToolCall,
@@ -234,10 +234,7 @@ class ResponsesRequest(StrictBody):
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, value):
-        for key in value or ():
-            if not (key.isascii() and key.isdigit()) or int(key) >= INT64:
-                raise ValueError(f"keys must be token ids, got {key!r}")
-        return value
+        return token_id_keys(value)
 
     @model_validator(mode="after")
     def _consistent_tools(self) -> "ResponsesRequest":
