@@ -32,6 +32,10 @@ TOOLS = [{"type": "function",
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+# The tool server's compile deadline. The schemas here compile in milliseconds; SLOW (1,500 optional
+# properties, admitted by the size limits) takes xgrammar about 11 s on two cores with the tiny vocabulary.
+COMPILE_TIMEOUT_S = 2
+SLOW = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1500)}}
 
 
 class Verdict(BaseModel):
@@ -43,7 +47,7 @@ class Verdict(BaseModel):
 @pytest.fixture(scope="module")
 def tool_server():
     proc = ServerProcess(shared_server.model_folder(), *shared_server.FLAGS, "--enable-auto-tool-choice",
-                         "--tool-call-parser", "hermes")
+                         "--tool-call-parser", "hermes", "--structured-outputs-compile-timeout", str(COMPILE_TIMEOUT_S))
     yield proc
     proc.stop()
 
@@ -151,6 +155,25 @@ def test_a_schema_too_large_to_compile_is_refused_before_it_takes_a_compile_thre
     jsonschema.validate(json.loads(answer.choices[0].message.content), WEATHER)
     with pytest.raises(openai.BadRequestError, match="at most 128"):
         chat(client, tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)])
+
+
+def test_a_schema_not_compiled_by_the_deadline_is_a_400_naming_the_field_and_a_small_one_is_served_after(
+        client, tool_server):
+    slow_format = {"type": "json_schema", "json_schema": {"name": "slow", "schema": SLOW}}
+    with pytest.raises(openai.BadRequestError, match=f"not compiled within {COMPILE_TIMEOUT_S} s") as error:
+        chat(client, response_format=slow_format, timeout=120)
+    assert error.value.body["param"] == "response_format"
+    assert "--structured-outputs-compile-timeout" in error.value.message
+    # A stream has begun when the deadline passes: it ends with the same error as an event.
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "stream": True, "response_format": slow_format}
+    with httpx.stream("POST", f"{tool_server.url}/v1/chat/completions", json=body, timeout=120) as response:
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    error_event = json.loads(events[-2].removeprefix("data: "))
+    assert error_event["error"]["code"] == 400 and "not compiled within" in error_event["error"]["message"]
+    assert events[-1] == "data: [DONE]"
+    # The compile runs on, nobody waiting for it: it holds no place a small schema has to wait for.
+    answer = chat(client, response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}})
+    jsonschema.validate(json.loads(answer.choices[0].message.content), WEATHER)
 
 
 @pytest.mark.parametrize("body, message", [

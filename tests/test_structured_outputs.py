@@ -117,6 +117,18 @@ def test_a_schema_the_backend_cannot_compile_is_refused_naming_the_problem(llm):
         llm.generate(PROMPTS[0], constrained(regex="(unclosed"), use_tqdm=False)
 
 
+def test_a_grammar_not_compiled_by_the_deadline_fails_the_call_and_the_engine_serves_the_next(folder):
+    llm = LLM(folder, num_kv_blocks=32, structured_outputs_compile_timeout=0.5)
+    # 1,200 optional properties: within the size limits, about 7 s of xgrammar's compile on two cores
+    slow = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1200)}}
+    free = SamplingParams(temperature=0.0, max_tokens=4)
+    with pytest.raises(ValueError, match=r"not compiled within 0\.5 s \(--structured-outputs-compile-timeout\)"):
+        llm.generate(PROMPTS[:2], [constrained(json=slow), free], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests  # the call's other request went with it
+    answer = json.loads(generate_one(llm, constrained(json=SCHEMA)).text)
+    jsonschema.validate(answer, SCHEMA)
+
+
 @pytest.mark.parametrize("fields, message", [
     ({}, "exactly one of"),
     ({"regex": "a", "choice": ["b"]}, "exactly one of"),

@@ -58,6 +58,8 @@ class EngineArgs:
     # A rank that does not reach a collective in this many seconds fails the engine, named (tp_watchdog.py); 0: off
     tensor_parallel_watchdog_s: float = 30.0
     structured_outputs_backend: str = "xgrammar"  # the grammar library: xgrammar or llguidance
+    # Seconds a constrained request may wait for its grammar to compile; past them it fails with a 400 (0: no limit)
+    structured_outputs_compile_timeout: float = 30.0
     # Tracing of the engine process(es): the run folder for engine-<i>.jsonl, and/or an OTLP/HTTP endpoint.
     trace_run_dir: str | None = None
     otlp_endpoint: str | None = None
@@ -81,6 +83,9 @@ class EngineArgs:
         if self.tensor_parallel_watchdog_s < 0:
             raise ValueError(f"tensor_parallel_watchdog_s must be non-negative (0: off), got "
                              f"{self.tensor_parallel_watchdog_s}")
+        if self.structured_outputs_compile_timeout < 0:
+            raise ValueError(f"structured_outputs_compile_timeout must be non-negative (0: no limit), got "
+                             f"{self.structured_outputs_compile_timeout}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be non-negative, or -1 for the whole vocabulary, "
                              f"got {self.max_logprobs}")

@@ -52,6 +52,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--structured-outputs-backend", choices=[*STRUCTURED_OUTPUT_BACKENDS, "guidance"],
                        default="xgrammar", help="the grammar library that constrains structured outputs "
                                                 "(default xgrammar; guidance is vLLM's name for llguidance)")
+    group.add_argument("--structured-outputs-compile-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="a constrained request whose grammar is not compiled within this many seconds "
+                            "fails with a 400 naming the limit (default 30; 0: no limit)")
     group.add_argument("--cpu-threads", type=int, default=None,
                        help="on CPU: threads of the forward pass, fixed (default: all the engine's cores, "
                             "fewer while other programs keep them busy)")
@@ -95,6 +98,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         tensor_parallel_size=args.tensor_parallel_size,
         tensor_parallel_watchdog_s=args.tensor_parallel_watchdog_timeout,
         structured_outputs_backend=args.structured_outputs_backend,
+        structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
     )
     engine_args.validate()
     return engine_args

@@ -47,8 +47,9 @@ class EngineCore:
                 self.tp_workers.shutdown()
             raise
         # Grammars for structured outputs, compiled in threads of their own (structured_output.py).
-        self.structured_output = StructuredOutputManager(args.structured_outputs_backend, self.model_info.path,
-                                                         self.model_info.vocab_size, self.model_info.eos_token_ids)
+        self.structured_output = StructuredOutputManager(
+            args.structured_outputs_backend, self.model_info.path, self.model_info.vocab_size,
+            self.model_info.eos_token_ids, compile_timeout=args.structured_outputs_compile_timeout)
         self.recorder = self._make_recorder(spans_inline)
         # Everything allocated so far (model, tokenizer, libraries) lives as long as the
         # engine: move it out of the garbage collector's sight, as vLLM does after start-up.
@@ -195,13 +196,19 @@ class EngineCore:
     def _wait_for_grammars(self) -> list[EngineCoreOutput]:
         """With nothing to run but requests whose grammar is compiling, wait for one rather than spin.
 
-        Returns the outputs of requests aborted because their grammar could not be compiled.
+        Returns the outputs of requests ended because their grammar could not be made in time or at all,
+        each carrying the reason as its `error` (the front end answers it as a 400).
         """
         scheduler = self.scheduler
         if not scheduler.running and scheduler.waiting and all(r.waiting_for_grammar for r in scheduler.waiting):
             self.structured_output.wait_for_a_grammar(timeout=0.05)
         failed = self.structured_output.failed_request_ids()
-        return self.abort_requests(failed) if failed else []
+        if not failed:
+            return []
+        outputs = self.abort_requests(list(failed))
+        for output in outputs:
+            output.error = failed[output.request_id]
+        return outputs
 
     def flush_spans(self) -> None:
         self.recorder.flush()

@@ -198,7 +198,8 @@ class EngineCoreProc:
             self._process_input_queue()
             if self.engine_core.has_requests:
                 outputs = self.engine_core.step()
-                if not self.engine_core.last_scheduler_output.is_empty:  # an empty step only told the worker
+                # An empty step only told the worker, unless it ended requests (a grammar not compiled in time)
+                if outputs.outputs or not self.engine_core.last_scheduler_output.is_empty:
                     self._send(EngineOutputKind.OUTPUTS, outputs)
 
     def _process_input_queue(self) -> None:

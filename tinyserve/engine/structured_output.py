@@ -6,7 +6,8 @@ A request with `sampling_params.structured_outputs` goes through these steps, as
                   constraint: the compiled grammar is cached, GRAMMAR_CACHE_BYTES at most,
                   least recently used out first), never in the engine loop;
                   request.grammar is a Future of the request's own matcher
-    schedule      the scheduler leaves a request in the waiting queue until its grammar is ready
+    schedule      the scheduler leaves a request in the waiting queue until its grammar is ready;
+                  one not ready within compile_timeout seconds fails with an error naming the limit
     bitmask       after scheduling, one row per constrained request that samples this step:
                   the token ids its grammar allows next (SchedulerOutput.grammar_bitmask)
     sample        the sampler sets every other token's logit to -inf
@@ -15,6 +16,14 @@ A request with `sampling_params.structured_outputs` goes through these steps, as
 The grammar's state lives with the scheduler's Request, not in the worker, and follows the
 output tokens only: a preempted request keeps its tokens and its grammar, and is recomputed
 from them; prefill chunks that sample nothing get no bitmask row.
+
+Compiles take the threads in turn: at most COMPILE_THREADS compiles that some request still
+waits for run at once, the others queue. A compile cannot be stopped half-way (the library's
+code holds the thread), so one whose requests all went (their clients left, or the deadline
+passed) is let finish, off the count: the next queued compile starts beside it, and a small
+schema behind two abandoned huge ones is not kept waiting. At most MAX_ORPHANED_COMPILES
+such run at once (the executor's extra threads); past that, new compiles queue behind them.
+A queued compile nobody waits for any more is dropped before it starts.
 
 The library that compiles constraints and computes the masks is the backend's
 (tinyserve/structured_output/: what it does for us is told there).
@@ -26,16 +35,21 @@ import logging
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import torch
 
 from tinyserve.engine.core.request import Request
 from tinyserve.engine.core.scheduler_output import SchedulerOutput
-from tinyserve.structured_output import get_backend_module
+from tinyserve.structured_output import GrammarError, get_backend_module
 
 logger = logging.getLogger("tinyserve.engine")
 COMPILE_THREADS = 2  # vLLM uses about half the cores; compiles are rare and a core is the engine loop's
+MAX_ORPHANED_COMPILES = 2  # compiles nobody waits for any more, let finish beside the COMPILE_THREADS
+# A request whose grammar is not ready this many seconds after it arrived fails with an error naming the
+# limit (--structured-outputs-compile-timeout); the largest schemas the front end admits (5,000 properties)
+# can take longer still (optional properties cost most); vLLM has a proposal of the same kind (5 s).
+COMPILE_TIMEOUT_S = 30.0  # EngineArgs.structured_outputs_compile_timeout
 # The compiled grammars kept for later requests, in bytes (vLLM keeps xgrammar's to 512 MB, VLLM_XGRAMMAR_CACHE_MB):
 # the least recently used go first, so distinct schemas without end cannot grow the engine without end.
 GRAMMAR_CACHE_BYTES = 512 << 20
@@ -56,7 +70,8 @@ def compiled_size(compiled) -> int:
 
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer_path, vocab_size: int, eos_token_ids: list[int],
-                 cache_limit_bytes: int = GRAMMAR_CACHE_BYTES) -> None:
+                 cache_limit_bytes: int = GRAMMAR_CACHE_BYTES, compile_timeout: float = COMPILE_TIMEOUT_S) -> None:
+        """compile_timeout: seconds a request may wait for its grammar (0: no limit)."""
         self.backend_name = backend
         self.backend = get_backend_module(backend)
         self.tokenizer_path = tokenizer_path
@@ -64,7 +79,13 @@ class StructuredOutputManager:
         self.eos_token_ids = eos_token_ids
         self._compiler = None  # built by the first compile: reading the vocabulary costs a moment
         self._compiler_lock = threading.Lock()
-        self.executor = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="tinyserve-grammar")
+        self.executor = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS + MAX_ORPHANED_COMPILES,
+                                                              thread_name_prefix="tinyserve-grammar")
+        self.compile_timeout = compile_timeout
+        # Compiles not started yet, in order (key, params, Future); the keys of those running that
+        # some request waits for (the others run on, orphaned, off the count)
+        self._queue: deque[tuple[tuple[str, str], object, concurrent.futures.Future]] = deque()
+        self._running: set[tuple[str, str]] = set()
         # cache_key -> the compiled grammar's Future, least recently used first; the done ones' sizes, their total
         self._compiled: OrderedDict[tuple[str, str], concurrent.futures.Future] = OrderedDict()
         self._sizes: dict[tuple[str, str], int] = {}
@@ -86,7 +107,9 @@ class StructuredOutputManager:
             if cache_hit:
                 self._compiled.move_to_end(key)
             else:
-                compiled = self._compiled[key] = self.executor.submit(self._compile, params)
+                compiled = self._compiled[key] = concurrent.futures.Future()
+                self._queue.append((key, params, compiled))
+                self._start_compiles()
         if not cache_hit:
             compiled.add_done_callback(lambda done: self._account(key, done))
         times = request.times
@@ -94,10 +117,16 @@ class StructuredOutputManager:
         grammar = concurrent.futures.Future()
 
         def make_matcher(done: concurrent.futures.Future) -> None:  # in a compile thread, or here when cached
+            if grammar.done():
+                return  # failed meanwhile: the deadline passed, or the request went
             try:
-                grammar.set_result(self._matcher(done.result()))
-            except Exception as error:
-                grammar.set_exception(error)
+                result: tuple = (self._matcher(done.result()), None)
+            except BaseException as error:  # CancelledError too: the compile was dropped
+                result = (None, error)
+            try:
+                grammar.set_exception(result[1]) if result[1] is not None else grammar.set_result(result[0])
+            except concurrent.futures.InvalidStateError:
+                return  # the engine loop failed it at the same moment
             times.structured_output_end = time.time()
 
         request.grammar = grammar
@@ -122,27 +151,55 @@ class StructuredOutputManager:
                     del self._compiled[old]
                     self.cache_bytes -= self._sizes.pop(old)
 
-    def failed_request_ids(self) -> list[str]:
-        """Requests whose grammar could not be compiled (the front end checks first, so: rarely); forgotten here.
+    def failed_request_ids(self) -> dict[str, str]:
+        """Requests whose grammar could not be made, each with why: the library refused the constraint
+        (the front end checks first, so: rarely), or it was not ready within compile_timeout. Forgotten here.
 
-        A request that finished (aborted: its client went away) while its grammar was still waiting for a
-        compile thread takes that compile with it, unless another waiting request needs the same grammar."""
-        failed, abandoned = [], set()
+        A request that finished (aborted: its client went away) or failed while its grammar was still
+        compiling takes that compile with it, unless another waiting request needs the same grammar."""
+        failed: dict[str, str] = {}
+        abandoned = set()
+        now = time.time()
         for request_id, (request, key) in list(self._pending.items()):
-            if request.is_finished or request.grammar.done():
+            grammar = request.grammar
+            if (not request.is_finished and not grammar.done() and self.compile_timeout
+                    and now - request.times.structured_output_start > self.compile_timeout):
+                try:
+                    grammar.set_exception(GrammarError(
+                        f"structured_outputs: the constraint was not compiled within {self.compile_timeout:g} s "
+                        "(--structured-outputs-compile-timeout); a smaller schema or grammar compiles faster"))
+                except concurrent.futures.InvalidStateError:
+                    pass  # ready at the last moment
+            if request.is_finished or grammar.done():
                 del self._pending[request_id]
-                if request.is_finished and not request.grammar.done():
+                if request.is_finished and not grammar.done() or not request.is_finished and grammar.exception():
                     abandoned.add(key)
-                if not request.is_finished and request.grammar.exception() is not None:
-                    logger.error("request %s: %s", request_id, request.grammar.exception())
-                    failed.append(request_id)
+                if not request.is_finished and grammar.exception() is not None:
+                    logger.error("request %s: %s", request_id, grammar.exception())
+                    failed[request_id] = str(grammar.exception())
         wanted = {key for _, key in self._pending.values()}
+        if abandoned - wanted:
+            self._let_go(abandoned - wanted)
+        return failed
+
+    def _let_go(self, keys: set[tuple[str, str]]) -> None:
+        """No request waits for these compiles any more: drop the queued ones; the running ones run on, off
+        the count of COMPILE_THREADS, so the next queued compile starts now."""
         with self._cache_lock:
-            for key in abandoned - wanted:
+            for key in keys:
                 compiled = self._compiled.get(key)
                 if compiled is not None and compiled.cancel():  # only a compile not yet started can be
                     self._compiled.pop(key, None)
-        return failed
+                self._running.discard(key)
+            self._start_compiles()
+
+    def _start_compiles(self) -> None:
+        """Start queued compiles while fewer than COMPILE_THREADS that are waited for run (under _cache_lock)."""
+        while self._queue and len(self._running) < COMPILE_THREADS:
+            key, params, compiled = self._queue.popleft()
+            if compiled.set_running_or_notify_cancel():  # False: cancelled while queued
+                self._running.add(key)
+                self.executor.submit(self._compile, key, params, compiled)
 
     def wait_for_a_grammar(self, timeout: float) -> None:
         """Block until one pending grammar is ready (or `timeout`): the engine has nothing else to do."""
@@ -178,8 +235,17 @@ class StructuredOutputManager:
 
     # ---- compiling (in the threads) -------------------------------------------------
 
-    def _compile(self, params):
-        return self.compiler.compile(params)
+    def _compile(self, key: tuple[str, str], params, compiled: concurrent.futures.Future) -> None:
+        try:
+            result = self.compiler.compile(params)
+        except BaseException as error:
+            compiled.set_exception(error)
+        else:
+            compiled.set_result(result)
+        finally:
+            with self._cache_lock:
+                self._running.discard(key)
+                self._start_compiles()
 
     def _matcher(self, compiled):
         return self.compiler.matcher(compiled)
@@ -195,4 +261,8 @@ class StructuredOutputManager:
         return self._compiler
 
     def shutdown(self) -> None:
+        with self._cache_lock:
+            for _, _, compiled in self._queue:
+                compiled.cancel()
+            self._queue.clear()
         self.executor.shutdown(wait=False, cancel_futures=True)

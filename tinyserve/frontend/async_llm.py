@@ -55,7 +55,8 @@ from tinyserve.lifecycle.request_spans import NO_SPANS
 from tinyserve.models.tokenizer import load_tokenizer
 from tinyserve.outputs import RequestOutput
 from tinyserve.sampling_params import SamplingParams
-from tinyserve.wire.messages import EngineCoreRequest, SchedulerStats
+from tinyserve.structured_output import GrammarError
+from tinyserve.wire.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 class RequestRejectedError(RuntimeError):
     """A new request was refused before anything was sent: the waiting queue is full, or the server is draining."""
@@ -315,6 +316,9 @@ class AsyncLLM:
                     await self._fail_lost_requests(lost)
                     continue
                 received_time = time.time()
+                refused = [output for output in engine_outputs.outputs if output.error is not None]
+                if refused:
+                    await self._fail_refused_requests(refused)
                 if engine_outputs.scheduler_stats is not None:
                     self.engine_stats[engine_outputs.engine_index] = engine_outputs.scheduler_stats
                 processed = self.output_processor.process_outputs(engine_outputs.outputs)
@@ -335,6 +339,23 @@ class AsyncLLM:
             for request_id, queue in list(self.queues.items()):
                 self.output_processor.abort_request(request_id)
                 queue.put_nowait(self._dead)
+
+    async def _fail_refused_requests(self, outputs: list[EngineCoreOutput]) -> None:
+        """Requests the engine ended itself, saying why (a grammar not compiled, or not in time): each
+        request's stream raises a GrammarError with that reason (a 400 at the API), and its other
+        children (n > 1) are aborted. The outputs then find no request left to update."""
+        to_abort = []
+        for output in outputs:
+            child = self.output_processor.children.get(output.request_id)
+            if child is None:
+                continue
+            request_id = child.parent.request_id
+            to_abort += [c for c in self.output_processor.abort_request(request_id) if c != output.request_id]
+            queue = self.queues.pop(request_id, None)
+            if queue is not None:
+                queue.put_nowait(GrammarError(output.error))
+        if to_abort:
+            await self.client.abort_requests(to_abort)
 
     async def _fail_lost_requests(self, lost: EngineRankDeadError) -> None:
         """One data-parallel rank died, others live: end the requests it held with its error, and only those.

@@ -22,6 +22,7 @@ from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import NO_SPANS
 from tinyserve.outputs import RequestOutput
 from tinyserve.sampling_params import SamplingParams
+from tinyserve.structured_output import GrammarError
 from tinyserve.wire.messages import EngineCoreRequest
 
 
@@ -62,8 +63,14 @@ class LLMEngine:
         return self.client.has_unfinished_requests
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; the RequestOutputs it produced (FINAL_ONLY: the requests it finished)."""
+        """One engine step; the RequestOutputs it produced (FINAL_ONLY: the requests it finished).
+
+        Raises GrammarError when the engine ended a request because its constraint could not be
+        compiled (or not within the compile deadline); LLM.generate then aborts the rest of its call."""
         engine_outputs = self.client.get_outputs()
+        for output in engine_outputs.outputs:  # the engine ended a request itself, saying why
+            if output.error is not None and output.request_id in self.output_processor.children:
+                raise GrammarError(output.error)
         processed = self.output_processor.process_outputs(engine_outputs.outputs)
         if processed.reqs_to_abort:  # stop strings found while detokenizing
             self.client.abort_requests(processed.reqs_to_abort)

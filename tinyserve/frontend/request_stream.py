@@ -8,6 +8,7 @@ aborts the request in the engine if it has not finished (the reader left).
 import asyncio
 
 from tinyserve.outputs import RequestOutput
+from tinyserve.structured_output import GrammarError
 
 # Put on a stream's queue by AsyncLLM.abort: the iterator ends there, without a final output.
 ABORTED = object()
@@ -31,6 +32,9 @@ class RequestStream:
         # RequestOutputs, then possibly the error or the ABORTED mark that ends the request.
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
+        # The request field the constraint came from (response_format, tools, ...), set by the API: an
+        # error about the constraint (the engine could not compile it in time) names that field.
+        self.constraint_field: str | None = None
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -45,6 +49,8 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.finished = True
             self.spans.fail(item)
+            if isinstance(item, GrammarError) and self.constraint_field is not None:
+                item.param = self.constraint_field
             raise item
         self.finished = item.finished
         return item

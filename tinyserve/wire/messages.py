@@ -61,6 +61,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # With the first token, when asked for: one entry per prompt token after the first.
     prompt_logprobs: list[TokenLogprobs] | None = None
     times: RequestTimes | None = None  # set once, when the request finishes
+    # Why the engine ended the request itself, for its client (finish_reason "abort"): a grammar that could
+    # not be compiled, or not within the compile deadline. The front end raises it as the request's error.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -187,7 +187,9 @@ def tool_call_plan(ctx: ServingContext, constraint, field: str | None, choice, t
 async def add_constrained_request(engine: AsyncLLM, constrained_field: str | None, *args, **kwargs):
     """engine.add_request; a constraint the grammar library refuses is a 400 naming the field it came from."""
     try:
-        return await engine.add_request(*args, **kwargs)
+        stream = await engine.add_request(*args, **kwargs)
+        stream.constraint_field = constrained_field
+        return stream
     except InvalidInputError as error:
         if error.param == "structured_outputs" and constrained_field is not None:
             raise APIError(400, str(error), constrained_field) from error

@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from tinyserve.frontend.request_stream import RequestStream
+from tinyserve.errors import InvalidInputError
 from tinyserve.frontend.engine_client import EngineDeadError
 from tinyserve.outputs import RequestOutput
 
@@ -111,5 +112,7 @@ def stream_error_status(error: Exception) -> tuple[int, str]:
     """What a stream says when it cannot go on: the status and message of its error event."""
     if isinstance(error, EngineDeadError):
         return 503, engine_dead_message(error)
+    if isinstance(error, InvalidInputError):  # found by the engine (a constraint not compiled in time)
+        return 400, str(error)
     logger.error("a stream failed", exc_info=error)
     return 500, "internal error while streaming; see the server log"
