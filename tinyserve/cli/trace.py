@@ -1,6 +1,8 @@
 """`tinyserve trace ...`: read a run folder written with --trace.
 
     tinyserve trace summarize RUN                                 latency, stage and engine tables
+    tinyserve trace request RUN ID [--json]                       one request: spans, TTFT, steps, blocks, inputs
+    tinyserve trace step RUN N [--engine I] [--json]              one engine step: batch, KV blocks, timing
     tinyserve trace export RUN --format jaeger -o run.json        for Jaeger UI (Search → JSON File)
     tinyserve trace export RUN --format perfetto -o run.json      for ui.perfetto.dev
     tinyserve trace plot RUN -o DIR                               waterfall, latency, batch and KV-usage PNGs
@@ -14,6 +16,7 @@ exits with 1 if any request produced different tokens.
 """
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -32,6 +35,21 @@ def add_parser(commands) -> None:
     summarize_parser = actions.add_parser("summarize", help="print latency, stage and engine tables")
     summarize_parser.add_argument("run", help="the run folder")
     summarize_parser.set_defaults(handler=summarize)
+
+    request_parser = actions.add_parser("request", help="one request: its spans, TTFT breakdown, steps, block "
+                                                         "table, preemptions and logged inputs")
+    request_parser.add_argument("run", help="the run folder")
+    request_parser.add_argument("request_id", metavar="ID", help="the id the client saw, or an engine request id")
+    request_parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    request_parser.set_defaults(handler=show_request)
+
+    step_parser = actions.add_parser("step", help="one engine step: its batch, KV blocks and timing")
+    step_parser.add_argument("run", help="the run folder")
+    step_parser.add_argument("step_id", metavar="N", type=int, help="the step's id (tinyserve.step.id)")
+    step_parser.add_argument("--engine", type=int, default=None,
+                             help="the engine index (needed when the run has several engines)")
+    step_parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    step_parser.set_defaults(handler=show_step)
 
     export_parser = actions.add_parser("export", help="write the run for Jaeger or Perfetto")
     export_parser.add_argument("run", help="the run folder")
@@ -79,6 +97,38 @@ def summarize(args: argparse.Namespace) -> int:
         # Python's advice: point stdout at devnull, or the flush at exit raises again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+
+
+def show_request(args: argparse.Namespace) -> int:
+    from tinyserve.lifecycle.views import format_request, request_view
+
+    return _show(args, lambda run: request_view(run, args.request_id), format_request)
+
+
+def show_step(args: argparse.Namespace) -> int:
+    from tinyserve.lifecycle.views import format_step, step_view
+
+    return _show(args, lambda run: step_view(run, args.step_id, args.engine), format_step)
+
+
+def _show(args: argparse.Namespace, make_view, format_view) -> int:
+    run = _load(args.run)
+    if run is None:
+        return 1
+    try:
+        view = make_view(run)
+    except ValueError as error:  # an id the run does not hold: the message names what it does hold
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    _print(json.dumps(view, indent=1) if args.json else format_view(view))
+    return 0
+
+
+def _print(text: str) -> None:
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `| head` closed the pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def export(args: argparse.Namespace) -> int:

@@ -1,0 +1,115 @@
+"""`tinyserve trace request` and `trace step`: one request, or one step, of every shipped run on the command line.
+
+Each quiz-like question a reader asks of a run ("how long did this request wait, which
+steps served it, what was its block table at step N, when was it preempted, what did step N
+run") is one command; the answers are checked against the run's spans read another way.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tinyserve.cli.main import main
+from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.run import load_run
+from tinyserve.lifecycle.views import request_view, step_view
+
+RUNS = sorted(Path(__file__).resolve().parents[1].joinpath("traces").glob("recorded-*"))
+
+
+def cli_json(capsys, *argv) -> dict:
+    assert main(["trace", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_every_shipped_run_is_there():
+    assert len(RUNS) >= 12
+
+
+@pytest.mark.parametrize("folder", RUNS, ids=lambda p: p.name)
+def test_both_views_work_on_every_request_and_step_of_every_shipped_run(folder, capsys):
+    run = load_run(folder)
+    for timeline in run.requests:
+        view = request_view(run, timeline.request_id)
+        json.dumps(view)
+        served = {(s.engine_index, s.step_id) for s in run.steps
+                  for sequence in timeline.sequences if sequence.request_id in s.request_ids}
+        listed = {(sequence["engine_index"], row["step_id"]) for sequence in view["sequences"]
+                  for row in sequence["steps"] if row["kind"] != "preempted"}
+        assert listed == served  # which steps served it: every one, and no other
+        breakdown = view["ttft_breakdown_ms"]
+        assert breakdown["ttft"] == pytest.approx(timeline.ttft_s * 1e3, abs=1e-3)
+        assert sum(v for k, v in breakdown.items() if k != "ttft") == pytest.approx(breakdown["ttft"], abs=0.01)
+    for step in run.steps:
+        view = step_view(run, step.step_id, step.engine_index)
+        # the view's own reading of each request's work agrees with the engine's counts of the step
+        assert sum(r["tokens"] for r in view["batch"] if r["kind"] in ("prefill", "recompute")) == \
+            step.num_prefill_tokens
+        assert sum(r["tokens"] for r in view["batch"] if r["kind"] == "decode") == step.num_decode_tokens
+        assert view["kv_blocks"]["allocated"] == sum(len(ids) for ids in step.new_block_ids)
+    first = run.requests[0].request_id
+    assert main(["trace", "request", str(folder), first]) == 0
+    text = capsys.readouterr().out
+    assert first in text and "steps that served it" in text and "logged inputs" in text
+    step = run.steps[len(run.steps) // 2]
+    argv = ["trace", "step", str(folder), str(step.step_id), "--engine", str(step.engine_index)]
+    assert main(argv) == 0
+    assert f"step {step.step_id} of engine {step.engine_index}" in capsys.readouterr().out
+
+
+def test_how_long_it_waited_which_steps_served_it_and_its_block_table_are_one_command(capsys):
+    folder = Path(__file__).resolve().parents[1] / "traces" / "recorded-lifecycle"
+    run = load_run(folder)
+    [timeline] = run.requests
+    view = cli_json(capsys, "request", str(folder), timeline.request_id)
+    [sequence] = view["sequences"]
+    queue = next(s for s in run.spans if s.name == schema.QUEUE and s.trace_id == timeline.trace_id)
+    assert sequence["stages_ms"]["queue"] == pytest.approx(queue.duration_s * 1e3, abs=1e-3)
+    kinds = [row["kind"] for row in sequence["steps"]]
+    assert kinds[0] == "prefill" and set(kinds[1:]) == {"decode"}
+    assert len(kinds) == timeline.num_output_tokens  # one prefill that sampled, then one decode per token
+    growth = sequence["block_table_growth"]
+    for row in sequence["steps"]:  # the table at any step: the last growth at or before it
+        table = [g["block_ids"] for g in growth if g["step_id"] <= row["step_id"]][-1]
+        assert table == run.block_table(sequence["request_id"], row["step_id"])
+    assert view["inputs"]["sampling_params"]["seed"] == 1234 and view["inputs"]["messages"]
+    span_names = [row["name"] for row in view["span_tree"]]
+    assert span_names.index(schema.RENDER) < span_names.index(schema.QUEUE) < span_names.index(schema.DECODE)
+    assert {row["service"] for row in view["span_tree"]} == {schema.SERVICE_API, schema.engine_service_name(0)}
+
+
+def test_when_a_request_was_preempted_and_recomputed_and_what_the_preemption_freed(capsys):
+    folder = Path(__file__).resolve().parents[1] / "traces" / "recorded-kv-tight"
+    run = load_run(folder)
+    victim = next(t for t in run.requests if t.sequences[0].num_preemptions)
+    view = cli_json(capsys, "request", str(folder), victim.request_id)
+    rows = view["sequences"][0]["steps"]
+    preempted_at = [row["step_id"] for row in rows if row["kind"] == "preempted"]
+    assert preempted_at == [s.step_id for s in run.steps if victim.request_id in s.preempted_request_ids]
+    after = [row for row in rows if row["step_id"] > preempted_at[0]]
+    assert after[0]["kind"] == "recompute" and after[0]["tokens"] > 1  # its prompt and tokens computed again
+    step = cli_json(capsys, "step", str(folder), str(preempted_at[0]))
+    assert victim.request_id in step["preempted_request_ids"]
+    assert step["kv_blocks"]["freed_by_preemption"][victim.request_id] == \
+        run.block_table(victim.request_id, preempted_at[0] - 1)
+
+
+def test_a_step_of_a_run_with_several_engines_needs_its_engine_and_unknown_ids_name_what_exists(capsys):
+    folder = Path(__file__).resolve().parents[1] / "traces" / "recorded-load-dp2"
+    assert main(["trace", "step", str(folder), "3"]) == 1
+    assert "say which with --engine" in capsys.readouterr().err
+    assert main(["trace", "step", str(folder), "99999", "--engine", "1"]) == 1
+    assert "has no step 99999 (its steps: " in capsys.readouterr().err
+    assert main(["trace", "request", str(folder), "chatcmpl-nope"]) == 1
+    assert "is not in run recorded-load-dp2 (it has 24 requests" in capsys.readouterr().err
+    view = cli_json(capsys, "step", str(folder), "3", "--engine", "1")
+    assert view["engine_index"] == 1
+
+
+def test_a_tensor_parallel_step_shows_each_rank(capsys):
+    folder = Path(__file__).resolve().parents[1] / "traces" / "recorded-load-tp2"
+    run = load_run(folder)
+    step = next(s for s in run.steps if s.num_requests)
+    view = cli_json(capsys, "step", str(folder), str(step.step_id))
+    assert [r["rank"] for r in view["tensor_parallel_ranks"]] == [0, 1]

@@ -1,0 +1,300 @@
+"""One request, or one engine step, of a traced run: what `tinyserve trace request` and `trace step` print.
+
+    request_view(run, ID)     the request's span tree across processes; its stage durations and
+                              how its TTFT splits into them; for each completion, the engine
+                              steps that served it (tokens, prefill or decode, batch mates), its
+                              block table as it grew, its preemptions; its logged inputs and outputs
+    step_view(run, N)         one engine step: each request's tokens (prefill, decode or
+                              recompute), the KV blocks allocated and released, the schedule /
+                              execute / update times, and where recorded, the tensor-parallel
+                              ranks and the grammar bitmask's time
+
+Both return plain dicts (`--json` prints them); `format_request` and `format_step` make them
+text. Everything is read from the run's spans (run.py): nothing here is recorded anew.
+
+What a step was for a request is read from the request's own token times: a step that
+sampled one of its tokens (a token time inside the step) after the first is a decode; the
+steps before its first token are its prefill (a chunk each, with chunked prefill); after a
+preemption, the steps that compute again what it had are a recompute, the last of them
+sampling its next token.
+"""
+
+from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.otlp_json import Span
+from tinyserve.lifecycle.run import Run
+from tinyserve.lifecycle.timeline import SEQUENCE_STAGES, RequestTimeline, SequenceTimeline
+
+MAX_BATCH_MATES_SHOWN = 6  # in text; --json has them all
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+# ---- one request ------------------------------------------------------------------------
+
+
+def request_view(run: Run, request_id: str) -> dict:
+    """Everything the run recorded of one request (its client id, or an engine request id)."""
+    timeline = run.request(request_id)
+    origin = timeline.arrival_ns
+    return {
+        "request_id": timeline.request_id,
+        "operation": timeline.operation,
+        "model": timeline.model,
+        "trace_id": timeline.trace_id,
+        "error": timeline.error,
+        "finish_reasons": timeline.finish_reasons,
+        "num_prompt_tokens": timeline.num_prompt_tokens,
+        "num_output_tokens": timeline.num_output_tokens,
+        "latency_ms": {"ttft": _ms(timeline.ttft_s), "tpot": _ms(timeline.tpot_s), "e2e": _ms(timeline.e2e_s)},
+        "ttft_breakdown_ms": ttft_breakdown(timeline),
+        "span_tree": span_tree(run, timeline.trace_id, origin),
+        "sequences": [sequence_view(run, timeline, sequence) for sequence in timeline.sequences],
+        "inputs": {"messages": timeline.inputs.messages, "prompt": timeline.inputs.prompt,
+                   "prompt_token_ids": timeline.inputs.prompt_token_ids,
+                   "sampling_params": timeline.inputs.sampling_params, "redacted": timeline.inputs.redacted},
+        "completions": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                         "finish_reason": c.finish_reason} for c in timeline.completions],
+    }
+
+
+def ttft_breakdown(timeline: RequestTimeline) -> dict:
+    """Arrival → first token, stage by stage (the completion whose token came first): each stage's
+    milliseconds, and "other" for the gaps between them (waiting on the event loop, the sockets)."""
+    first = min((s for s in timeline.sequences if s.first_token_ns is not None), key=lambda s: s.first_token_ns,
+                default=None)
+    if first is None:
+        return {}
+    parts = {}
+    for name in (schema.RENDER, schema.ENQUEUE):
+        if name in timeline.stages:
+            parts[name.removeprefix("tinyserve.")] = timeline.stages[name].duration_s
+    for name in (schema.IPC_SEND, schema.QUEUE):
+        if name in first.stages:
+            parts[name.removeprefix("tinyserve.")] = first.stages[name].duration_s
+    if first.prefill is not None:  # up to the first token: the prefill span ends with it, or a step later
+        parts["prefill"] = (first.first_token_ns - first.prefill.start_ns) / 1e9
+    total = (first.first_token_ns - timeline.arrival_ns) / 1e9
+    parts["other"] = total - sum(parts.values())
+    return {**{name: _ms(value) for name, value in parts.items()}, "ttft": _ms(total)}
+
+
+def span_tree(run: Run, trace_id: str, origin_ns: int) -> list[dict]:
+    """The trace's spans as a tree (parents before children, by start), each with its process and host."""
+    spans = [s for s in run.spans if s.trace_id == trace_id]
+    ids = {s.span_id for s in spans}
+    children: dict[str | None, list[Span]] = {}
+    for span in spans:
+        parent = span.parent_span_id if span.parent_span_id in ids else None
+        children.setdefault(parent, []).append(span)
+    rows = []
+
+    def visit(parent: str | None, depth: int) -> None:
+        for span in sorted(children.get(parent, []), key=lambda s: s.start_ns):
+            rows.append({"depth": depth, "name": span.name, "service": span.service,
+                         "host": span.resource.get(schema.RESOURCE_HOST),
+                         "start_ms": _ms((span.start_ns - origin_ns) / 1e9), "duration_ms": _ms(span.duration_s)})
+            visit(span.span_id, depth + 1)
+
+    visit(None, 0)
+    return rows
+
+
+def sequence_view(run: Run, timeline: RequestTimeline, sequence: SequenceTimeline) -> dict:
+    """One completion's engine request: its stages, the steps that served it, its block table over time."""
+    steps = served_steps(run, timeline, sequence)
+    tables = []
+    if run.has_block_tables and sequence.engine_index is not None:
+        previous = None
+        for row in steps:
+            table = run.block_table(sequence.request_id, row["step_id"], sequence.engine_index)
+            if table is not None and table != previous:
+                tables.append({"step_id": row["step_id"], "block_ids": table})
+                previous = table
+    return {
+        "request_id": sequence.request_id,
+        "engine_index": sequence.engine_index,
+        "stages_ms": {name.removeprefix("tinyserve."): _ms(sequence.stages[name].duration_s)
+                      for name in SEQUENCE_STAGES if name in sequence.stages},
+        "num_cached_tokens": sequence.num_cached_tokens,
+        "num_output_tokens": sequence.num_output_tokens,
+        "num_preemptions": sequence.num_preemptions,
+        "steps": steps,
+        "block_table_growth": tables,
+    }
+
+
+def served_steps(run: Run, timeline: RequestTimeline, sequence: SequenceTimeline) -> list[dict]:
+    """The steps of `sequence`'s engine that scheduled it (or preempted it), in order, each labelled."""
+    request_id = sequence.request_id
+    token_times = sequence.token_times_ns
+    rows, sampled_before, recomputing = [], 0, False
+    for step in sorted(run.engine_steps(sequence.engine_index), key=lambda s: s.step_id):
+        if request_id in step.preempted_request_ids:
+            rows.append({"step_id": step.step_id, "kind": "preempted", "tokens": 0, "batch_mates": []})
+            recomputing = True
+            continue
+        if request_id not in step.request_ids:
+            continue
+        sampled = sum(1 for t in token_times if step.start_ns <= t <= step.end_ns)
+        if sampled and sampled_before and not recomputing:
+            kind = "decode"
+        else:
+            kind = "recompute" if recomputing else "prefill"
+        if sampled:
+            recomputing = False
+        sampled_before += sampled
+        tokens = step.num_tokens_per_request[step.request_ids.index(request_id)]
+        rows.append({"step_id": step.step_id, "kind": kind, "tokens": tokens, "sampled": bool(sampled),
+                     "batch_mates": [r for r in step.request_ids if r != request_id]})
+    return rows
+
+
+def format_request(view: dict) -> str:
+    lines = [f"request {view['request_id']}  ({view['operation']}, model {view['model']}, trace {view['trace_id']})"]
+    latency = view["latency_ms"]
+    lines.append(f"  prompt {view['num_prompt_tokens']} tokens, output {view['num_output_tokens']}; finish "
+                 f"{', '.join(str(r) for r in view['finish_reasons']) or '-'}"
+                 + (f"; error: {view['error']}" if view["error"] else ""))
+    lines.append(f"  TTFT {_fmt(latency['ttft'])} ms   TPOT {_fmt(latency['tpot'])} ms   E2E {_fmt(latency['e2e'])} ms")
+    if view["ttft_breakdown_ms"]:
+        parts = [f"{name} {_fmt(ms)}" for name, ms in view["ttft_breakdown_ms"].items() if name != "ttft"]
+        lines.append(f"  TTFT = {' + '.join(parts)} ms")
+    lines += ["", "spans (start and duration in ms from arrival):"]
+    for row in view["span_tree"]:
+        where = row["service"] + (f"@{row['host']}" if row["host"] else "")
+        lines.append(f"  {'  ' * row['depth']}{row['name']:<{max(8, 34 - 2 * row['depth'])}} "
+                     f"{_fmt(row['start_ms']):>9} {_fmt(row['duration_ms']):>9}  {where}")
+    for sequence in view["sequences"]:
+        lines += ["", f"engine request {sequence['request_id']} on engine {sequence['engine_index']}: "
+                      f"{sequence['num_output_tokens']} tokens, {sequence['num_cached_tokens'] or 0} prompt tokens "
+                      f"from the prefix cache, {sequence['num_preemptions']} preemption(s)"]
+        stages = ", ".join(f"{name} {_fmt(ms)}" for name, ms in sequence["stages_ms"].items())
+        lines.append(f"  stages (ms): {stages}")
+        lines.append(f"  steps that served it ({len(sequence['steps'])}):")
+        for row in sequence["steps"]:
+            mates = row["batch_mates"]
+            shown = ", ".join(mates[:MAX_BATCH_MATES_SHOWN]) + (f", … {len(mates)} in all"
+                                                               if len(mates) > MAX_BATCH_MATES_SHOWN else "")
+            lines.append(f"    step {row['step_id']:>5}  {row['kind']:<9} {row['tokens']:>5} tokens"
+                         + (f"  with {shown}" if mates else ""))
+        if sequence["block_table_growth"]:
+            lines.append("  block table as it grew:")
+            for row in sequence["block_table_growth"]:
+                lines.append(f"    step {row['step_id']:>5}  {row['block_ids']}")
+    inputs = view["inputs"]
+    lines += ["", "logged inputs:" + (" (redacted: the server was told not to log them)" if inputs["redacted"] else "")]
+    if inputs["messages"] is not None:
+        lines.append(f"  messages: {inputs['messages']}")
+    lines.append(f"  prompt: {inputs['prompt']!r}")
+    lines.append(f"  sampling_params: {inputs['sampling_params']}")
+    for completion in view["completions"]:
+        lines.append(f"  completion {completion['index']} ({completion['finish_reason']}): {completion['text']!r}")
+    return "\n".join(lines)
+
+
+# ---- one step ---------------------------------------------------------------------------
+
+
+def step_view(run: Run, step_id: int, engine_index: int | None = None) -> dict:
+    """Step `step_id` of one engine (the only one, unless `engine_index` names it)."""
+    engines = run.engine_indices
+    if engine_index is None:
+        if len(engines) > 1:
+            raise ValueError(f"run {run.name} has engines {engines}: say which with --engine")
+        engine_index = engines[0] if engines else None
+    matches = [s for s in run.engine_steps(engine_index) if s.step_id == step_id]
+    if not matches:
+        ids = [s.step_id for s in run.engine_steps(engine_index)]
+        span = f"{min(ids)}..{max(ids)}" if ids else "none"
+        raise ValueError(f"engine {engine_index} of run {run.name} has no step {step_id} (its steps: {span})")
+    step = matches[0]
+    labels = _labels_in_step(run, step)
+    released, preempted = _freed_blocks(run, step) if run.has_block_tables else ({}, {})
+    return {
+        "step_id": step.step_id,
+        "engine_index": step.engine_index,
+        "start_ms": _ms((step.start_ns - run.origin_ns) / 1e9),
+        "duration_ms": _ms(step.duration_s),
+        "phases_ms": {"schedule": _ms(step.schedule_s), "execute": _ms(step.execute_s), "update": _ms(step.update_s)},
+        "batch": [{"request_id": request_id, "tokens": tokens, "kind": labels.get(request_id),
+                   "new_block_ids": new_ids}
+                  for request_id, tokens, new_ids in zip(step.request_ids, step.num_tokens_per_request,
+                                                         step.new_block_ids or [[]] * len(step.request_ids))],
+        "num_prefill_tokens": step.num_prefill_tokens,
+        "num_decode_tokens": step.num_decode_tokens,
+        "token_budget": step.token_budget,
+        "kv_blocks": {"used": step.kv_blocks_used, "free": step.kv_blocks_free, "total": step.kv_blocks_total,
+                      "allocated": sum(len(ids) for ids in step.new_block_ids), "released": released,
+                      "freed_by_preemption": preempted},
+        "prefix_cache_hit_tokens": step.prefix_cache_hit_tokens,
+        "num_waiting": step.num_waiting,
+        "num_running": step.num_running,
+        "preempted_request_ids": step.preempted_request_ids,
+        "finished_request_ids": step.finished_request_ids,
+        "tensor_parallel_ranks": step.ranks,
+        "grammar_bitmask_ms": _ms(step.span.attributes.get(schema.STEP_GRAMMAR_BITMASK_TIME)),
+    }
+
+
+def _labels_in_step(run: Run, step) -> dict[str, str]:
+    """Each scheduled request's kind of work in this step (prefill, decode, recompute), from its own steps."""
+    labels = {}
+    for request_id in step.request_ids:
+        try:
+            timeline = run.request(request_id)
+        except ValueError:  # its request span is not in the run (a capped run dropped it)
+            continue
+        sequence = next(s for s in timeline.sequences if s.request_id == request_id)
+        for row in served_steps(run, timeline, sequence):
+            if row["step_id"] == step.step_id:
+                labels[request_id] = row["kind"]
+    return labels
+
+
+def _freed_blocks(run: Run, step) -> tuple[dict, dict]:
+    """({request: blocks} of the requests released since the previous step (finished or aborted then; the
+    worker hears of them with this step), {request: blocks} of those preempted while this step was
+    scheduled, to make room): what each held one step earlier."""
+    tables = run.block_tables(step.engine_index)
+    earlier = [s for s in tables if s < step.step_id]
+    before = tables[max(earlier)] if earlier else {}
+    released = {r: before[r] for r in step.released_request_ids if r in before}
+    preempted = {r: before[r] for r in step.preempted_request_ids if r in before}
+    return released, preempted
+
+
+def format_step(view: dict) -> str:
+    phases = view["phases_ms"]
+    kv = view["kv_blocks"]
+    lines = [f"step {view['step_id']} of engine {view['engine_index']}: at {_fmt(view['start_ms'])} ms, "
+             f"{_fmt(view['duration_ms'])} ms (schedule {_fmt(phases['schedule'])}, execute "
+             f"{_fmt(phases['execute'])}, update {_fmt(phases['update'])})",
+             f"  {len(view['batch'])} requests, {view['num_prefill_tokens']} prefill + {view['num_decode_tokens']} "
+             f"decode tokens of a budget of {view['token_budget']}; {view['num_running']} running, "
+             f"{view['num_waiting']} waiting after it",
+             "", "  request                                       tokens  kind       new KV blocks"]
+    for row in view["batch"]:
+        lines.append(f"  {row['request_id']:<44} {row['tokens']:>6}  {row['kind'] or '?':<10} {row['new_block_ids']}")
+    lines += ["", f"  KV blocks: {kv['used']} used, {kv['free']} free of {kv['total']}; {kv['allocated']} allocated "
+                  f"in this step; prefix cache hit {view['prefix_cache_hit_tokens']} tokens"]
+    for request_id, blocks in kv["released"].items():
+        lines.append(f"    freed before it: {request_id} (finished or aborted since the last step) held {blocks}")
+    for request_id, blocks in kv["freed_by_preemption"].items():
+        lines.append(f"    freed by preempting {request_id} while scheduling it: {blocks}")
+    if view["preempted_request_ids"]:
+        lines.append(f"  preempted: {', '.join(view['preempted_request_ids'])}")
+    if view["finished_request_ids"]:
+        lines.append(f"  finished: {', '.join(view['finished_request_ids'])}")
+    for rank in view["tensor_parallel_ranks"]:
+        lines.append(f"  tensor-parallel rank {rank['rank']} ({rank['device']}): execute {_fmt(_ms(rank['execute_s']))}"
+                     f" ms, {_fmt(_ms(rank['all_reduce_s']))} ms of it in all-reduces")
+    if view["grammar_bitmask_ms"] is not None:
+        lines.append(f"  grammar bitmask: {_fmt(view['grammar_bitmask_ms'])} ms, computed after scheduling and before "
+                     "the forward pass (not beside it), applied by the sampler")
+    return "\n".join(lines)
+
+
+def _fmt(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.2f}"
