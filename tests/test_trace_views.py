@@ -113,3 +113,45 @@ def test_a_tensor_parallel_step_shows_each_rank(capsys):
     step = next(s for s in run.steps if s.num_requests)
     view = cli_json(capsys, "step", str(folder), str(step.step_id))
     assert [r["rank"] for r in view["tensor_parallel_ranks"]] == [0, 1]
+
+
+def test_a_request_of_n_2_shows_its_two_children_each_with_its_own_seed(tmp_path, capsys):
+    from tests.tiny_checkpoints import tiny_model_with_tokenizer
+    from tinyserve import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_with_tokenizer("llama")), num_kv_blocks=32, trace_dir=str(tmp_path))
+    [output] = llm.generate("flat is better", SamplingParams(n=2, temperature=0.8, seed=41, max_tokens=4),
+                            use_tqdm=False)
+    [folder] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    view = cli_json(capsys, "request", str(folder), output.request_id)
+    children = view["sequences"]
+    assert [c["request_id"] for c in children] == [f"{i}_{output.request_id}" for i in range(2)]
+    assert [c["seed"] for c in children] == [41, 42]  # the parent's seed + the child's index
+    assert [c["token_ids"] for c in view["completions"]] == [list(c.token_ids) for c in output.outputs]
+    assert main(["trace", "request", str(folder), f"1_{output.request_id}"]) == 0
+    assert "seed 42" in capsys.readouterr().out
+
+
+def test_the_block_map_gives_every_request_its_own_colour_past_the_palette():
+    from matplotlib.colors import to_hex
+
+    from tinyserve.lifecycle.plots import PALETTE
+    from tinyserve.lifecycle.plots_blocks import plot_block_map, request_colors
+
+    for count in (3, len(PALETTE) + 1, 40):
+        colors = {to_hex(c) for c in request_colors(count)}
+        assert len(colors) == count and not colors & {to_hex("white"), to_hex("tab:gray")}
+    run = load_run(Path(__file__).resolve().parents[1] / "traces" / "recorded-mixed")
+    figure = plot_block_map(run)
+    [image] = figure.axes[0].get_images()
+    drawn = {to_hex(c) for c in image.cmap.colors[2:]}
+    assert len(drawn) == len({r for tables in run.block_tables(0).values() for r in tables}) > len(PALETTE)
+
+
+def test_the_tensor_parallel_plot_says_when_it_shows_only_some_steps():
+    from tinyserve.lifecycle.plots_scale_out import plot_tensor_parallel_steps
+
+    run = load_run(Path(__file__).resolve().parents[1] / "traces" / "recorded-load-tp2")
+    total = sum(1 for s in run.steps if s.ranks)
+    assert f"the first 60 of {total} steps" in plot_tensor_parallel_steps(run).axes[0].get_title()
+    assert f"all {total} steps" in plot_tensor_parallel_steps(run, max_steps=total).axes[0].get_title()

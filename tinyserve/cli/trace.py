@@ -100,13 +100,15 @@ def summarize(args: argparse.Namespace) -> int:
 
 
 def show_request(args: argparse.Namespace) -> int:
-    from tinyserve.lifecycle.views import format_request, request_view
+    from tinyserve.lifecycle.views import request_view
+    from tinyserve.lifecycle.views_text import format_request
 
     return _show(args, lambda run: request_view(run, args.request_id), format_request)
 
 
 def show_step(args: argparse.Namespace) -> int:
-    from tinyserve.lifecycle.views import format_step, step_view
+    from tinyserve.lifecycle.views import step_view
+    from tinyserve.lifecycle.views_text import format_step
 
     return _show(args, lambda run: step_view(run, args.step_id, args.engine), format_step)
 

@@ -85,7 +85,8 @@ class StepRecorder:
         if self.span_builder is not None:
             constraint = request.sampling_params.structured_outputs
             self.span_builder.on_request(request.request_id, request.trace_context, len(request.prompt_token_ids),
-                                         len(self.scheduler.waiting), constraint.kind if constraint else None)
+                                         len(self.scheduler.waiting), constraint.kind if constraint else None,
+                                         request.sampling_params.seed)
 
     def on_finished(self, outputs: list[EngineCoreOutput]) -> None:
         """Requests that finished outside a step (aborted): their spans end."""

@@ -53,6 +53,7 @@ class TracedRequest:
     num_prompt_tokens: int
     queue_depth_at_arrival: int
     structured_output_kind: str | None = None  # json, regex, ...: the request is constrained
+    seed: int | None = None  # the engine request's own seed (with n > 1: the parent's + the child's index)
 
 
 @dataclass(slots=True)
@@ -66,6 +67,7 @@ class FinishedRequest:
     num_output_tokens: int
     queue_depth_at_arrival: int
     structured_output_kind: str | None = None
+    seed: int | None = None
 
 
 def block_changes(scheduled: list) -> dict:

@@ -72,9 +72,10 @@ class EngineSpanBuilder:
     # ---- called from the engine loop: cheap -------------------------------------
 
     def on_request(self, request_id: str, trace_context: dict[str, str], num_prompt_tokens: int,
-                   queue_depth: int, structured_output_kind: str | None = None) -> None:
-        """A request was queued: remember what its spans will need."""
-        self._traced[request_id] = TracedRequest(trace_context, num_prompt_tokens, queue_depth, structured_output_kind)
+                   queue_depth: int, structured_output_kind: str | None = None, seed: int | None = None) -> None:
+        """A request was queued: remember what its spans will need (seed: its own, a child's seed + index)."""
+        self._traced[request_id] = TracedRequest(trace_context, num_prompt_tokens, queue_depth, structured_output_kind,
+                                                 seed)
 
     def record_step(self, scheduler_output, times: StepTimes, stats, outputs: list) -> None:
         """After a step: its SchedulerOutput, clock, SchedulerStats and EngineCoreOutputs' outputs."""
@@ -107,7 +108,7 @@ class EngineSpanBuilder:
                 finished.append(FinishedRequest(
                     output.request_id, traced.trace_context, output.times, output.finish_reason,
                     output.num_cached_tokens, traced.num_prompt_tokens, len(output.times.token_times),
-                    traced.queue_depth_at_arrival, traced.structured_output_kind,
+                    traced.queue_depth_at_arrival, traced.structured_output_kind, traced.seed,
                 ))
         return finished
 
@@ -172,7 +173,9 @@ class EngineSpanBuilder:
         end = times.finished_time
         scheduled = times.first_scheduled_time or end
         queue_span = self.tracer.start_span(schema.QUEUE, context=parent, start_time=_ns(times.queued_time),
-                                            attributes={**common, schema.QUEUE_DEPTH_AT_ARRIVAL: request.queue_depth_at_arrival})
+                                            attributes={**common, schema.QUEUE_DEPTH_AT_ARRIVAL: request.queue_depth_at_arrival,
+                                                        **({schema.GEN_AI_REQUEST_SEED: request.seed}
+                                                           if request.seed is not None else {})})
         queue_span.end(end_time=_ns(scheduled))
         if request.structured_output_kind is not None and times.structured_output_start is not None:
             grammar = self.tracer.start_span(schema.STRUCTURED_OUTPUT, context=parent, attributes={

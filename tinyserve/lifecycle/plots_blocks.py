@@ -5,13 +5,13 @@
 
 Rows are the pool's blocks, columns the engine's steps, a cell's colour the request
 whose block table held the block at that step (white: free, or holding only a cached
-prefix). A block in more than one table at once, a prefix shared through the prefix
+prefix), each request its own colour however many there are. A block in more than one table at once, a prefix shared through the prefix
 cache, is grey with a dot. Read from the step spans' block-table changes
 (Run.block_tables); runs recorded before steps logged them cannot be drawn.
 """
 
 import numpy as np
-from matplotlib.colors import ListedColormap
+from matplotlib.colors import ListedColormap, hsv_to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
@@ -19,6 +19,14 @@ from tinyserve.lifecycle.plots import PALETTE
 from tinyserve.lifecycle.run import Run
 
 _MAX_LEGEND_REQUESTS = 12
+
+
+def request_colors(count: int) -> list:
+    """`count` colours, all different: the palette's while it lasts, then hues spaced evenly around the
+    colour wheel (grey and white stay the shared and free blocks'), so no two requests look alike."""
+    if count <= len(PALETTE):
+        return PALETTE[:count]
+    return [hsv_to_rgb((k / count, 0.65 if k % 2 else 0.9, 0.95 if k % 2 else 0.7)) for k in range(count)]
 
 
 def plot_block_map(run: Run, engine_index: int = 0) -> Figure:
@@ -43,7 +51,7 @@ def plot_block_map(run: Run, engine_index: int = 0) -> Figure:
             if count > 1:
                 shared_x.append(column)
                 shared_y.append(block)
-    colors = ["tab:gray", "white"] + [PALETTE[k % len(PALETTE)] for k in range(len(owners))]
+    colors = ["tab:gray", "white"] + request_colors(len(owners))
     fig = Figure(figsize=(min(4 + 0.12 * len(step_ids), 18), min(2 + 0.22 * num_blocks, 12)), layout="constrained")
     ax = fig.add_subplot()
     ax.imshow(grid + 2, cmap=ListedColormap(colors), vmin=0, vmax=len(colors) - 1, aspect="auto",

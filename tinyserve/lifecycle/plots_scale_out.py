@@ -110,7 +110,8 @@ def least_connections(requests: list[RequestTimeline]) -> list[dict]:
 
 def plot_tensor_parallel_steps(run: Run, max_steps: int = 60) -> Figure:
     """Every rank's execute time per step, cut into its own compute and the time it waited in all-reduces."""
-    steps = [s for s in run.steps if s.ranks][:max_steps]
+    every = [s for s in run.steps if s.ranks]
+    steps = every[:max_steps]
     if not steps:
         raise ValueError(f"run {run.name} has no tensor-parallel steps (no tinyserve.execute per rank)")
     size = len(steps[0].ranks)
@@ -124,7 +125,8 @@ def plot_tensor_parallel_steps(run: Run, max_steps: int = 60) -> Figure:
         ax.bar(x, compute, width, color=PALETTE[rank], label=f"rank {rank}: compute")
         ax.bar(x, waited, width, bottom=compute, color=PALETTE[rank], alpha=0.35, hatch="//",
                label=f"rank {rank}: in all-reduce")
-    ax.set(title=f"One engine over {size} tensor-parallel ranks: each step's execute, run {run.name}",
+    shown = f"the first {len(steps)} of {len(every)} steps" if len(steps) < len(every) else f"all {len(steps)} steps"
+    ax.set(title=f"One engine over {size} tensor-parallel ranks: each step's execute, run {run.name} ({shown})",
            xlabel="engine step", ylabel="ms")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig

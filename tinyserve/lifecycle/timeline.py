@@ -115,6 +115,11 @@ class SequenceTimeline:
         return len(self.token_times_ns)
 
     @property
+    def seed(self) -> int | None:
+        """The seed this engine request sampled with (a child's own: the parent's seed + its index)."""
+        return self.queue.attributes.get(schema.GEN_AI_REQUEST_SEED) if self.queue else None
+
+    @property
     def num_cached_tokens(self) -> int | None:
         return self.prefill.attributes.get(schema.NUM_CACHED_TOKENS) if self.prefill else None
 

@@ -9,8 +9,7 @@
                               execute / update times, and where recorded, the tensor-parallel
                               ranks and the grammar bitmask's time
 
-Both return plain dicts (`--json` prints them); `format_request` and `format_step` make them
-text. Everything is read from the run's spans (run.py): nothing here is recorded anew.
+Both return plain dicts (`--json` prints them); views_text.py makes them text. Everything is read from the run's spans (run.py): nothing here is recorded anew.
 
 What a step was for a request is read from the request's own token times: a step that
 sampled one of its tokens (a token time inside the step) after the first is a decode; the
@@ -23,8 +22,6 @@ from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.otlp_json import Span
 from tinyserve.lifecycle.run import Run
 from tinyserve.lifecycle.timeline import SEQUENCE_STAGES, RequestTimeline, SequenceTimeline
-
-MAX_BATCH_MATES_SHOWN = 6  # in text; --json has them all
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -115,6 +112,7 @@ def sequence_view(run: Run, timeline: RequestTimeline, sequence: SequenceTimelin
     return {
         "request_id": sequence.request_id,
         "engine_index": sequence.engine_index,
+        "seed": sequence.seed,
         "stages_ms": {name.removeprefix("tinyserve."): _ms(sequence.stages[name].duration_s)
                       for name in SEQUENCE_STAGES if name in sequence.stages},
         "num_cached_tokens": sequence.num_cached_tokens,
@@ -149,49 +147,6 @@ def served_steps(run: Run, timeline: RequestTimeline, sequence: SequenceTimeline
         rows.append({"step_id": step.step_id, "kind": kind, "tokens": tokens, "sampled": bool(sampled),
                      "batch_mates": [r for r in step.request_ids if r != request_id]})
     return rows
-
-
-def format_request(view: dict) -> str:
-    lines = [f"request {view['request_id']}  ({view['operation']}, model {view['model']}, trace {view['trace_id']})"]
-    latency = view["latency_ms"]
-    lines.append(f"  prompt {view['num_prompt_tokens']} tokens, output {view['num_output_tokens']}; finish "
-                 f"{', '.join(str(r) for r in view['finish_reasons']) or '-'}"
-                 + (f"; error: {view['error']}" if view["error"] else ""))
-    lines.append(f"  TTFT {_fmt(latency['ttft'])} ms   TPOT {_fmt(latency['tpot'])} ms   E2E {_fmt(latency['e2e'])} ms")
-    if view["ttft_breakdown_ms"]:
-        parts = [f"{name} {_fmt(ms)}" for name, ms in view["ttft_breakdown_ms"].items() if name != "ttft"]
-        lines.append(f"  TTFT = {' + '.join(parts)} ms")
-    lines += ["", "spans (start and duration in ms from arrival):"]
-    for row in view["span_tree"]:
-        where = row["service"] + (f"@{row['host']}" if row["host"] else "")
-        lines.append(f"  {'  ' * row['depth']}{row['name']:<{max(8, 34 - 2 * row['depth'])}} "
-                     f"{_fmt(row['start_ms']):>9} {_fmt(row['duration_ms']):>9}  {where}")
-    for sequence in view["sequences"]:
-        lines += ["", f"engine request {sequence['request_id']} on engine {sequence['engine_index']}: "
-                      f"{sequence['num_output_tokens']} tokens, {sequence['num_cached_tokens'] or 0} prompt tokens "
-                      f"from the prefix cache, {sequence['num_preemptions']} preemption(s)"]
-        stages = ", ".join(f"{name} {_fmt(ms)}" for name, ms in sequence["stages_ms"].items())
-        lines.append(f"  stages (ms): {stages}")
-        lines.append(f"  steps that served it ({len(sequence['steps'])}):")
-        for row in sequence["steps"]:
-            mates = row["batch_mates"]
-            shown = ", ".join(mates[:MAX_BATCH_MATES_SHOWN]) + (f", … {len(mates)} in all"
-                                                               if len(mates) > MAX_BATCH_MATES_SHOWN else "")
-            lines.append(f"    step {row['step_id']:>5}  {row['kind']:<9} {row['tokens']:>5} tokens"
-                         + (f"  with {shown}" if mates else ""))
-        if sequence["block_table_growth"]:
-            lines.append("  block table as it grew:")
-            for row in sequence["block_table_growth"]:
-                lines.append(f"    step {row['step_id']:>5}  {row['block_ids']}")
-    inputs = view["inputs"]
-    lines += ["", "logged inputs:" + (" (redacted: the server was told not to log them)" if inputs["redacted"] else "")]
-    if inputs["messages"] is not None:
-        lines.append(f"  messages: {inputs['messages']}")
-    lines.append(f"  prompt: {inputs['prompt']!r}")
-    lines.append(f"  sampling_params: {inputs['sampling_params']}")
-    for completion in view["completions"]:
-        lines.append(f"  completion {completion['index']} ({completion['finish_reason']}): {completion['text']!r}")
-    return "\n".join(lines)
 
 
 # ---- one step ---------------------------------------------------------------------------
@@ -233,8 +188,10 @@ def step_view(run: Run, step_id: int, engine_index: int | None = None) -> dict:
         "num_running": step.num_running,
         "preempted_request_ids": step.preempted_request_ids,
         "finished_request_ids": step.finished_request_ids,
-        "tensor_parallel_ranks": step.ranks,
-        "grammar_bitmask_ms": _ms(step.span.attributes.get(schema.STEP_GRAMMAR_BITMASK_TIME)),
+        "tensor_parallel_ranks": [{"rank": r["rank"], "device": r["device"], "execute_ms": _ms(r["execute_s"]),
+                                   "all_reduce_ms": _ms(r["all_reduce_s"])} for r in step.ranks],
+        # a step without constrained requests that sample has no bitmask (its time is absent or 0)
+        "grammar_bitmask_ms": _ms(step.span.attributes.get(schema.STEP_GRAMMAR_BITMASK_TIME)) or None,
     }
 
 
@@ -263,38 +220,3 @@ def _freed_blocks(run: Run, step) -> tuple[dict, dict]:
     released = {r: before[r] for r in step.released_request_ids if r in before}
     preempted = {r: before[r] for r in step.preempted_request_ids if r in before}
     return released, preempted
-
-
-def format_step(view: dict) -> str:
-    phases = view["phases_ms"]
-    kv = view["kv_blocks"]
-    lines = [f"step {view['step_id']} of engine {view['engine_index']}: at {_fmt(view['start_ms'])} ms, "
-             f"{_fmt(view['duration_ms'])} ms (schedule {_fmt(phases['schedule'])}, execute "
-             f"{_fmt(phases['execute'])}, update {_fmt(phases['update'])})",
-             f"  {len(view['batch'])} requests, {view['num_prefill_tokens']} prefill + {view['num_decode_tokens']} "
-             f"decode tokens of a budget of {view['token_budget']}; {view['num_running']} running, "
-             f"{view['num_waiting']} waiting after it",
-             "", "  request                                       tokens  kind       new KV blocks"]
-    for row in view["batch"]:
-        lines.append(f"  {row['request_id']:<44} {row['tokens']:>6}  {row['kind'] or '?':<10} {row['new_block_ids']}")
-    lines += ["", f"  KV blocks: {kv['used']} used, {kv['free']} free of {kv['total']}; {kv['allocated']} allocated "
-                  f"in this step; prefix cache hit {view['prefix_cache_hit_tokens']} tokens"]
-    for request_id, blocks in kv["released"].items():
-        lines.append(f"    freed before it: {request_id} (finished or aborted since the last step) held {blocks}")
-    for request_id, blocks in kv["freed_by_preemption"].items():
-        lines.append(f"    freed by preempting {request_id} while scheduling it: {blocks}")
-    if view["preempted_request_ids"]:
-        lines.append(f"  preempted: {', '.join(view['preempted_request_ids'])}")
-    if view["finished_request_ids"]:
-        lines.append(f"  finished: {', '.join(view['finished_request_ids'])}")
-    for rank in view["tensor_parallel_ranks"]:
-        lines.append(f"  tensor-parallel rank {rank['rank']} ({rank['device']}): execute {_fmt(_ms(rank['execute_s']))}"
-                     f" ms, {_fmt(_ms(rank['all_reduce_s']))} ms of it in all-reduces")
-    if view["grammar_bitmask_ms"] is not None:
-        lines.append(f"  grammar bitmask: {_fmt(view['grammar_bitmask_ms'])} ms, computed after scheduling and before "
-                     "the forward pass (not beside it), applied by the sampler")
-    return "\n".join(lines)
-
-
-def _fmt(ms: float | None) -> str:
-    return "-" if ms is None else f"{ms:.2f}"
