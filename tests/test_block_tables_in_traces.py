@@ -27,7 +27,7 @@ def recorded(tmp_path_factory):
 
         def schedule_and_snapshot():
             output = schedule()
-            if output.is_empty:  # the step that only tells the worker of finished requests: no span
+            if output.is_empty and not output.finished_request_ids:  # an idle step: no span
                 return output
             engine_tables[output.step_id] = {rid: kv.get_block_ids(rid) for rid, blocks in kv.req_to_blocks.items()
                                              if blocks}
@@ -46,6 +46,8 @@ def recorded(tmp_path_factory):
         engine.add_request("doomed", prompt, params, engine.make_requests("doomed", prompt, params))
         engine.step()
         engine.abort_request(["doomed"])
+        assert llm.engine_core.has_requests  # as a server's busy loop does: one empty step tells the worker
+        llm.engine_core.step()
         llm.generate({"prompt_token_ids": shared + [60]}, params, use_tqdm=False)
         [run_dir] = list(trace_dir.iterdir())
         run = load_run(run_dir)
@@ -70,6 +72,16 @@ def test_block_tables_from_the_trace_equal_the_engines_at_every_step(recorded):
         assert rebuilt[step_id] == tables, f"step {step_id}"
         for request_id, blocks in tables.items():
             assert run.block_table(request_id, step_id) == blocks
+
+
+def test_an_abort_with_nothing_else_running_is_released_on_the_empty_step_that_tells_the_worker(recorded):
+    run, engine_tables, _ = recorded
+    [release] = [s for s in run.steps if "doomed" in s.released_request_ids]
+    assert release.request_ids == [] and release.num_scheduled_tokens == 0
+    before = max(step_id for step_id in engine_tables if step_id < release.step_id)
+    assert run.block_table("doomed", before)  # it held blocks until then
+    assert run.block_table("doomed", release.step_id) is None
+    assert release.kv_blocks_used == 0  # nothing else held any
 
 
 def test_a_request_that_holds_no_blocks_has_no_table(recorded):

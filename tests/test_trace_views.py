@@ -155,3 +155,38 @@ def test_the_tensor_parallel_plot_says_when_it_shows_only_some_steps():
     total = sum(1 for s in run.steps if s.ranks)
     assert f"the first 60 of {total} steps" in plot_tensor_parallel_steps(run).axes[0].get_title()
     assert f"all {total} steps" in plot_tensor_parallel_steps(run, max_steps=total).axes[0].get_title()
+
+
+@pytest.mark.server
+def test_a_client_that_leaves_mid_stream_has_its_blocks_released_on_a_step_even_as_the_engine_goes_idle(tmp_path,
+                                                                                                      capsys):
+    import signal
+
+    import httpx
+
+    from tests.server_checks import metric, wait_until
+    from tests.tiny_checkpoints import tiny_model_with_tokenizer
+    from tinyserve.testing import ServerProcess
+
+    server = ServerProcess(str(tiny_model_with_tokenizer("llama")), "--served-model-name", "tiny", "--trace",
+                           "--trace-dir", str(tmp_path), "--num-kv-blocks", "64")
+    try:
+        body = {"model": "tiny", "prompt": "a long answer", "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            chunks = response.iter_lines()
+            first = json.loads(next(line for line in chunks if line.startswith("data: "))[6:])
+            for _ in range(3):
+                next(chunks)
+        # the client has gone; the engine aborts the request and, with nothing else to run, goes idle
+        wait_until(lambda: metric(server.url, "num_requests_running") == 0, 30, "the request was aborted")
+    finally:
+        server.stop(signal.SIGINT)
+    [folder] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    run = load_run(folder)
+    [sequence] = run.request(first["id"]).sequences
+    [release] = [s for s in run.steps if sequence.request_id in s.released_request_ids]
+    assert release is run.steps[-1] and release.request_ids == []  # an empty step, the last the engine ran
+    step = cli_json(capsys, "step", str(folder), str(release.step_id))
+    held = run.block_table(sequence.request_id, release.step_id - 1)
+    assert held and step["kv_blocks"]["released"] == {sequence.request_id: held}
+    assert step["kv_blocks"]["used"] == 0

@@ -81,9 +81,11 @@ class EngineSpanBuilder:
         """After a step: its SchedulerOutput, clock, SchedulerStats and EngineCoreOutputs' outputs."""
         hits, self._prefix_cache_hits = stats.prefix_cache_hits - self._prefix_cache_hits, stats.prefix_cache_hits
         finished = self._finished(outputs)
-        # Released blocks are told with the next step that has a span: an empty step has none.
+        # Released blocks are told with the step that tells the worker. An empty step has a span only
+        # when it does that: the engine ran it for no other reason (a client left, and nothing else runs),
+        # and without it the release would be in no span at all while the engine stays idle.
         self._released += scheduler_output.finished_request_ids
-        if scheduler_output.is_empty:
+        if scheduler_output.is_empty and not self._released:
             if finished:
                 self._submit(None, {}, finished)
             return

@@ -133,6 +133,11 @@ def _ttft_steps(run: Run, request: RequestTimeline) -> int | None:
     return bisect.bisect_right(starts, first) - bisect.bisect_left(starts, request.arrival_ns)
 
 
+def _busy(run: Run) -> list:
+    """The steps that scheduled work: not the empty ones that only told the worker of released requests."""
+    return [step for step in run.steps if step.num_requests]
+
+
 def _largest_decode_step(run: Run) -> int:
     """The most tokens in a step that also decoded: a decoding request waits for all of them."""
     return max((step.num_scheduled_tokens for step in run.steps if 1 in step.num_tokens_per_request), default=0)
@@ -140,15 +145,15 @@ def _largest_decode_step(run: Run) -> int:
 
 _COMPARISONS = {  # clock -> {(title, y label): the value of one run}
     "time": {
-        ("Engine steps", "steps"): lambda run: len(run.steps),
-        ("Tokens per step", "mean tokens scheduled"): lambda run: _mean(s.num_scheduled_tokens for s in run.steps),
+        ("Engine steps", "steps"): lambda run: len(_busy(run)),
+        ("Tokens per step", "mean tokens scheduled"): lambda run: _mean(s.num_scheduled_tokens for s in _busy(run)),
         ("Run time", "first arrival → last finish (s)"): _run_time_s,
         ("Mean TTFT", "TTFT (ms)"): lambda run: _mean(r.ttft_s for r in run.requests) * 1e3,
         ("Mean TPOT", "TPOT (ms)"): lambda run: _mean(r.tpot_s for r in run.requests) * 1e3,
     },
     "steps": {
-        ("Engine steps", "steps"): lambda run: len(run.steps),
-        ("Tokens per step", "mean tokens scheduled"): lambda run: _mean(s.num_scheduled_tokens for s in run.steps),
+        ("Engine steps", "steps"): lambda run: len(_busy(run)),
+        ("Tokens per step", "mean tokens scheduled"): lambda run: _mean(s.num_scheduled_tokens for s in _busy(run)),
         ("Mean TTFT, in steps", "steps from arrival to first token"):
             lambda run: _mean(_ttft_steps(run, r) for r in run.requests),
         ("Largest decode step", "most tokens in a step that decodes"): _largest_decode_step,

@@ -123,10 +123,19 @@ class Run:
         return None
 
     def request(self, request_id: str) -> RequestTimeline:
-        """The request with this id: the client's (gen_ai.response.id) or an engine request id."""
+        """The request with this id: the client's (gen_ai.response.id) or an engine request id.
+
+        A text completion's id (cmpl-…) names all its prompts, each a request of its own, cmpl-…-0,
+        cmpl-…-1, …: with one prompt, that one."""
         for timeline in self.requests:
             if request_id == timeline.request_id or request_id in (s.request_id for s in timeline.sequences):
                 return timeline
+        prompts = [t for t in self.requests if t.request_id.removeprefix(request_id + "-").isdigit()]
+        if len(prompts) == 1:
+            return prompts[0]
+        if prompts:
+            raise ValueError(f"request_id {request_id!r} is a completion of {len(prompts)} prompts, each a request: "
+                             + ", ".join(t.request_id for t in prompts))
         known = ", ".join(t.request_id for t in self.requests[:5])
         raise ValueError(f"request_id {request_id!r} is not in run {self.name} (it has {len(self.requests)} "
                          f"requests{': ' + known if known else ''}{', ...' if len(self.requests) > 5 else ''})")

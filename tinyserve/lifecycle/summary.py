@@ -60,8 +60,9 @@ def _engine_rows(run: Run) -> list[list[str]]:
         if used and total:
             peak += f" ({max(used)}/{total} blocks)"
         preemptions = sum(len(s.preempted_request_ids) for s in steps)
-        rows.append([f"engine {index}", str(len(requests)), str(len(steps)),
-                     _mean_max([s.num_requests for s in steps]), _mean_max([s.num_scheduled_tokens for s in steps]),
+        busy = [s for s in steps if s.num_requests]  # not the empty steps that only told the worker of releases
+        rows.append([f"engine {index}", str(len(requests)), str(len(busy)),
+                     _mean_max([s.num_requests for s in busy]), _mean_max([s.num_scheduled_tokens for s in busy]),
                      peak, str(preemptions)])
     return rows
 
