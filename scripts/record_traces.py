@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout that is not pip
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, recording_servers.py
 
-from recording_servers import SERVER_ENV, deployment, run_folder  # noqa: E402
+from recording_servers import HEAD_HOST, NODE_HOST, SERVER_ENV, deployment, run_folder  # noqa: E402
 
 MODEL = "tinyserve-default"
 RECORDING_FILE = "recording.json"
@@ -68,6 +68,8 @@ class Request:
     at_s: float
     path: str  # /v1/completions or /v1/chat/completions
     body: dict
+    headers: dict | None = None
+    disconnect_after: int | None = None  # a streaming client that leaves after this many lines of the stream
 
 
 @dataclass
@@ -182,7 +184,8 @@ MULTI_NODE = ["--data-parallel-size", "2", "--data-parallel-size-local", "1"]  #
 
 def multi_node() -> Recording:
     return Recording("multi-node", "the load-75rps workload on a head (the API and engine 0) and a headless node "
-                     "(engine 1), two processes on one machine talking over TCP", [*LOAD_FLAGS, *MULTI_NODE],
+                     "(engine 1), two processes on one machine talking over TCP; their spans' host.name says "
+                     "head or node-1 (OTEL_RESOURCE_ATTRIBUTES)", [*LOAD_FLAGS, *MULTI_NODE],
                      load_workload(75), headless_flags=[*LOAD_FLAGS, *MULTI_NODE, "--data-parallel-start-rank", "1"])
 
 
@@ -192,8 +195,38 @@ def external_lb() -> Recording:
                      routed_ranks=2)
 
 
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+
+
+def cases() -> Recording:
+    """Four requests one after the other, each a case the other runs do not show, far enough apart (on a
+    quiet machine) that each runs alone: the disconnected one's release is then on a step of its own."""
+    workload = [
+        # n = 2: two engine requests, 0_<id> and 1_<id>, seeded 7 and 8, folded back into one answer
+        Request(0.0, "/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": "Say two things about namespaces."}],
+            "n": 2, "temperature": 0.8, "seed": 7, "max_tokens": 12}),
+        # a client that leaves mid-stream, with nothing else running: the engine aborts it and goes idle
+        Request(1.0, "/v1/completions", {"model": MODEL, "prompt": zen_text(random.Random(5), 200),
+                                          "max_tokens": 200, "temperature": 0.0, "ignore_eos": True, "stream": True},
+                disconnect_after=8),
+        # structured output: a grammar compiled beside the scheduler, a bitmask in every step it samples
+        Request(2.5, "/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": "The weather in Paris, as JSON."}],
+            "temperature": 0.0, "max_tokens": 48,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}}),
+        # the ORCA load report a load balancer asks for, kept on the request's HTTP span
+        Request(4.0, "/v1/completions", {"model": MODEL, "prompt": "Readability counts.", "max_tokens": 8,
+                                          "temperature": 0.0}, headers={"endpoint-load-metrics-format": "json"}),
+    ]
+    return Recording("cases", "four requests one after the other: n=2 with seeds, a client leaving mid-stream, a "
+                     "structured output, an ORCA load report", ["--enable-server-load-tracking"], workload)
+
+
 RECORDINGS = {r.name: r for r in (lifecycle(), mixed(), kv_tight(), kv_roomy(), kv_no_prefix_cache(), load(5), load(25),
-                                  load(75), load_dp(), load_tp(), multi_node(), external_lb())}
+                                  load(75), load_dp(), load_tp(), multi_node(), external_lb(), cases())}
 
 
 # ---- the server and the client ------------------------------------------------------------
@@ -201,7 +234,12 @@ RECORDINGS = {r.name: r for r in (lifecycle(), mixed(), kv_tight(), kv_roomy(), 
 
 async def send(client: httpx.AsyncClient, start: float, request: Request) -> None:
     await asyncio.sleep(max(0.0, start + request.at_s - time.monotonic()))
-    async with client.stream("POST", request.path, json=request.body) as response:
+    async with client.stream("POST", request.path, json=request.body, headers=request.headers) as response:
+        if request.disconnect_after is not None:  # read a few lines, then close the connection mid-stream
+            lines = response.aiter_lines()
+            for _ in range(request.disconnect_after):
+                await anext(lines)
+            return
         body = await response.aread()  # a streamed answer is read to its last event, like a client would
     if response.status_code != 200:
         raise RuntimeError(f"{request.path} answered {response.status_code}: {body[:500]!r}")
@@ -211,6 +249,12 @@ async def drive(url: str, workload: list[Request]) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         start = time.monotonic()
         await asyncio.gather(*(send(client, start, request) for request in workload))
+
+
+def as_logged(request: Request) -> dict:
+    """A request as recording.json keeps it: headers and disconnect_after only where it has them."""
+    return {key: value for key, value in asdict(request).items()
+            if value is not None or key not in ("headers", "disconnect_after")}
 
 
 def run_workload(url: str, workload: list[Request]) -> None:
@@ -265,15 +309,23 @@ def drop_requests(run_dir: Path, response_ids: set[str]) -> None:
     dropped = {s.trace_id for s in spans if s.attributes.get(schema.GEN_AI_RESPONSE_ID) in response_ids}
     engine_ids = {s.attributes[schema.REQUEST_ID] for s in spans
                   if s.trace_id in dropped and schema.REQUEST_ID in s.attributes}
-    dropped |= {s.trace_id for s in spans if s.name == schema.STEP
-                and set(s.attributes.get(schema.STEP_REQUEST_IDS, [])) <= engine_ids}
+    # The steps that served only them, and the empty ones that only released them, with their phases. A
+    # step shares its trace with the engine's other steps of that minute (their timeline span): by span id.
+    steps = {s.span_id for s in spans if s.name == schema.STEP
+             and set(s.attributes.get(schema.STEP_REQUEST_IDS, [])
+                     or s.attributes.get(schema.STEP_RELEASED_REQUEST_IDS, [])) <= engine_ids}
+    steps |= {s.span_id for s in spans if s.parent_span_id in steps}
+
+    def kept(span: dict) -> bool:
+        return span["traceId"] not in dropped and span["spanId"] not in steps
+
     for path in files:
         lines = []
         for line in path.read_text().splitlines():
             export = json.loads(line)
             for resource_spans in export["resourceSpans"]:
                 for scope_spans in resource_spans["scopeSpans"]:
-                    scope_spans["spans"] = [s for s in scope_spans["spans"] if s["traceId"] not in dropped]
+                    scope_spans["spans"] = [s for s in scope_spans["spans"] if kept(s)]
                 resource_spans["scopeSpans"] = [s for s in resource_spans["scopeSpans"] if s["spans"]]
             export["resourceSpans"] = [r for r in export["resourceSpans"] if r["scopeSpans"]]
             if export["resourceSpans"]:
@@ -301,18 +353,20 @@ def record(name: str, out_dir: str | Path) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(run_dir), target)
     env = [f"{key}={value}" for key, value in SERVER_ENV.items()]
-    command = [*env, "tinyserve", "serve", "--trace", "--trace-dir", "traces", *recording.flags]
+    hosts = recording.headless_flags is not None  # one machine plays two hosts: their spans say which
+    command = [*env, *([f"OTEL_RESOURCE_ATTRIBUTES=host.name={HEAD_HOST}"] if hosts else []),
+               "tinyserve", "serve", "--trace", "--trace-dir", "traces", *recording.flags]
     if recording.routed_ranks:
         command = [part for rank in range(recording.routed_ranks) for part in
                    (*command, "--data-parallel-size", str(recording.routed_ranks), "--data-parallel-rank", str(rank),
                     "&")] + ["nginx  # least_conn in front (scripts/recording_servers.py)"]
     if recording.headless_flags is not None:
-        command += ["&", *env, "tinyserve", "serve", "--headless", "--trace", "--trace-dir", "traces",
-                    *recording.headless_flags]
+        command += ["&", *env, f"OTEL_RESOURCE_ATTRIBUTES=host.name={NODE_HOST}", "tinyserve", "serve", "--headless",
+                    "--trace", "--trace-dir", "traces", *recording.headless_flags]
     about = {
         "name": name, "description": recording.description, "command": " ".join(command),
         "model_fingerprint": model_fingerprint(), "python": sys.version.split()[0],
-        "single_chat": recording.single_chat, "workload": [asdict(r) for r in recording.workload],
+        "single_chat": recording.single_chat, "workload": [as_logged(r) for r in recording.workload],
     }
     (target / RECORDING_FILE).write_text(json.dumps(about, indent=1) + "\n")
     return target

@@ -30,15 +30,23 @@ from tinyserve.testing import NginxRouter, ServerProcess  # noqa: E402
 # make steps ten times slower or worse, and the timings erratic.
 SERVER_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 NODE_STOP_TIMEOUT_S = 60
+# A head and a headless node recorded on one machine: the host names their spans carry
+HEAD_HOST, NODE_HOST = "head", "node-1"
 
 
-def server_env() -> dict:
-    return {**SERVER_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+def server_env(host_name: str | None = None) -> dict:
+    """host_name: the host.name its spans carry (OpenTelemetry's OTEL_RESOURCE_ATTRIBUTES), when one machine
+    plays several hosts; else the machine's own."""
+    env = {**SERVER_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if host_name is not None:
+        env["OTEL_RESOURCE_ATTRIBUTES"] = f"host.name={host_name}"
+    return env
 
 
-def start_server(trace_dir: Path, flags: list[str]) -> ServerProcess:
+def start_server(trace_dir: Path, flags: list[str], host_name: str | None = None) -> ServerProcess:
     """`tinyserve serve --trace` on the built-in model, in a process group of its own; returns once /health answers."""
-    return ServerProcess(None, "--trace", "--trace-dir", str(trace_dir), *flags, startup_timeout=300, env=server_env())
+    return ServerProcess(None, "--trace", "--trace-dir", str(trace_dir), *flags, startup_timeout=300,
+                         env=server_env(host_name))
 
 
 def stop_server(server: ServerProcess) -> None:
@@ -60,10 +68,10 @@ def deployment(scratch: Path, flags: list[str], headless_flags: list[str] | None
         log = open(scratch / "headless.log", "wb")
         command = [sys.executable, "-m", "tinyserve.cli.main", "serve", "--headless", "--trace",
                    "--trace-dir", str(scratch / "node"), *headless_flags]
-        node = subprocess.Popen(command, env=dict(os.environ, **server_env()), stdout=log, stderr=subprocess.STDOUT,
+        node = subprocess.Popen(command, env=dict(os.environ, **server_env(NODE_HOST)), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
-        server = start_server(scratch / "traces", flags)
+        server = start_server(scratch / "traces", flags, HEAD_HOST if headless_flags is not None else None)
         try:
             yield server.url
         finally:

@@ -100,15 +100,19 @@ def test_recorded_run_is_small_and_every_request_replayable(folder):
     assert "tinyserve serve --trace" in recording["command"] and len(recording["model_fingerprint"]) == 64
     # the workload the script would send today is the one recorded (notebook 2 reuses its prompts)
     recipe = record_traces.RECORDINGS[folder.name.removeprefix("recorded-")]
-    assert recording["workload"] == [dataclasses.asdict(r) for r in recipe.workload]
+    assert recording["workload"] == [record_traces.as_logged(r) for r in recipe.workload]
     assert recording["single_chat"] == recipe.single_chat
     run = load_run(folder)
     expected = 1 if recording["single_chat"] else len(recording["workload"])
     assert len(run.requests) == expected  # the warm-up request was taken out, nothing else
     assert run.steps and all(s.kv_blocks_total for s in run.steps)
+    left = [r for r in run.requests if r.finish_reasons == ["abort"]]  # the clients the recipe has leave
+    assert len(left) == sum(1 for r in recipe.workload if r.disconnect_after is not None)
     for request in run.requests:
-        assert request.error is None and why_not_reproducible(request) is None
+        assert request.error == ("aborted" if request in left else None)
         assert request.ttft_s > 0 and request.inputs.prompt != "Warm up."
+        assert why_not_reproducible(request) == ("the request was aborted before it finished" if request in left
+                                                 else None)
 
 
 @pytest.mark.slow
@@ -125,7 +129,8 @@ def test_every_shipped_recording_replays_exactly_on_this_machine():
         assert run.manifest["model_fingerprint"] == DEFAULT_MODEL_FINGERPRINT, folder.name
         results = replay_run(run, llm)
         assert len(results) == len(run.requests) > 0
-        assert [r.describe() for r in results if not r.matched] == [], folder.name
+        left = {r.request_id for r in run.requests if r.finish_reasons == ["abort"]}  # skipped: a client left
+        assert [r.describe() for r in results if not r.matched and r.request_id not in left] == [], folder.name
 
 
 @pytest.mark.server

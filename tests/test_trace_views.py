@@ -115,21 +115,29 @@ def test_a_tensor_parallel_step_shows_each_rank(capsys):
     assert [r["rank"] for r in view["tensor_parallel_ranks"]] == [0, 1]
 
 
-def test_a_request_of_n_2_shows_its_two_children_each_with_its_own_seed(tmp_path, capsys):
+def test_a_request_of_n_2_shows_its_two_children_each_with_its_own_seed(tmp_path, capsys, monkeypatch):
     from tests.tiny_checkpoints import tiny_model_with_tokenizer
     from tinyserve import LLM, SamplingParams
 
-    llm = LLM(str(tiny_model_with_tokenizer("llama")), num_kv_blocks=32, trace_dir=str(tmp_path))
-    [output] = llm.generate("flat is better", SamplingParams(n=2, temperature=0.8, seed=41, max_tokens=4),
-                            use_tqdm=False)
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "host.name=learner-box")  # OpenTelemetry's way to name a host
+    from tinyserve.lifecycle.tracing import shutdown_tracing
+
+    try:
+        llm = LLM(str(tiny_model_with_tokenizer("llama")), num_kv_blocks=32, trace_dir=str(tmp_path))
+        [output] = llm.generate("flat is better", SamplingParams(n=2, temperature=0.8, seed=41, max_tokens=4),
+                                use_tqdm=False)
+    finally:
+        shutdown_tracing()  # this process's tracer goes: later tests start untraced
     [folder] = [p for p in tmp_path.iterdir() if p.is_dir()]
     view = cli_json(capsys, "request", str(folder), output.request_id)
     children = view["sequences"]
     assert [c["request_id"] for c in children] == [f"{i}_{output.request_id}" for i in range(2)]
     assert [c["seed"] for c in children] == [41, 42]  # the parent's seed + the child's index
     assert [c["token_ids"] for c in view["completions"]] == [list(c.token_ids) for c in output.outputs]
+    assert {row["host"] for row in view["span_tree"]} == {"learner-box"}
     assert main(["trace", "request", str(folder), f"1_{output.request_id}"]) == 0
-    assert "seed 42" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "seed 42" in text and "tinyserve-offline@learner-box" in text
 
 
 def test_the_block_map_gives_every_request_its_own_colour_past_the_palette():
@@ -158,8 +166,8 @@ def test_the_tensor_parallel_plot_says_when_it_shows_only_some_steps():
 
 
 @pytest.mark.server
-def test_a_client_that_leaves_mid_stream_has_its_blocks_released_on_a_step_even_as_the_engine_goes_idle(tmp_path,
-                                                                                                      capsys):
+def test_a_client_that_leaves_mid_stream_has_its_blocks_released_on_a_step_and_orca_reports_are_kept(
+        tmp_path, capsys):
     import signal
 
     import httpx
@@ -171,6 +179,9 @@ def test_a_client_that_leaves_mid_stream_has_its_blocks_released_on_a_step_even_
     server = ServerProcess(str(tiny_model_with_tokenizer("llama")), "--served-model-name", "tiny", "--trace",
                            "--trace-dir", str(tmp_path), "--num-kv-blocks", "64")
     try:
+        asked = httpx.post(f"{server.url}/v1/completions", timeout=60, headers={"endpoint-load-metrics-format": "json"},
+                           json={"model": "tiny", "prompt": "load?", "max_tokens": 2})
+        told = asked.headers["endpoint-load-metrics"]
         body = {"model": "tiny", "prompt": "a long answer", "max_tokens": 400, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
             chunks = response.iter_lines()
@@ -190,3 +201,18 @@ def test_a_client_that_leaves_mid_stream_has_its_blocks_released_on_a_step_even_
     held = run.block_table(sequence.request_id, release.step_id - 1)
     assert held and step["kv_blocks"]["released"] == {sequence.request_id: held}
     assert step["kv_blocks"]["used"] == 0
+    # the ORCA report a load balancer was given is on that request's HTTP span
+    assert run.request(asked.json()["id"]).http_span.attributes[schema.HTTP_RESPONSE_ORCA_REPORT] == [told]
+
+
+def test_the_recorded_cases_show_what_chapter_one_says_they_do():
+    run = load_run(Path(__file__).resolve().parents[1] / "traces" / "recorded-cases")
+    fanned, left, constrained, reported = run.requests
+    assert [s.seed for s in fanned.sequences] == [7, 8] and len(fanned.completions) == 2
+    assert left.finish_reasons == ["abort"]
+    [release] = [s for s in run.steps if left.sequences[0].request_id in s.released_request_ids]
+    assert release.request_ids == []  # it ran alone: the release is on a step of its own
+    assert any(s.name == schema.STRUCTURED_OUTPUT and s.trace_id == constrained.trace_id for s in run.spans)
+    masked = {s.step_id for s in run.steps if s.span.attributes.get(schema.STEP_GRAMMAR_BITMASK_TIME)}
+    assert masked and masked <= {s.step_id for s in run.steps if constrained.sequences[0].request_id in s.request_ids}
+    assert json.loads(reported.http_span.attributes[schema.HTTP_RESPONSE_ORCA_REPORT][0].removeprefix("JSON "))

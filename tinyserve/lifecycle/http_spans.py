@@ -61,8 +61,11 @@ class TracingMiddleware:
         async def traced_send(message) -> None:
             if message["type"] == "http.response.start":
                 response["status"] = message["status"]
-                content_type = dict(message.get("headers", [])).get(b"content-type", b"")
-                response["streamed"] = content_type.startswith(b"text/event-stream")
+                response_headers = dict(message.get("headers", []))
+                response["streamed"] = response_headers.get(b"content-type", b"").startswith(b"text/event-stream")
+                report = response_headers.get(b"endpoint-load-metrics")
+                if report is not None:  # what a load balancer was told about this server's load
+                    span.set_attribute(schema.HTTP_RESPONSE_ORCA_REPORT, [report.decode("latin-1")])
             elif message["type"] == "http.response.body":
                 now = time.time_ns()
                 if response["first"] is None:

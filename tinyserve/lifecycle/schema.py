@@ -141,6 +141,9 @@ STOP_STRING = "tinyserve.stop_string"
 RESPOND_CHUNKS = "tinyserve.respond.chunks"
 RESPOND_BYTES = "tinyserve.respond.bytes"
 STREAMED = "tinyserve.streamed"
+# On the HTTP span: the ORCA load report the response carried (OpenTelemetry's http.response.header.<name>),
+# present when the request asked for one (endpoint-load-metrics-format)
+HTTP_RESPONSE_ORCA_REPORT = "http.response.header.endpoint-load-metrics"
 # step
 STEP_ID = "tinyserve.step.id"
 STEP_REQUEST_IDS = "tinyserve.step.request_ids"

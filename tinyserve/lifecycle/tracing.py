@@ -22,7 +22,7 @@ from pathlib import Path
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.propagators.textmap import DefaultGetter
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -56,9 +56,13 @@ def setup_tracing(service_name: str, trace_file: str | Path | None = None, otlp_
     global _provider
     if trace_file is None and otlp_endpoint is None:
         return False
+    # The host's name, unless OpenTelemetry's OTEL_RESOURCE_ATTRIBUTES gives one (host.name=...): the
+    # SDK reads that variable, and what is given here would override it.
+    host = {} if schema.RESOURCE_HOST in OTELResourceDetector().detect().attributes else \
+        {schema.RESOURCE_HOST: socket.gethostname()}
     provider = TracerProvider(
-        resource=Resource.create({"service.name": service_name, "service.version": _VERSION,
-                                  schema.RESOURCE_HOST: socket.gethostname(), **(resource or {})}),
+        resource=Resource.create({"service.name": service_name, "service.version": _VERSION, **host,
+                                  **(resource or {})}),
         span_limits=SpanLimits(max_links=_MAX_LINKS, max_attributes=256, max_events=4096, max_span_attributes=256),
     )
     if trace_file is not None:
