@@ -10,9 +10,11 @@ stream=true, the Prometheus text of /metrics, the small JSON of /health and
 the field limits a request must keep. `make_truthful` adds all that to the
 document FastAPI generates, once, the first time it is asked for.
 
-What no document can say is whether a prompt fits the context once tokenized:
-a request the schema allows may still be refused with a 400 that names the field
-at fault. Token ids are bounded by the vocabulary in the document too.
+What no document can say is whether a prompt fits the context once tokenized, whether
+a tool_choice names one of the request's tools, whether a tool call's arguments
+string is JSON, or how long a schema takes to compile: a request the schema allows
+may still be refused with a 400 that names the field at fault, and the 400's
+description says so. Token ids are bounded by the vocabulary in the document too.
 """
 
 from fastapi import FastAPI
@@ -44,7 +46,10 @@ RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying, 
                                "schema": {"type": "integer"}}}
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 BODY_ERRORS = {  # what any request with a body may be answered
-    "400": "the body is malformed, or a field is invalid (named in the error's param)",
+    "400": "the body is malformed, or a field is invalid (named in the error's param); also, for a body this "
+           "schema allows, what no schema can say: the prompt does not fit the context once tokenized, a "
+           "tool_choice names a tool the request's tools lack, a tool call's arguments are not a JSON text, "
+           "or its constraint is not compiled within --structured-outputs-compile-timeout",
     "404": "the model is not one this server serves",
     "408": "the request did not arrive in time (--http-header-timeout, --http-body-timeout)",
     "413": "the body is larger than --max-request-body-bytes",
