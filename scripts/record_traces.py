@@ -81,6 +81,7 @@ class Recording:
     single_chat: dict | None = None  # sent with the openai client instead of a workload
     headless_flags: list[str] | None = None  # flags of a headless node serving some of the head's ranks
     routed_ranks: int = 0  # > 0: that many --data-parallel-rank servers with these flags, nginx in front
+    kill_node_at_s: float | None = None  # the headless node is killed (SIGKILL) this long into the workload
 
 
 def zen_text(rng: random.Random, num_chars: int) -> str:
@@ -189,6 +190,14 @@ def multi_node() -> Recording:
                      load_workload(75), headless_flags=[*LOAD_FLAGS, *MULTI_NODE, "--data-parallel-start-rank", "1"])
 
 
+def node_lost() -> Recording:
+    return Recording("node-lost", "the multi-node deployment with --keep-alive-on-engine-death; the headless node is "
+                     "killed (SIGKILL) 0.15 s into the load-75rps workload: the requests it held fail, the others "
+                     "and those after it are served by the head's engine", [*LOAD_FLAGS, *MULTI_NODE,
+                     "--keep-alive-on-engine-death"], load_workload(75),
+                     headless_flags=[*LOAD_FLAGS, *MULTI_NODE, "--data-parallel-start-rank", "1"], kill_node_at_s=0.15)
+
+
 def external_lb() -> Recording:
     return Recording("external-lb", "the load-75rps workload on two --data-parallel-rank servers (4 seats each) with "
                      "nginx in front (least_conn); the two run folders merged", LOAD_FLAGS, load_workload(75),
@@ -226,13 +235,13 @@ def cases() -> Recording:
 
 
 RECORDINGS = {r.name: r for r in (lifecycle(), mixed(), kv_tight(), kv_roomy(), kv_no_prefix_cache(), load(5), load(25),
-                                  load(75), load_dp(), load_tp(), multi_node(), external_lb(), cases())}
+                                  load(75), load_dp(), load_tp(), multi_node(), external_lb(), cases(), node_lost())}
 
 
 # ---- the server and the client ------------------------------------------------------------
 
 
-async def send(client: httpx.AsyncClient, start: float, request: Request) -> None:
+async def send(client: httpx.AsyncClient, start: float, request: Request, allow_errors: bool = False) -> None:
     await asyncio.sleep(max(0.0, start + request.at_s - time.monotonic()))
     async with client.stream("POST", request.path, json=request.body, headers=request.headers) as response:
         if request.disconnect_after is not None:  # read a few lines, then close the connection mid-stream
@@ -241,14 +250,21 @@ async def send(client: httpx.AsyncClient, start: float, request: Request) -> Non
                 await anext(lines)
             return
         body = await response.aread()  # a streamed answer is read to its last event, like a client would
-    if response.status_code != 200:
+    if response.status_code != 200 and not allow_errors:
         raise RuntimeError(f"{request.path} answered {response.status_code}: {body[:500]!r}")
 
 
-async def drive(url: str, workload: list[Request]) -> None:
+async def drive(url: str, workload: list[Request], kill_node=None, kill_at_s: float | None = None) -> None:
+    """Send the workload; with kill_node, kill the headless node kill_at_s into it (its requests may then fail)."""
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         start = time.monotonic()
-        await asyncio.gather(*(send(client, start, request) for request in workload))
+        sends = [send(client, start, request, allow_errors=kill_node is not None) for request in workload]
+        if kill_node is not None:
+            async def kill() -> None:
+                await asyncio.sleep(kill_at_s)
+                kill_node()
+            sends.append(kill())
+        await asyncio.gather(*sends)
 
 
 def as_logged(request: Request) -> dict:
@@ -257,10 +273,10 @@ def as_logged(request: Request) -> dict:
             if value is not None or key not in ("headers", "disconnect_after")}
 
 
-def run_workload(url: str, workload: list[Request]) -> None:
+def run_workload(url: str, workload: list[Request], kill_node=None, kill_at_s: float | None = None) -> None:
     """Drive the workload on an event loop of its own thread: the caller may be running one (a Jupyter kernel is)."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        pool.submit(asyncio.run, drive(url, workload)).result()
+        pool.submit(asyncio.run, drive(url, workload, kill_node, kill_at_s)).result()
 
 
 def chat_once(url: str, chat: dict) -> None:
@@ -340,10 +356,13 @@ def record(name: str, out_dir: str | Path) -> Path:
     recording = RECORDINGS[name]
     target = Path(out_dir) / f"recorded-{name}"
     with tempfile.TemporaryDirectory(prefix="tinyserve-record-") as scratch:
-        with deployment(Path(scratch), recording.flags, recording.headless_flags, recording.routed_ranks) as url:
+        with deployment(Path(scratch), recording.flags, recording.headless_flags, recording.routed_ranks) as (url,
+                                                                                                          kill_node):
             warm_up_ids = warm_up(url, engines=max(recording.routed_ranks, engine_count(recording.flags)))
             if recording.single_chat is not None:
                 chat_once(url, recording.single_chat)
+            elif recording.kill_node_at_s is not None:
+                run_workload(url, recording.workload, kill_node, recording.kill_node_at_s)
             else:
                 run_workload(url, recording.workload)
         run_dir = run_folder(Path(scratch))
@@ -363,6 +382,8 @@ def record(name: str, out_dir: str | Path) -> Path:
     if recording.headless_flags is not None:
         command += ["&", *env, f"OTEL_RESOURCE_ATTRIBUTES=host.name={NODE_HOST}", "tinyserve", "serve", "--headless",
                     "--trace", "--trace-dir", "traces", *recording.headless_flags]
+        if recording.kill_node_at_s is not None:
+            command += [f"# the node killed with SIGKILL {recording.kill_node_at_s} s into the workload"]
     about = {
         "name": name, "description": recording.description, "command": " ".join(command),
         "model_fingerprint": model_fingerprint(), "python": sys.version.split()[0],

@@ -14,6 +14,7 @@ SIGTERM, so that it drains and flushes its spans; a headless node stops when its
 import concurrent.futures
 import contextlib
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -58,10 +59,11 @@ def stop_server(server: ServerProcess) -> None:
 
 @contextlib.contextmanager
 def deployment(scratch: Path, flags: list[str], headless_flags: list[str] | None = None, routed_ranks: int = 0):
-    """Yield the URL to send the workload to, with every process tracing under scratch/; stop them all after."""
+    """Yield (the URL to send the workload to, a function that kills the headless node, or None), with every
+    process tracing under scratch/; stop them all after (a node killed on purpose is not waited for)."""
     if routed_ranks:
         with routed(scratch, flags, routed_ranks) as url:
-            yield url
+            yield url, None
         return
     node = None
     if headless_flags is not None:  # first: the head answers /health only once the node's ranks are ready
@@ -70,14 +72,22 @@ def deployment(scratch: Path, flags: list[str], headless_flags: list[str] | None
                    "--trace-dir", str(scratch / "node"), *headless_flags]
         node = subprocess.Popen(command, env=dict(os.environ, **server_env(NODE_HOST)), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+    killed = []
+
+    def kill_node() -> None:  # SIGKILL, as a machine that loses power: nothing flushed, nothing said
+        killed.append(True)
+        os.killpg(node.pid, signal.SIGKILL)
+
     try:
         server = start_server(scratch / "traces", flags, HEAD_HOST if headless_flags is not None else None)
         try:
-            yield server.url
+            yield server.url, (kill_node if node is not None else None)
         finally:
             stop_server(server)
     finally:
-        if node is not None:
+        if node is not None and killed:
+            node.wait(NODE_STOP_TIMEOUT_S)
+        elif node is not None:
             try:
                 code = node.wait(NODE_STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
