@@ -158,3 +158,30 @@ def test_without_keep_alive_the_live_ranks_streams_finish_then_the_server_exits_
     check_only_the_dead_ranks_streams_failed(outcomes, on_engine_1, output)
     assert proc.process.returncode == 1, output[-3000:]
     assert "an engine died: stopping the server once the requests on engine(s) [0] finish" in output
+
+
+def test_a_request_for_a_rank_whose_connection_is_gone_goes_to_a_live_one_before_heartbeats_declare_it_dead():
+    import asyncio
+    from types import SimpleNamespace
+
+    from tinyserve.frontend.core_client import MPClient
+    from tinyserve.frontend.engine_client import EngineDeadError
+
+    balancer = DPLoadBalancer(3)
+    balancer.on_stats(0, SchedulerStats(num_waiting_reqs=5))  # rank 1, the least loaded, has lost its node
+    sent = []
+
+    def send(index, kind, message):
+        if index == 1:
+            raise EngineDeadError("engine 1 is not connected")
+        sent.append(index)
+
+    client = SimpleNamespace(_check_alive=lambda: None, load_balancer=balancer, start_index=0, _send=send,
+                             in_flight={}, data_parallel_size=3)
+    request = SimpleNamespace(request_id="r")
+    assert asyncio.run(MPClient.add_request(client, request)) == 2 and sent == [2]
+    assert client.in_flight == {"r": 2} and balancer.dead == set()  # the heartbeats still decide its death
+    balancer.mark_dead(0)
+    balancer.mark_dead(2)  # no other engine: the request fails as before
+    with pytest.raises(EngineDeadError, match="not connected"):
+        asyncio.run(MPClient.add_request(client, SimpleNamespace(request_id="s")))

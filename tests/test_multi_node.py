@@ -179,6 +179,14 @@ def test_killing_the_headless_node_fails_its_requests_within_2_s_and_no_others()
         on_node = int(_running(head.url, "1"))
         killed = time.monotonic()
         node.kill()
+        # New requests before the heartbeats declare the node dead: one the balancer would give the node finds its
+        # connection gone and goes to the head's engine instead of failing (a 503 "not connected" before).
+        answers = []
+        while sum("ended" in o for o in outcomes) < on_node and time.monotonic() - killed < 10:
+            answers.append(httpx.post(f"{head.url}/v1/completions", timeout=60,
+                                      json={"model": MODEL, "prompt": "after", "max_tokens": 2}))
+        assert answers and not [a.text for a in answers if "not connected" in a.text], [a.text for a in answers]
+        assert all(a.status_code == 200 or "engine 1 (on a headless node) died" in a.text for a in answers)
         wait_until(lambda: sum("ended" in o for o in outcomes) >= on_node, 10, "the node's requests end")
         ended = [o for o in outcomes if "ended" in o]
         assert len(ended) == on_node, outcomes  # the head's own requests go on

@@ -13,7 +13,6 @@ With --headless it runs engines for a head node instead (engine/headless.py).
 
 import argparse
 import logging
-import socket
 import sys
 
 import uvicorn
@@ -267,7 +266,7 @@ def start_tracing(args: argparse.Namespace, engine_args, served_model_name: str,
 
     from tinyserve.config import ModelInfo
     from tinyserve.lifecycle import schema
-    from tinyserve.lifecycle.tracing import new_run_dir, setup_tracing, trace_cap_bytes, write_manifest
+    from tinyserve.lifecycle.tracing import host_name, new_run_dir, setup_tracing, trace_cap_bytes, write_manifest
     from tinyserve.models.fingerprint import manifest_fingerprint
 
     if not args.trace and args.otlp_endpoint is None:
@@ -280,7 +279,7 @@ def start_tracing(args: argparse.Namespace, engine_args, served_model_name: str,
                        engine_args=asdict(engine_args), data_parallel_size=args.data_parallel_size,
                        model_fingerprint=manifest_fingerprint(ModelInfo.from_args(engine_args).path),
                        trace_max_mb=args.trace_max_mb,
-                       node={"host": socket.gethostname(), "headless": node_ranks is not None,
+                       node={"host": host_name(), "headless": node_ranks is not None,
                              "ranks": node_ranks if node_ranks is not None else _local_ranks(args)})
         engine_args.trace_run_dir = str(run_dir)
     engine_args.otlp_endpoint = args.otlp_endpoint

@@ -27,7 +27,6 @@ over MAX_HEAD_MESSAGE_BYTES drops the connection, and its text is cut in the log
 import logging
 import os
 import signal
-import socket
 import time
 
 import msgspec
@@ -35,6 +34,7 @@ import zmq
 
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.engine.engine_procs import EngineProcesses
+from tinyserve.lifecycle.tracing import host_name
 from tinyserve.models.fingerprint import manifest_fingerprint
 from tinyserve.wire.ipc import MessageDecoder
 from tinyserve.wire.nodes import (
@@ -91,7 +91,7 @@ class HeadlessNode:
             self._context.term()
 
     def _join(self):
-        hello = NodeHello(socket.gethostname(), os.getpid(), self.ranks, self.data_parallel_size,
+        hello = NodeHello(host_name(), os.getpid(), self.ranks, self.data_parallel_size,
                           manifest_fingerprint(self.model_info.path), self.node_secret)
         self._send(NodeMessageKind.HELLO, hello)
         logger.info("waiting for the head at %s to let ranks %s in", self.head, self.ranks)

@@ -349,11 +349,11 @@ class AsyncLLM:
             child = self.output_processor.children.get(output.request_id)
             if child is None:
                 continue
-            request_id = child.parent.request_id
-            to_abort += [c for c in self.output_processor.abort_request(request_id) if c != output.request_id]
+            request_id, error = child.parent.request_id, GrammarError(output.error)
+            to_abort += [c for c in self.output_processor.abort_request(request_id, error) if c != output.request_id]
             queue = self.queues.pop(request_id, None)
             if queue is not None:
-                queue.put_nowait(GrammarError(output.error))
+                queue.put_nowait(error)
         if to_abort:
             await self.client.abort_requests(to_abort)
 
@@ -370,7 +370,7 @@ class AsyncLLM:
                    if (child := self.output_processor.children.get(child_id)) is not None}
         to_abort = []
         for request_id in parents:
-            to_abort += [c for c in self.output_processor.abort_request(request_id) if c not in lost_ids]
+            to_abort += [c for c in self.output_processor.abort_request(request_id, lost) if c not in lost_ids]
             queue = self.queues.pop(request_id, None)
             if queue is not None:
                 queue.put_nowait(lost)

@@ -224,9 +224,9 @@ class MPClient(ClientLiveness):
     async def add_request(self, request: EngineCoreRequest) -> int:
         """Send a request to the least loaded live engine; returns that engine's index."""
         self._check_alive()
-        position = self.load_balancer.choose_engine()
+        position = self.load_balancer.send_to_least_loaded(
+            lambda p: self._send(self.start_index + p, EngineInputKind.ADD, request))
         index = self.start_index + position
-        self._send(index, EngineInputKind.ADD, request)
         self.in_flight[request.request_id] = index
         self.load_balancer.on_request_sent(position)
         return index

@@ -14,6 +14,9 @@ requests over the N servers: vLLM's external load balancing. Such a server has
 nothing to choose; its engine still says "engine R" in metrics and traces.
 """
 
+from collections.abc import Callable
+
+from tinyserve.frontend.engine_client import EngineDeadError
 from tinyserve.wire.messages import SchedulerStats
 
 
@@ -39,15 +42,31 @@ class DPLoadBalancer:
         self.sent_since_report = [0] * num_engines
         self.dead: set[int] = set()  # positions of the engines that died
 
-    def choose_engine(self) -> int:
+    def choose_engine(self, exclude: set[int] = frozenset()) -> int:
+        """The least loaded live engine (not one of `exclude`: those found unreachable just now)."""
         def load(index: int) -> tuple[int, int]:
             stats = self.stats[index]
             return (stats.num_waiting_reqs + self.sent_since_report[index], stats.num_running_reqs)
 
-        live = [index for index in range(len(self.stats)) if index not in self.dead]
+        live = [index for index in range(len(self.stats)) if index not in self.dead and index not in exclude]
         if not live:
             raise RuntimeError("no live engine to choose")
         return min(live, key=load)
+
+    def send_to_least_loaded(self, send: Callable[[int], None]) -> int:
+        """send(position) to the least loaded live engine; returns its position. One whose connection is gone
+        (send raises EngineDeadError: a node that died, its heartbeats not yet missed) was sent nothing,
+        so the next least loaded takes the request; with none left, the error is raised."""
+        unreachable: set[int] = set()
+        while True:
+            position = self.choose_engine(exclude=unreachable)
+            try:
+                send(position)
+                return position
+            except EngineDeadError:
+                unreachable.add(position)
+                if len(unreachable | self.dead) >= len(self.stats):
+                    raise
 
     def mark_dead(self, engine_index: int) -> None:
         self.dead.add(engine_index)

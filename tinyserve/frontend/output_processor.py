@@ -187,8 +187,9 @@ class OutputProcessor:
         parent.latest[child.index] = completion
         return completion
 
-    def abort_request(self, request_id: str) -> list[str]:
-        """Forget a request (and its children); returns the engine ids to abort."""
+    def abort_request(self, request_id: str, error: BaseException | None = None) -> list[str]:
+        """Forget a request (and its children); returns the engine ids to abort. `error`: why the server
+        ends it (on its span), when it is not the client's abort."""
         parent = self.parents.pop(request_id, None)
         if parent is None:
             return []
@@ -199,7 +200,7 @@ class OutputProcessor:
             if child is not None:
                 aborted.append(child_id)
                 parent.final[index] = self._cumulative(child, "abort", None)
-        parent.spans.finish(list(parent.final.values()))
+        parent.spans.finish(list(parent.final.values()), error)
         return aborted
 
     @staticmethod

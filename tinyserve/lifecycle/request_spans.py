@@ -117,8 +117,9 @@ class RequestSpans:
             span.set_attribute(schema.STOP_STRING, stop_strings[-1])
         span.end(end_time=int(clock.last * 1e9))
 
-    def finish(self, completions) -> None:
-        """End the request span with its outputs (CompletionOutputs, cumulative)."""
+    def finish(self, completions, error: BaseException | None = None) -> None:
+        """End the request span with its outputs (CompletionOutputs, cumulative); `error`: why the server
+        ended it (its engine died, its grammar was not compiled in time), else an abort is the client's."""
         if self._ended:
             return
         completions = sorted(completions, key=lambda c: c.index)
@@ -141,20 +142,27 @@ class RequestSpans:
                 for c in completions
             ], ensure_ascii=False)
         self.span.set_attributes(attributes)
-        if any(c.finish_reason == "abort" for c in completions):
+        if error is not None:
+            reason = self._reason(error)
+            self.span.set_attribute(schema.ERROR_REASON, reason)
+            self.span.set_status(Status(StatusCode.ERROR, reason))
+        elif any(c.finish_reason == "abort" for c in completions):
             self.span.set_status(Status(StatusCode.ERROR, "aborted"))
         self._end()
 
     def fail(self, error: BaseException) -> None:
         if self._ended:
             return
-        # An error message may quote the input (a bad token id, say): redacted, keep only its type.
-        reason = type(error).__name__ if self.redact_inputs else f"{type(error).__name__}: {error}"
+        reason = self._reason(error)
         if not self.redact_inputs:
             self.span.record_exception(error)
         self.span.set_attribute(schema.ERROR_REASON, reason)
         self.span.set_status(Status(StatusCode.ERROR, reason))
         self._end()
+
+    def _reason(self, error: BaseException) -> str:
+        # An error message may quote the input (a bad token id, say): redacted, keep only its type.
+        return type(error).__name__ if self.redact_inputs else f"{type(error).__name__}: {error}"
 
     def _end(self) -> None:
         self._ended = True
@@ -203,7 +211,7 @@ class _NoSpans:
     def log_inputs(self, span, **kwargs) -> None:
         pass
 
-    def finish(self, completions) -> None:
+    def finish(self, completions, error: BaseException | None = None) -> None:
         pass
 
     def fail(self, error: BaseException) -> None:

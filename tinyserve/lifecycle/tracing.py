@@ -44,6 +44,12 @@ _propagator = TraceContextTextMapPropagator()
 _provider: TracerProvider | None = None
 
 
+def host_name() -> str:
+    """This host's name in traces and manifests: the host.name OpenTelemetry's OTEL_RESOURCE_ATTRIBUTES gives
+    (host.name=...), else the machine's."""
+    return OTELResourceDetector().detect().attributes.get(schema.RESOURCE_HOST) or socket.gethostname()
+
+
 def setup_tracing(service_name: str, trace_file: str | Path | None = None, otlp_endpoint: str | None = None, *,
                   export_every_ms: int = 500, max_bytes: int | None = None,
                   resource: dict | None = None) -> bool:
@@ -56,13 +62,9 @@ def setup_tracing(service_name: str, trace_file: str | Path | None = None, otlp_
     global _provider
     if trace_file is None and otlp_endpoint is None:
         return False
-    # The host's name, unless OpenTelemetry's OTEL_RESOURCE_ATTRIBUTES gives one (host.name=...): the
-    # SDK reads that variable, and what is given here would override it.
-    host = {} if schema.RESOURCE_HOST in OTELResourceDetector().detect().attributes else \
-        {schema.RESOURCE_HOST: socket.gethostname()}
     provider = TracerProvider(
-        resource=Resource.create({"service.name": service_name, "service.version": _VERSION, **host,
-                                  **(resource or {})}),
+        resource=Resource.create({"service.name": service_name, "service.version": _VERSION,
+                                  schema.RESOURCE_HOST: host_name(), **(resource or {})}),
         span_limits=SpanLimits(max_links=_MAX_LINKS, max_attributes=256, max_events=4096, max_span_attributes=256),
     )
     if trace_file is not None:
