@@ -171,8 +171,11 @@ def test_each_traced_step_has_one_execute_span_per_rank_with_its_all_reduce_time
         shutdown_tracing()
     [run_dir] = list(tmp_path.iterdir())
     steps = load_run(run_dir).steps
-    assert steps
+    assert steps and steps[0].request_ids
     for step in steps:
+        if not step.request_ids:  # the last: it only tells the workers of released requests, no forward pass
+            assert step is steps[-1] and step.released_request_ids and not step.ranks
+            continue
         assert [r["rank"] for r in step.ranks] == [0, 1] and {r["device"] for r in step.ranks} == {"cpu"}
         # two all-reduces per layer on every rank; waiting in them is part of each rank's forward pass
         assert all(0 < r["all_reduce_s"] < r["execute_s"] for r in step.ranks)

@@ -110,6 +110,9 @@ def test_when_request_spans_fill_their_share_new_ones_are_dropped_and_counted_an
     dropped = run.manifest[schema.MANIFEST_DROPPED][schema.OFFLINE_TRACE_FILE]
     assert folder_bytes(run_dir) <= 24_000 * (1 + 1 / SEGMENTS)
     assert run.steps and run.steps[-1].step_id == max(s.step_id for s in run.steps)  # the last steps are there
-    assert run.steps[-1].finished_request_ids  # the run's very last step, which finished its last requests
+    # the run's very last steps: the one that finished its last requests, and the empty one that released them
+    last_work = [s for s in run.steps if s.request_ids][-1]
+    assert last_work.finished_request_ids
+    assert set(run.steps[-1].released_request_ids) == set(last_work.finished_request_ids)
     assert dropped["spans"] > dropped["steps"] * len(schema.STEP_SPANS) > 0  # steps, and request spans too
     assert 0 < len(run.requests) < 8
