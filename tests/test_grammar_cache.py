@@ -72,6 +72,17 @@ def stuck_manager(compile_timeout: float) -> tuple[StructuredOutputManager, Stuc
     return manager, compiler
 
 
+def both_threads_stuck() -> tuple[StructuredOutputManager, StuckCompiler, list[Request]]:
+    """A manager without a deadline whose two compile threads both run a compile that will not end until
+    the test sets compiler.release; the two requests waiting for them."""
+    manager, compiler = stuck_manager(compile_timeout=0)
+    stuck = [constrained_named(f"slow_{i}") for i in range(2)]
+    for request in stuck:
+        manager.add_request(request)
+    wait_until(lambda: len(compiler.started) == 2)
+    return manager, compiler, stuck
+
+
 def wait_until(condition, bound: float = 60.0):
     deadline = time.monotonic() + bound
     while time.monotonic() < deadline:
@@ -97,11 +108,7 @@ def test_a_request_whose_grammar_misses_the_deadline_fails_naming_the_limit_and_
 
 
 def test_abandoned_compiles_leave_the_count_so_a_small_one_after_two_stuck_ones_is_ready_at_once():
-    manager, compiler = stuck_manager(compile_timeout=0)  # no deadline: the clients leave
-    stuck = [constrained_named(f"slow_{i}") for i in range(2)]
-    for request in stuck:
-        manager.add_request(request)
-    wait_until(lambda: len(compiler.started) == 2)  # both compile threads busy
+    manager, compiler, stuck = both_threads_stuck()  # no deadline: the clients leave
     small = constrained_named("small")
     manager.add_request(small)
     assert not small.grammar.done() and compiler.started == ["slow_0", "slow_1"]  # queued behind them
@@ -129,11 +136,7 @@ def test_a_compile_shared_by_a_live_request_is_not_abandoned():
 
 
 def test_a_compile_still_waiting_for_a_thread_goes_when_its_only_request_is_aborted():
-    manager, compiler = stuck_manager(compile_timeout=0)
-    stuck = [constrained_named(f"slow_{i}") for i in range(2)]
-    for request in stuck:
-        manager.add_request(request)
-    wait_until(lambda: len(compiler.started) == 2)  # both compile threads busy
+    manager, compiler, stuck = both_threads_stuck()
     waiting = constrained_named("queued")
     manager.add_request(waiting)
     key = cache_key(waiting.sampling_params.structured_outputs)

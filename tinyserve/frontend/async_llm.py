@@ -349,11 +349,8 @@ class AsyncLLM:
             child = self.output_processor.children.get(output.request_id)
             if child is None:
                 continue
-            request_id, error = child.parent.request_id, GrammarError(output.error)
-            to_abort += [c for c in self.output_processor.abort_request(request_id, error) if c != output.request_id]
-            queue = self.queues.pop(request_id, None)
-            if queue is not None:
-                queue.put_nowait(error)
+            to_abort += [c for c in self._fail_request(child.parent.request_id, GrammarError(output.error))
+                         if c != output.request_id]
         if to_abort:
             await self.client.abort_requests(to_abort)
 
@@ -370,9 +367,14 @@ class AsyncLLM:
                    if (child := self.output_processor.children.get(child_id)) is not None}
         to_abort = []
         for request_id in parents:
-            to_abort += [c for c in self.output_processor.abort_request(request_id, lost) if c not in lost_ids]
-            queue = self.queues.pop(request_id, None)
-            if queue is not None:
-                queue.put_nowait(lost)
+            to_abort += [c for c in self._fail_request(request_id, lost) if c not in lost_ids]
         if to_abort:
             await self.client.abort_requests(to_abort)
+
+    def _fail_request(self, request_id: str, error: BaseException) -> list[str]:
+        """End a request with `error` (on its span, and raised by its stream); returns its children's engine ids."""
+        children = self.output_processor.abort_request(request_id, error)
+        queue = self.queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(error)
+        return children
