@@ -1,5 +1,6 @@
 """The scheduler's policy, checked without a model: tokens are 'sampled' by a fake."""
 
+from tinyserve.engine.worker.model_runner import ModelRunnerOutput
 from tinyserve.engine.core.kv_cache_manager import KVCacheManager
 from tinyserve.engine.core.request import Request, RequestStatus
 from tinyserve.engine.core.scheduler import Scheduler
@@ -23,7 +24,7 @@ def make_request(request_id, prompt_len=5, priority=0, first_token=1, **params):
 def step(scheduler, token=7):
     out = scheduler.schedule()
     sampled = {s.request_id: token for s in out.scheduled if s.samples_token}
-    return out, scheduler.update_from_output(out, sampled)
+    return out, scheduler.update_from_output(out, ModelRunnerOutput(sampled, {}))
 
 
 def run_to_completion(scheduler, token=7, max_steps=500):
@@ -107,7 +108,7 @@ def test_preempted_request_is_recomputed_with_its_output_tokens():
         resumed = [s for s in out.scheduled if s.request_id == victim.request_id]
         if resumed:
             break
-        scheduler.update_from_output(out, {s.request_id: 7 for s in out.scheduled if s.samples_token})
+        scheduler.update_from_output(out, ModelRunnerOutput({s.request_id: 7 for s in out.scheduled if s.samples_token}, {}))
     # It comes back as a prefill of prompt + everything it had generated (its first
     # full block is still in the prefix cache, so that part is not recomputed).
     start, count = resumed[0].num_computed_tokens, resumed[0].num_new_tokens
@@ -231,7 +232,7 @@ def test_scheduler_outputs_alone_rebuild_every_block_table_and_token_list():
         sampled = {s.request_id: token for s in out.scheduled if s.samples_token}
         for request_id, token_id in sampled.items():
             tokens[request_id].append(token_id)
-        scheduler.update_from_output(out, sampled)
+        scheduler.update_from_output(out, ModelRunnerOutput(sampled, {}))
         for request_id, request in scheduler.requests.items():
             assert tokens.get(request_id, request.all_token_ids) == request.all_token_ids
     assert not scheduler.has_unfinished_requests and resumed_in_full > 0

@@ -70,7 +70,7 @@ def test_one_request_goes_through_schedule_execute_and_update_to_transformers_to
     scheduler_output = first
     while True:
         runner_output = core.model_runner.execute_model(scheduler_output)
-        outputs = core.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        outputs = core.scheduler.update_from_output(scheduler_output, runner_output)
         tokens += outputs[0].new_token_ids
         if outputs[0].finished:
             break

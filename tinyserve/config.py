@@ -24,6 +24,9 @@ DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "f
 # are, E4M3 saturating at +-448.
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16,
                    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+RUNNERS = ("auto", "generate", "pooling")  # --runner, as vLLM's
+CONVERTS = ("auto", "none", "embed")  # --convert, the ones that apply to a causal LM here
+POOLING_TYPES = ("LAST", "MEAN", "CLS")  # --pooler-config's pooling_type (engine/worker/pooling_runner.py)
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of KV cache when neither a block count nor a budget is given
 
 logger = logging.getLogger(__name__)
@@ -60,6 +63,13 @@ class EngineArgs:
     structured_outputs_backend: str = "xgrammar"  # the grammar library: xgrammar or llguidance
     # Seconds a constrained request may wait for its grammar to compile; past them it fails with a 400 (0: no limit)
     structured_outputs_compile_timeout: float = 30.0
+    # What a step makes of its hidden states (vLLM's --runner): "generate" samples tokens, "pooling"
+    # pools them into a vector per request (engine/worker/pooling_runner.py). "auto": generate,
+    # unless --convert embed asks for the model as an embedding model.
+    runner: str = "auto"
+    convert: str = "auto"  # "embed": serve the causal LM as an embedding model (pooling); "none"/"auto": as it is
+    # --pooler-config: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}; default LAST, normalised
+    pooler_config: dict | None = None
     # Tracing of the engine process(es): the run folder for engine-<i>.jsonl, and/or an OTLP/HTTP endpoint.
     trace_run_dir: str | None = None
     otlp_endpoint: str | None = None
@@ -100,10 +110,44 @@ class EngineArgs:
         self.structured_outputs_backend = BACKEND_ALIASES.get(self.structured_outputs_backend,
                                                               self.structured_outputs_backend)  # vLLM's "guidance"
         get_backend_module(self.structured_outputs_backend)  # a clear error if unknown or not installed
+        self._validate_runner()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+
+    def _validate_runner(self) -> None:
+        """--runner, --convert and --pooler-config, resolved: runner becomes "generate" or "pooling"."""
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {list(RUNNERS)}, got {self.runner!r}")
+        if self.convert not in CONVERTS:
+            raise ValueError(f"convert must be one of {list(CONVERTS)}, got {self.convert!r} "
+                             "(classification models are not supported)")
+        if self.runner == "auto":
+            self.runner = "pooling" if self.convert == "embed" else "generate"
+        if self.convert == "embed" and self.runner != "pooling":
+            raise ValueError("convert='embed' makes an embedding model: it needs runner='pooling' (or 'auto')")
+        if self.runner != "pooling":
+            if self.pooler_config is not None:
+                raise ValueError("pooler_config is for runner='pooling' (an embedding model); this engine generates")
+            return
+        config = {"pooling_type": "LAST", "normalize": True, **(self.pooler_config or {})}
+        unknown = sorted(set(config) - {"pooling_type", "normalize"})
+        if unknown:
+            raise ValueError(f"pooler_config: unknown field(s) {unknown}; known: pooling_type, normalize")
+        if str(config["pooling_type"]).upper() not in POOLING_TYPES:
+            raise ValueError(f"pooler_config.pooling_type must be one of {list(POOLING_TYPES)}, "
+                             f"got {config['pooling_type']!r}")
+        if not isinstance(config["normalize"], bool):
+            raise ValueError(f"pooler_config.normalize must be true or false, got {config['normalize']!r}")
+        config["pooling_type"] = config["pooling_type"].upper()
+        self.pooler_config = config
+        if self.tensor_parallel_size > 1 or self.force_tensor_parallel:
+            raise ValueError("runner='pooling' runs on one rank: tensor_parallel_size must be 1")
+        if config["pooling_type"] != "LAST" and self.enable_prefix_caching:
+            # MEAN and CLS read every position's hidden state: a cached prefix has none to read.
+            logger.info("pooling_type %s pools every position: prefix caching is turned off", config["pooling_type"])
+            self.enable_prefix_caching = False
 
     @property
     def torch_device(self) -> torch.device:

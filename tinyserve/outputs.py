@@ -1,6 +1,9 @@
-"""What generation hands back: RequestOutput and CompletionOutput, with vLLM's fields."""
+"""What generation hands back: RequestOutput and CompletionOutput, with vLLM's fields; and what
+pooling hands back: PoolingRequestOutput (LLM.encode), EmbeddingRequestOutput (LLM.embed)."""
 
 from dataclasses import dataclass
+
+import torch
 
 from tinyserve.wire.messages import RequestTimes
 
@@ -43,3 +46,49 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
     # (nothing predicts it); each holds the prompt token itself plus the top ones.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """A pooling request's result (vLLM's): `data`, the vector as a float32 tensor."""
+
+    data: torch.Tensor
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """What `LLM.encode` and `AsyncLLM.encode` hand back: one per input, finished at once."""
+
+    request_id: str
+    outputs: PoolingOutput | None  # None: aborted before its vector was made
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+    metrics: RequestTimes | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """An embedding as `LLM.embed` gives it (vLLM's): `embedding`, a list of floats."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()), output.prompt_token_ids,
+                   output.finished, output.num_cached_tokens, output.prompt)

@@ -1,9 +1,10 @@
 """The engine flags shared by `serve`, `run-batch` and the benchmarks."""
 
 import argparse
+import json
 from pathlib import Path
 
-from tinyserve.config import DTYPES, KV_CACHE_DTYPES, EngineArgs
+from tinyserve.config import CONVERTS, DTYPES, KV_CACHE_DTYPES, RUNNERS, EngineArgs
 from tinyserve.kernels.backend import ATTENTION_BACKENDS
 from tinyserve.structured_output import STRUCTURED_OUTPUT_BACKENDS
 
@@ -60,6 +61,24 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                             "fewer while other programs keep them busy)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="on CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    pooling = parser.add_argument_group("pooling (embeddings)")
+    pooling.add_argument("--runner", choices=list(RUNNERS), default="auto",
+                         help="generate: sample tokens (/v1/completions, /v1/chat/completions, ...); pooling: "
+                              "compute one vector per input (/v1/embeddings, /pooling); auto: generate, unless "
+                              "--convert embed (default auto)")
+    pooling.add_argument("--convert", choices=list(CONVERTS), default="auto",
+                         help="embed: serve the causal LM as an embedding model (implies --runner pooling)")
+    pooling.add_argument("--pooler-config", type=json_object, default=None, metavar="JSON",
+                         help='how a pooling model makes its vector: {"pooling_type": "LAST" | "MEAN" | "CLS", '
+                              '"normalize": true | false} (default: LAST, L2-normalised)')
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object (argparse reports the ValueError as a usage error)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object: {text!r}")
+    return value
 
 
 def settle_model(args: argparse.Namespace) -> str | None:
@@ -99,6 +118,9 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         tensor_parallel_watchdog_s=args.tensor_parallel_watchdog_timeout,
         structured_outputs_backend=args.structured_outputs_backend,
         structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
+        runner=args.runner,
+        convert=args.convert,
+        pooler_config=args.pooler_config,
     )
     engine_args.validate()
     return engine_args

@@ -8,10 +8,12 @@ returns EngineCoreOutputs with the new tokens. The in-process client calls
 """
 
 import atexit
+import functools
 import gc
 
 from tinyserve.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs, ModelInfo, check_kv_fit
 from tinyserve.engine.core.kv_cache_manager import KVCacheManager
+from tinyserve.engine.core.pooling_scheduler import PoolingScheduler
 from tinyserve.engine.core.request import Request
 from tinyserve.engine.core.scheduler import Scheduler
 from tinyserve.engine.step_recorder import StepRecorder
@@ -19,6 +21,7 @@ from tinyserve.engine.structured_output import StructuredOutputManager
 from tinyserve.engine.worker.cpu_threads import ThreadGovernor, engine_cores
 from tinyserve.engine.worker.gpu_memory import MemorySnapshot, kv_cache_budget
 from tinyserve.engine.worker.model_runner import ModelRunner
+from tinyserve.engine.worker.pooling_runner import Pooler, PoolingModelRunner
 from tinyserve.engine.worker.tensor_parallel_workers import TensorParallelRunner, TensorParallelWorkers
 from tinyserve.kernels.backend import default_attention_backend, get_attention_backend
 from tinyserve.lifecycle.engine_spans import EngineSpanBuilder
@@ -77,10 +80,16 @@ class EngineCore:
         if self.tp_workers is not None:
             self.tp_workers.start(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_cache_manager, max_num_batched_tokens=args.max_num_batched_tokens,
+        # --runner: what a step makes of its hidden states. Generate: tokens. Pooling: a vector per
+        # request, and the request is done (pooling_scheduler.py, worker/pooling_runner.py).
+        scheduler_class, runner_class = Scheduler, ModelRunner
+        if args.runner == "pooling":
+            scheduler_class = PoolingScheduler
+            runner_class = functools.partial(PoolingModelRunner, pooler=Pooler(**args.pooler_config))
+        self.scheduler = scheduler_class(self.kv_cache_manager, max_num_batched_tokens=args.max_num_batched_tokens,
                                    max_num_seqs=args.max_num_seqs, max_model_len=info.max_model_len,
                                    policy=args.scheduling_policy)
-        self.model_runner = ModelRunner(model, num_blocks=num_blocks, block_size=args.block_size,
+        self.model_runner = runner_class(model, num_blocks=num_blocks, block_size=args.block_size,
                                         dtype=info.kv_cache_dtype, device=device, seed=args.seed,
                                         decode_graphs=decode_graphs, max_num_seqs=args.max_num_seqs,
                                         max_model_len=info.max_model_len)
@@ -188,9 +197,7 @@ class EngineCore:
             step.scheduled(scheduler_output)
             with step.executing():
                 runner_output = self.model_runner.execute_model(scheduler_output)
-            step.outputs = failed + self.scheduler.update_from_output(
-                scheduler_output, runner_output.sampled_token_ids, runner_output.logprobs,
-                runner_output.prompt_logprobs)
+            step.outputs = failed + self.scheduler.update_from_output(scheduler_output, runner_output)
         return step.engine_core_outputs
 
     def _wait_for_grammars(self) -> list[EngineCoreOutput]:

@@ -31,7 +31,8 @@ from tinyserve.lifecycle.tracing import (
 )
 from tinyserve.models.fingerprint import manifest_fingerprint
 from tinyserve.models.tokenizer import load_tokenizer
-from tinyserve.outputs import RequestOutput
+from tinyserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from tinyserve.pooling_params import PoolingParams
 from tinyserve.sampling_params import SamplingParams
 
 _PROGRESS_BAR_MIN_PROMPTS = 8
@@ -77,16 +78,44 @@ class LLM:
 
         A flat list of ints is one prompt of token ids; an empty list gives an empty list.
         """
+        prompts = self._prompt_list(prompts)
+        if not prompts:
+            return []
+        return self._run(prompts, self.input_processor.tokenize_prompt, schema.OPERATION_TEXT_COMPLETION,
+                         self._params_per_prompt(sampling_params, len(prompts)), use_tqdm)
+
+    def encode(self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = True, *,
+               pooling_task: str = "embed") -> list[PoolingRequestOutput]:
+        """A vector per prompt, from a pooling model (`LLM(model, runner="pooling")`), as vLLM's LLM.encode.
+
+        prompts: as generate's. Each request is one pass over its prompt and done (engine/core/pooling_scheduler.py).
+        """
+        prompts = self._prompt_list(prompts)
+        if not prompts:
+            return []
+        params = pooling_params or PoolingParams(task=pooling_task)
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        return self._run(prompts, self.input_processor.tokenize_prompt, schema.OPERATION_EMBEDDINGS,
+                         [params] * len(prompts), use_tqdm)
+
+    def embed(self, prompts, pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embeddings of the prompts (`output.outputs.embedding`, a list of floats), as vLLM's LLM.embed.
+
+        The server's --pooler-config decides how (default: the last token's hidden state, L2-normalised)."""
+        return [EmbeddingRequestOutput.from_base(output)
+                for output in self.encode(prompts, pooling_params, use_tqdm, pooling_task="embed")]
+
+    @staticmethod
+    def _prompt_list(prompts) -> list:
+        """prompts as a list: a string, a dict or a flat list of token ids is one prompt."""
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts must be a string, a prompt dict, a list of token ids, or a list of them")
-        if not prompts:
-            return []
-        prompts = [list(p) if isinstance(p, tuple) else p for p in prompts]
-        return self._run(prompts, self.input_processor.tokenize_prompt, schema.OPERATION_TEXT_COMPLETION,
-                         sampling_params, use_tqdm)
+        return [list(p) if isinstance(p, tuple) else p for p in prompts]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, *, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -107,10 +136,11 @@ class LLM:
                 template_kwargs=chat_template_kwargs, tools=tools,
             )
 
-        return self._run(conversations, render, schema.OPERATION_CHAT, sampling_params, use_tqdm)
+        return self._run(conversations, render, schema.OPERATION_CHAT,
+                         self._params_per_prompt(sampling_params, len(conversations)), use_tqdm)
 
-    def _run(self, prompts: list, render, operation: str, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
-        params = self._params_per_prompt(sampling_params, len(prompts))
+    def _run(self, prompts: list, render, operation: str, params: list, use_tqdm: bool) -> list:
+        """Render, check and queue every prompt (params: one per prompt), then step until all are done."""
         engine = self.llm_engine
         # Build and check every request before the first one is queued: one bad
         # prompt rejects the call and leaves the engine untouched.

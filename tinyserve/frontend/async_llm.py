@@ -48,12 +48,14 @@ from tinyserve.frontend.engine_client import EngineClient, EngineDeadError, Engi
 from tinyserve.frontend.inproc_client import AsyncInprocClient
 from tinyserve.frontend.input_processor import InputProcessor, ProcessedPrompt, log_inputs
 from tinyserve.frontend.output_processor import OutputKind, OutputProcessor
+from tinyserve.frontend.pooling_output import PoolingOutputProcessor
 from tinyserve.frontend.render_threads import RenderThreads
 from tinyserve.frontend.request_stream import RequestStream, end_now
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import NO_SPANS
 from tinyserve.models.tokenizer import load_tokenizer
-from tinyserve.outputs import RequestOutput
+from tinyserve.outputs import PoolingRequestOutput, RequestOutput
+from tinyserve.pooling_params import PoolingParams
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.structured_output import GrammarError
 from tinyserve.wire.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -91,7 +93,9 @@ class AsyncLLM:
         self.tokenizer = load_tokenizer(self.model_info.path)
         self.input_processor = InputProcessor.from_engine_args(self.model_info, self.tokenizer, engine_args)
         self.render_threads = RenderThreads(self.input_processor)  # templates and tokenizing, off the event loop
-        self.output_processor = OutputProcessor(self.tokenizer)
+        # A pooling engine's outputs are vectors, not tokens: nothing to detokenize (pooling_output.py).
+        self.output_processor = PoolingOutputProcessor() if engine_args.runner == "pooling" else \
+            OutputProcessor(self.tokenizer)
         if client is None:
             client = AsyncInprocClient(engine_args, self.model_info) if in_process else MPClient.for_engines(
                 engine_args, self.model_info, data_parallel_size, data_parallel_rank, multi_node)
@@ -202,10 +206,28 @@ class AsyncLLM:
         finally:
             await stream.close()
 
+    async def encode(
+        self,
+        prompt,
+        pooling_params: PoolingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        spans=NO_SPANS,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """Yield the one PoolingRequestOutput of a pooling request (a pooling engine: --runner pooling)."""
+        stream = await self.add_request(prompt, pooling_params, request_id, output_kind=OutputKind.FINAL_ONLY,
+                                        priority=priority, spans=spans)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.close()
+
     async def add_request(
         self,
         prompt,
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | PoolingParams,
         request_id: str,
         *,
         output_kind: OutputKind = OutputKind.DELTA,

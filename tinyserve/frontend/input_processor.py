@@ -12,6 +12,7 @@ import time
 from tinyserve.config import ModelInfo, check_kv_fit
 from tinyserve.errors import InvalidInputError
 from tinyserve.frontend.render import ProcessedPrompt, Renderer
+from tinyserve.pooling_params import POOLING_SAMPLING_PARAMS, PoolingParams
 from tinyserve.wire.messages import EngineCoreRequest
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.structured_output import check_structured_outputs
@@ -26,14 +27,18 @@ class InputProcessor(Renderer):
 
     @classmethod
     def from_engine_args(cls, model_info: ModelInfo, tokenizer, args) -> "InputProcessor":
-        return cls(model_info, tokenizer, args.block_size, args.max_logprobs, args.scheduling_policy, args.structured_outputs_backend)
+        return cls(model_info, tokenizer, args.block_size, args.max_logprobs, args.scheduling_policy,
+                   args.structured_outputs_backend, args.runner)
 
     def __init__(self, model_info: ModelInfo, tokenizer, block_size: int, max_logprobs: int = 20,
-                 scheduling_policy: str = "fcfs", structured_outputs_backend: str = "xgrammar") -> None:
+                 scheduling_policy: str = "fcfs", structured_outputs_backend: str = "xgrammar",
+                 runner: str = "generate") -> None:
         """max_logprobs: the most logprobs or prompt_logprobs a request may ask for (vLLM's flag, default 20).
         scheduling_policy: the engine's; a request's priority means something only under "priority".
-        structured_outputs_backend: the engine's grammar library (it must compile a request's constraint)."""
+        structured_outputs_backend: the engine's grammar library (it must compile a request's constraint).
+        runner: the engine's (EngineArgs.runner): "generate" takes SamplingParams, "pooling" PoolingParams."""
         super().__init__(model_info, tokenizer)
+        self.runner = runner
         self.structured_outputs_backend = structured_outputs_backend
         self.scheduling_policy = scheduling_policy
         self.block_size = block_size
@@ -58,7 +63,11 @@ class InputProcessor(Renderer):
         ever fit in the KV pool of `num_kv_blocks` blocks. Child i of an n > 1 request gets `child_request_id(...)`
         and, if seeded, the seed + i, so the n samples differ yet each is reproducible.
         """
+        self.check_runner(sampling_params)
         self.model_info.validate_prompt(prompt.prompt_token_ids)
+        if isinstance(sampling_params, PoolingParams):
+            return [self._pooling_request(request_id, prompt, sampling_params, num_kv_blocks=num_kv_blocks,
+                                          arrival_time=arrival_time, priority=priority, trace_context=trace_context)]
         if priority != 0 and self.scheduling_policy != "priority":  # as vLLM: never silently ignored
             raise InvalidInputError(f"priority={priority} needs --scheduling-policy priority; this engine schedules "
                                     f"{self.scheduling_policy!r}", "priority")
@@ -92,6 +101,36 @@ class InputProcessor(Renderer):
             for index in range(n)
         ]
 
+    def check_runner(self, params) -> None:
+        """SamplingParams for a generating engine, PoolingParams for a pooling one; else a 400 saying which this is."""
+        if isinstance(params, PoolingParams) and self.runner != "pooling":
+            raise InvalidInputError("this model is served for generation, not as a pooling (embedding) model; "
+                                    "start it with --runner pooling (or --convert embed) to compute embeddings",
+                                    "model")
+        if not isinstance(params, PoolingParams) and self.runner == "pooling":
+            raise InvalidInputError("this model is served as a pooling (embedding) model (--runner pooling): it "
+                                    "computes embeddings (/v1/embeddings, /pooling, LLM.embed), it does not "
+                                    "generate text", "model")
+
+    def _pooling_request(self, request_id: str, prompt: ProcessedPrompt, pooling_params: PoolingParams, *,
+                         num_kv_blocks: int, arrival_time: float | None, priority: int,
+                         trace_context: dict[str, str] | None) -> EngineCoreRequest:
+        """A pooling request: its prompt must fit the KV pool; one engine request, nothing to sample."""
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise InvalidInputError(f"priority={priority} needs --scheduling-policy priority; this engine schedules "
+                                    f"{self.scheduling_policy!r}", "priority")
+        check_kv_fit(len(prompt.prompt_token_ids), POOLING_SAMPLING_PARAMS.max_tokens, self.model_info.max_model_len,
+                     self.block_size, num_kv_blocks)
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt.prompt_token_ids,
+            sampling_params=POOLING_SAMPLING_PARAMS,
+            eos_token_ids=self.model_info.eos_token_ids,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=priority,
+            trace_context=trace_context or {},
+            pooling_params=pooling_params,
+        )
 
     def resolve_bad_words(self, sampling_params: SamplingParams) -> SamplingParams:
         """bad_words tokenized by this tokenizer (SamplingParams.update_from_tokenizer), on a copy: the

@@ -18,6 +18,7 @@ from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.frontend.inproc_client import InprocClient
 from tinyserve.frontend.input_processor import InputProcessor, ProcessedPrompt
 from tinyserve.frontend.output_processor import OutputKind, OutputProcessor
+from tinyserve.frontend.pooling_output import PoolingOutputProcessor
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import NO_SPANS
 from tinyserve.outputs import RequestOutput
@@ -31,7 +32,9 @@ class LLMEngine:
         self.engine_args = engine_args
         self.model_info = model_info
         self.input_processor = InputProcessor.from_engine_args(model_info, tokenizer, engine_args)
-        self.output_processor = OutputProcessor(tokenizer)
+        # A pooling engine's outputs are vectors, not tokens: nothing to detokenize (pooling_output.py).
+        self.output_processor = PoolingOutputProcessor() if engine_args.runner == "pooling" else \
+            OutputProcessor(tokenizer)
         self.client = InprocClient(engine_args, model_info, spans_inline=True)
 
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, *, priority: int = 0,

@@ -25,6 +25,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.tracing import get_tracer, inject_context, tracing_enabled
+from tinyserve.pooling_params import PoolingParams
 
 
 class RequestSpans:
@@ -65,21 +66,24 @@ class RequestSpans:
         random gives the same distribution as no seed, and the trace then holds the seed
         that produced the output. (Greedy and seeded requests are left as they are.)
         """
-        if sampling_params.is_greedy or sampling_params.seed is not None:
-            return sampling_params
+        if isinstance(sampling_params, PoolingParams) or sampling_params.is_greedy or sampling_params.seed is not None:
+            return sampling_params  # (a pooling request draws nothing at random)
         return sampling_params.clone(seed=secrets.randbits(63))
 
     def log_inputs(self, span, *, prompt: str | None, prompt_token_ids: list[int], sampling_params,
                    messages: list[dict] | None = None) -> None:
         """Everything replay needs, on the render span; the request span gets the GenAI request attributes."""
         params = sampling_params
+        pooling = isinstance(params, PoolingParams)  # a pooling request: nothing sampled
         self.span.set_attributes({
-            schema.GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens or 0,
-            schema.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
-            schema.GEN_AI_REQUEST_TOP_P: params.top_p,
             schema.GEN_AI_USAGE_INPUT_TOKENS: len(prompt_token_ids),
             schema.LLM_TOKEN_COUNT_PROMPT: len(prompt_token_ids),
-            **({schema.GEN_AI_REQUEST_SEED: params.seed} if params.seed is not None else {}),
+            **({} if pooling else {
+                schema.GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens or 0,
+                schema.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
+                schema.GEN_AI_REQUEST_TOP_P: params.top_p,
+                **({schema.GEN_AI_REQUEST_SEED: params.seed} if params.seed is not None else {}),
+            }),
         })
         self._num_prompt_tokens = len(prompt_token_ids)
         if not self.redact_inputs:  # what a viewer shows as the request's input: the messages, or the prompt
@@ -89,10 +93,13 @@ class RequestSpans:
         attributes = {
             schema.NUM_PROMPT_TOKENS: len(prompt_token_ids),
             # Stop strings are user text too: a redacted trace keeps only how many there were.
-            schema.SAMPLING_PARAMS: msgspec.json.encode(
-                params.clone(stop=["<redacted>"] * len(params.stop)) if self.redact_inputs and params.stop else params
-            ).decode(),
         }
+        if pooling:
+            attributes[schema.POOLING_PARAMS] = msgspec.json.encode(params).decode()
+        else:
+            attributes[schema.SAMPLING_PARAMS] = msgspec.json.encode(
+                params.clone(stop=["<redacted>"] * len(params.stop)) if self.redact_inputs and params.stop else params
+            ).decode()
         if self.redact_inputs:
             attributes[schema.INPUTS_REDACTED] = True
         else:
@@ -116,6 +123,10 @@ class RequestSpans:
         if stop_strings and not self.redact_inputs:
             span.set_attribute(schema.STOP_STRING, stop_strings[-1])
         span.end(end_time=int(clock.last * 1e9))
+
+    def pooled(self, dimensions: int) -> None:
+        """A pooling request got its vector, of this many dimensions (the span keeps its size, not its values)."""
+        self.span.set_attribute(schema.POOLING_DIMENSIONS, dimensions)
 
     def finish(self, completions, error: BaseException | None = None) -> None:
         """End the request span with its outputs (CompletionOutputs, cumulative); `error`: why the server
@@ -209,6 +220,9 @@ class _NoSpans:
         return sampling_params
 
     def log_inputs(self, span, **kwargs) -> None:
+        pass
+
+    def pooled(self, dimensions: int) -> None:
         pass
 
     def finish(self, completions, error: BaseException | None = None) -> None:

@@ -46,6 +46,7 @@ def request_span_name(operation: str, model: str) -> str:
 
 OPERATION_CHAT = "chat"
 OPERATION_TEXT_COMPLETION = "text_completion"
+OPERATION_EMBEDDINGS = "embeddings"  # a pooling request (--runner pooling): /v1/embeddings, /pooling, LLM.embed
 
 RENDER = "tinyserve.render"
 ENQUEUE = "tinyserve.enqueue"
@@ -112,6 +113,8 @@ PROMPT = "tinyserve.prompt"  # the prompt text (rendered, for chat)
 PROMPT_TOKEN_IDS = "tinyserve.prompt_token_ids"
 NUM_PROMPT_TOKENS = "tinyserve.num_prompt_tokens"
 SAMPLING_PARAMS = "tinyserve.sampling_params"  # JSON, with the seed
+POOLING_PARAMS = "tinyserve.pooling_params"  # JSON: a pooling request's, in place of SAMPLING_PARAMS
+POOLING_DIMENSIONS = "tinyserve.pooling.dimensions"  # the length of the vector a pooling request got
 OUTPUT_TOKEN_IDS = "tinyserve.output_token_ids"  # first completion's ids
 OUTPUT_TEXT = "tinyserve.output_text"  # first completion's text
 COMPLETIONS = "tinyserve.completions"  # JSON list: index, token_ids, text, finish_reason per completion

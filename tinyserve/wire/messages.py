@@ -12,6 +12,7 @@ to decode instead of running code.
 
 import msgspec
 
+from tinyserve.pooling_params import PoolingParams
 from tinyserve.sampling_params import SamplingParams
 
 
@@ -24,6 +25,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     # W3C trace context (traceparent/tracestate); empty when tracing is off.
     trace_context: dict[str, str] = {}
+    # A pooling request (--runner pooling): a vector from the prompt, no tokens. Its sampling_params
+    # are then pooling_params.POOLING_SAMPLING_PARAMS, which nothing samples with.
+    pooling_params: PoolingParams | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -64,6 +68,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Why the engine ended the request itself, for its client (finish_reason "abort"): a grammar that could
     # not be compiled, or not within the compile deadline. The front end raises it as the request's error.
     error: str | None = None
+    # A pooling request's vector (float32 values), on its one and only output.
+    pooling_output: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from tinyserve.wire.messages import EngineCoreRequest, RequestTimes
+from tinyserve.pooling_params import PoolingParams
 from tinyserve.sampling_params import SamplingParams
 
 
@@ -49,6 +50,7 @@ class Request:
     arrival_time: float
     priority: int = 0
     trace_context: dict[str, str] = field(default_factory=dict)
+    pooling_params: PoolingParams | None = None  # a pooling request: a vector, no tokens (pooling_scheduler.py)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

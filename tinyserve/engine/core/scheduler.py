@@ -26,11 +26,15 @@ import bisect
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tinyserve.engine.core.kv_cache_manager import KVCacheManager
 from tinyserve.engine.core.request import Request, RequestStatus
 from tinyserve.engine.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from tinyserve.wire.messages import EngineCoreOutput, SchedulerStats, TokenLogprobs
+from tinyserve.wire.messages import EngineCoreOutput, SchedulerStats
+
+if TYPE_CHECKING:  # the worker's; the scheduler reads its fields only
+    from tinyserve.engine.worker.model_runner import ModelRunnerOutput
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -188,14 +192,11 @@ class Scheduler:
             step.new.append(self._schedule_new(request, num_new_tokens))
             step.token_budget -= num_new_tokens
 
-    def update_from_output(
-        self,
-        scheduler_output: SchedulerOutput,
-        sampled_token_ids: dict[str, int],
-        logprobs: dict[str, TokenLogprobs] | None = None,
-        prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
-    ) -> list[EngineCoreOutput]:
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: "ModelRunnerOutput") -> list[EngineCoreOutput]:
         """Append each sampled token, check stop conditions, and report what changed."""
+        sampled_token_ids = model_runner_output.sampled_token_ids
+        logprobs, prompt_logprobs = model_runner_output.logprobs, model_runner_output.prompt_logprobs
         now = time.time()
         outputs = []
         for scheduled in scheduler_output.scheduled:
@@ -263,6 +264,7 @@ class Scheduler:
             eos_token_ids=request.eos_token_ids,
             block_ids=self.kv.get_block_ids(request.request_id),
             output_token_ids=list(request.output_token_ids),
+            pooling_params=request.pooling_params,
         )
 
     @staticmethod

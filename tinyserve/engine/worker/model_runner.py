@@ -38,6 +38,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # --runner pooling: the vector of each request whose prompt this step finished (pooling_runner.py)
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -160,6 +162,15 @@ class ModelRunner:
             return ModelRunnerOutput({}, {})
         inputs = self.prepare_inputs(scheduler_output)
         hidden = self._forward(inputs)
+        return self._outputs(hidden, inputs, scheduler_output)
+
+    def _outputs(self, hidden: torch.Tensor, inputs: ModelInputs,
+                 scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """What the step hands back from its hidden states: the next token of each request that reached
+        the end of its known tokens, sampled from the logits there (and prompt logprobs where asked).
+
+        The pooling runner (pooling_runner.py) pools the hidden states here instead.
+        """
         sampled, logprobs = {}, {}
         if inputs.sampling_request_ids:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
