@@ -104,9 +104,9 @@ class InputProcessor(Renderer):
     def check_runner(self, params) -> None:
         """SamplingParams for a generating engine, PoolingParams for a pooling one; else a 400 saying which this is."""
         if isinstance(params, PoolingParams) and self.runner != "pooling":
-            raise InvalidInputError("this model is served for generation, not as a pooling (embedding) model; "
-                                    "start it with --runner pooling (or --convert embed) to compute embeddings",
-                                    "model")
+            raise InvalidInputError("this model is served as a generative model (it generates text), not a pooling "
+                                    "(embedding) model; serve it with --runner pooling (or --convert embed) to "
+                                    "compute embeddings", "model")
         if not isinstance(params, PoolingParams) and self.runner == "pooling":
             raise InvalidInputError("this model is served as a pooling (embedding) model (--runner pooling): it "
                                     "computes embeddings (/v1/embeddings, /pooling, LLM.embed), it does not "

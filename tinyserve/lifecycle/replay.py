@@ -65,6 +65,8 @@ def why_not_reproducible(request: RequestTimeline) -> str | None:
         return "inputs redacted (the server ran without logging prompts)"
     if inputs.prompt_token_ids is None:
         return "no prompt token ids logged"
+    if inputs.pooling_params is not None:
+        return "a pooling request: its vector is not logged, so there are no tokens to compare"
     params = inputs.sampling_params
     if params is None:
         return "no sampling params logged"

@@ -72,6 +72,7 @@ class RequestInputs:
     # SamplingParams' fields as logged (those left at their defaults omitted); LLM.generate takes this dict.
     sampling_params: dict | None
     redacted: bool  # the server was told not to log inputs
+    pooling_params: dict | None = None  # a pooling request's (--runner pooling), in place of sampling_params
 
 
 @dataclass(slots=True, eq=False)
@@ -259,14 +260,19 @@ class RequestTimeline:
         return record
 
 
+def _logged_params(attributes: dict, name: str) -> dict | None:
+    params = attributes.get(name)
+    if params is None:
+        return None
+    try:
+        return msgspec.json.decode(params, type=dict)
+    except (msgspec.DecodeError, ValueError) as error:
+        warnings.warn(f"cannot read the logged {name} {params!r}: {error}", stacklevel=4)
+        return None
+
+
 def _inputs(attributes: dict) -> RequestInputs:
-    params = attributes.get(schema.SAMPLING_PARAMS)
-    sampling_params = None
-    if params is not None:
-        try:
-            sampling_params = msgspec.json.decode(params, type=dict)
-        except (msgspec.DecodeError, ValueError) as error:
-            warnings.warn(f"cannot read the logged sampling params {params!r}: {error}", stacklevel=3)
+    sampling_params = _logged_params(attributes, schema.SAMPLING_PARAMS)
     ids = attributes.get(schema.PROMPT_TOKEN_IDS)
     return RequestInputs(
         messages=_json_attribute(attributes, schema.MESSAGES),
@@ -274,6 +280,7 @@ def _inputs(attributes: dict) -> RequestInputs:
         prompt_token_ids=None if ids is None else list(ids),
         sampling_params=sampling_params,
         redacted=bool(attributes.get(schema.INPUTS_REDACTED, False)),
+        pooling_params=_logged_params(attributes, schema.POOLING_PARAMS),
     )
 
 

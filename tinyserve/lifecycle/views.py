@@ -50,7 +50,8 @@ def request_view(run: Run, request_id: str) -> dict:
         "sequences": [sequence_view(run, timeline, sequence) for sequence in timeline.sequences],
         "inputs": {"messages": timeline.inputs.messages, "prompt": timeline.inputs.prompt,
                    "prompt_token_ids": timeline.inputs.prompt_token_ids,
-                   "sampling_params": timeline.inputs.sampling_params, "redacted": timeline.inputs.redacted},
+                   "sampling_params": timeline.inputs.sampling_params, "redacted": timeline.inputs.redacted,
+                   "pooling_params": timeline.inputs.pooling_params},
         "completions": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
                          "finish_reason": c.finish_reason} for c in timeline.completions],
     }

@@ -41,7 +41,10 @@ def format_request(view: dict) -> str:
     if inputs["messages"] is not None:
         lines.append(f"  messages: {inputs['messages']}")
     lines.append(f"  prompt: {inputs['prompt']!r}")
-    lines.append(f"  sampling_params: {inputs['sampling_params']}")
+    if inputs.get("pooling_params") is not None:  # a pooling request: a vector, not sampled tokens
+        lines.append(f"  pooling_params: {inputs['pooling_params']}")
+    else:
+        lines.append(f"  sampling_params: {inputs['sampling_params']}")
     for completion in view["completions"]:
         lines.append(f"  completion {completion['index']} ({completion['finish_reason']}): {completion['text']!r}")
     return "\n".join(lines)

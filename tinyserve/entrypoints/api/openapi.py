@@ -45,11 +45,14 @@ SSE_EVENT = {  # one event of a stream=true answer
 RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying, when the waiting queue is full",
                                "schema": {"type": "integer"}}}
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+POOLING_PATHS = ("/v1/embeddings", "/pooling")  # answered by a pooling server (--runner pooling)
 BODY_ERRORS = {  # what any request with a body may be answered
     "400": "the body is malformed, or a field is invalid (named in the error's param); also, for a body this "
            "schema allows, what no schema can say: the prompt does not fit the context once tokenized, a "
            "tool_choice names a tool the request's tools lack, a tool call's arguments are not a JSON text, "
-           "or its constraint is not compiled within --structured-outputs-compile-timeout",
+           "or its constraint is not compiled within --structured-outputs-compile-timeout; and the route's kind "
+           "is not what the model is served as (embeddings from a generative model, text from a pooling one: "
+           "--runner)",
     "404": "the model is not one this server serves",
     "408": "the request did not arrive in time (--http-header-timeout, --http-body-timeout)",
     "413": "the body is larger than --max-request-body-bytes",
@@ -116,6 +119,7 @@ def _complete(document: dict, *, model_names: list[str], api_key: bool, field_li
                 responses |= {status: _error(text, path) for status, text in BODY_ERRORS.items()}
             if path in GENERATION_PATHS:
                 responses["200"]["content"]["text/event-stream"] = {"itemSchema": SSE_EVENT}  # OpenAPI 3.2's way
+            if path in GENERATION_PATHS or path in POOLING_PATHS:
                 responses["503"] = _error("the waiting queue is full (with Retry-After), the server is shutting "
                                           "down, or the engine died", path, RETRY_AFTER)
             if path.startswith("/v1") and api_key:
@@ -143,7 +147,8 @@ def _complete(document: dict, *, model_names: list[str], api_key: bool, field_li
     _write_limits(schemas, field_limits)
     _write_rules(schemas, auto_tool_choice)
     for name in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest", "MessagesRequest",
-                 "MessagesCountTokensRequest", "TokenizeRequest", "DetokenizeRequest"):
+                 "MessagesCountTokensRequest", "TokenizeRequest", "DetokenizeRequest", "EmbeddingRequest",
+                 "PoolingRequest"):
         for variant in _variants(schemas[name]["properties"]["model"]):
             if variant.get("type") == "string":
                 variant["enum"] = list(model_names)  # any other name is a 404

@@ -158,6 +158,19 @@ REFUSED: dict[str, dict[str, Refused]] = {
                                      "conversation as input items"),
     },
 }
+# vLLM's extras of its embedding and pooling requests that tinyserve does not implement.
+_POOLING_REFUSED = {
+    "truncate_prompt_tokens": _VLLM_EXTRAS["truncate_prompt_tokens"],
+    "messages": Refused("embeddings of chat messages are not computed here: render the conversation and send it "
+                        "as input"),
+    "embed_dtype": Refused("embeddings are float32", (None, "float32")),
+    "endianness": Refused("base64 embeddings are little-endian", (None, "native", "little")),
+    "activation": Refused("an embedding model has no activation to apply", (None, False)),
+    "use_activation": Refused("an embedding model has no activation to apply", (None, False)),
+    **{name: _VLLM_EXTRAS[name] for name in ("mm_processor_kwargs", "cache_salt", "vllm_xargs")},
+}
+REFUSED["embeddings"] = _POOLING_REFUSED
+REFUSED["pooling"] = _POOLING_REFUSED
 
 # request_id is implemented by chat and completions: their answer's id is "chatcmpl-" or "cmpl-" and it, as vLLM's.
 _CHAT_AND_COMPLETIONS_NO_EFFECT = {name: why for name, why in _OPENAI_NO_EFFECT.items() if name != "request_id"}
@@ -182,6 +195,8 @@ NO_EFFECT: dict[str, dict[str, str]] = {
         "fallback_credit_token": "a hosted API's billing of a retry's prompt cache",
         "fallbacks": "a hosted API's models tried when the one asked for declines; the model here never declines",
     },
+    "embeddings": _CHAT_AND_COMPLETIONS_NO_EFFECT,
+    "pooling": _CHAT_AND_COMPLETIONS_NO_EFFECT,
     "responses": {
         **{name: why for name, why in _OPENAI_NO_EFFECT.items() if name != "store"},  # store: implemented
         "truncation": "\"auto\" drops the start of a conversation that does not fit; one that fits is the same, "

@@ -51,7 +51,9 @@ from tinyserve.entrypoints.api.openai_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tinyserve.entrypoints.api.pooling_protocol import EmbeddingRequest, PoolingRequest
 from tinyserve.entrypoints.api.serving_chat import create_chat_completion
+from tinyserve.entrypoints.api.serving_embedding import create_embedding, create_pooling
 from tinyserve.entrypoints.api.serving_engine import ServingContext
 from tinyserve.entrypoints.api.request_ids import RequestIdMiddleware
 from tinyserve.entrypoints.api.other_apis.responses_protocol import RESPONSE_ID_PATTERN, ResponsesRequest, ResponseStore
@@ -93,9 +95,9 @@ def build_app(
     # ---- routes ------------------------------------------------------------------
 
     # The body types, checked against this server's field limits (field_limits.py).
-    Chat, Completion, Responses, Messages, CountTokens, Tokenize = map(field_limits.bind, (
+    Chat, Completion, Responses, Messages, CountTokens, Tokenize, Embedding, Pooling = map(field_limits.bind, (
         ChatCompletionRequest, CompletionRequest, ResponsesRequest, MessagesRequest, MessagesCountTokensRequest,
-        TokenizeRequest))
+        TokenizeRequest, EmbeddingRequest, PoolingRequest))
     responses = ResponseStore()
     server_load = ServerLoad(track_server_load)
 
@@ -179,11 +181,15 @@ def build_app(
             metrics.forget_engine_gauges(engine_index)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/embeddings", include_in_schema=False)  # never answered otherwise: not in the document
-    async def embeddings():
-        # vLLM's answer for a model that has no embedding task, said with what the model is.
-        raise APIError(400, f"The model does not support Embeddings API: {ctx.model_names[0]!r} is a generative "
-                       "model (it generates text), not a pooling (embedding) model")
+    # --runner pooling (serving_embedding.py). On a generating server, a 400 saying what the model is served as;
+    # the generation routes above answer a pooling server the same way (the input processor's check_runner).
+    @app.post("/v1/embeddings")
+    async def embeddings(body: Embedding, request: Request):
+        return with_ignored_fields(await create_embedding(ctx, body, request), body)
+
+    @app.post("/pooling")
+    async def pooling(body: Pooling, request: Request):
+        return with_ignored_fields(await create_pooling(ctx, body, request), body)
 
     @app.post("/tokenize")
     async def tokenize(body: Tokenize):
