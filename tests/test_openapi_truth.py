@@ -58,7 +58,7 @@ def test_schemathesis_with_every_check_finds_no_failure(server, tmp_path):
                "--header", f"Authorization: Bearer {KEY}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=540, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "15 selected" in result.stdout
+    assert " passed" in result.stdout and "17 selected" in result.stdout
 
 
 def test_no_422_is_documented_and_every_body_error_is(document):

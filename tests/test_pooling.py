@@ -5,6 +5,8 @@ last prompt position, L2-normalised (vLLM's default for a decoder model), or the
 position's (pooling_type MEAN), for the same token ids.
 """
 
+import asyncio
+
 import pytest
 import torch
 
@@ -155,3 +157,19 @@ def test_a_traced_pooling_run_logs_its_inputs_and_shows_prefill_steps_only(folde
     served = [step for step in run.steps if step.request_ids]
     assert served and all(step.num_decode_requests == 0 for step in served)
     assert sum(step.num_prefill_tokens for step in served) == sum(map(len, PROMPTS))
+
+
+def test_async_llm_encode_yields_one_finished_output_with_the_offline_vector(folder, llm):
+    from tinyserve.frontend.async_llm import AsyncLLM
+
+    async def main():
+        engine = AsyncLLM(EngineArgs.from_kwargs(model=str(folder), runner="pooling"), in_process=True)
+        try:
+            return [output async for output in engine.encode({"prompt_token_ids": PROMPTS[1]}, PoolingParams(), "a")]
+        finally:
+            engine.shutdown()
+
+    [output] = asyncio.run(main())
+    [offline] = llm.encode({"prompt_token_ids": PROMPTS[1]}, use_tqdm=False)
+    assert output.finished and output.request_id == "a"
+    torch.testing.assert_close(output.outputs.data, offline.outputs.data)

@@ -216,13 +216,9 @@ class AsyncLLM:
         spans=NO_SPANS,
     ) -> AsyncIterator[PoolingRequestOutput]:
         """Yield the one PoolingRequestOutput of a pooling request (a pooling engine: --runner pooling)."""
-        stream = await self.add_request(prompt, pooling_params, request_id, output_kind=OutputKind.FINAL_ONLY,
-                                        priority=priority, spans=spans)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            await stream.close()
+        async for output in self.generate(prompt, pooling_params, request_id, output_kind=OutputKind.FINAL_ONLY,
+                                          priority=priority, spans=spans):
+            yield output
 
     async def add_request(
         self,

@@ -25,7 +25,6 @@ from opentelemetry.trace import Status, StatusCode
 
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.tracing import get_tracer, inject_context, tracing_enabled
-from tinyserve.pooling_params import PoolingParams
 
 
 class RequestSpans:
@@ -66,7 +65,7 @@ class RequestSpans:
         random gives the same distribution as no seed, and the trace then holds the seed
         that produced the output. (Greedy and seeded requests are left as they are.)
         """
-        if isinstance(sampling_params, PoolingParams) or sampling_params.is_greedy or sampling_params.seed is not None:
+        if _is_pooling(sampling_params) or sampling_params.is_greedy or sampling_params.seed is not None:
             return sampling_params  # (a pooling request draws nothing at random)
         return sampling_params.clone(seed=secrets.randbits(63))
 
@@ -74,7 +73,7 @@ class RequestSpans:
                    messages: list[dict] | None = None) -> None:
         """Everything replay needs, on the render span; the request span gets the GenAI request attributes."""
         params = sampling_params
-        pooling = isinstance(params, PoolingParams)  # a pooling request: nothing sampled
+        pooling = _is_pooling(params)  # a pooling request: nothing sampled
         self.span.set_attributes({
             schema.GEN_AI_USAGE_INPUT_TOKENS: len(prompt_token_ids),
             schema.LLM_TOKEN_COUNT_PROMPT: len(prompt_token_ids),
@@ -202,6 +201,11 @@ class DetokenizeClock:
         self.last = now
         if self.first is None:
             self.first = now
+
+
+def _is_pooling(params) -> bool:
+    """PoolingParams (a pooling request's), told from SamplingParams by its `task` (this package imports neither)."""
+    return hasattr(params, "task")
 
 
 class _NoSpans:
