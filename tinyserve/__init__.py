@@ -19,6 +19,9 @@ _EXPORTS = {
     "SamplingParams": "tinyserve.sampling_params",
     "RequestOutput": "tinyserve.outputs",
     "CompletionOutput": "tinyserve.outputs",
+    "PoolingParams": "tinyserve.pooling_params",  # a pooling engine's: LLM(model, runner="pooling").embed(...)
+    "PoolingRequestOutput": "tinyserve.outputs",
+    "EmbeddingRequestOutput": "tinyserve.outputs",
 }
 __all__ = [*_EXPORTS, "__version__"]
 
