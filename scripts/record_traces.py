@@ -234,8 +234,23 @@ def cases() -> Recording:
                      "structured output, an ORCA load report", ["--enable-server-load-tracking"], workload)
 
 
+def pooling() -> Recording:
+    """Embeddings of texts of ~10 to ~300 tokens, arriving over ~0.3 s, on the built-in model served as an embedding
+    model: each request is prefill steps, in chunks where it is long, and done."""
+    rng = random.Random(11)
+    workload, at = [], 0.0
+    for num_chars in (80, 1100, 40, 300, 900, 120, 60, 500):
+        workload.append(Request(at, "/v1/embeddings", {"model": MODEL, "input": zen_text(rng, num_chars)}))
+        at += rng.expovariate(30.0)
+    workload.append(Request(at, "/v1/embeddings", {"model": MODEL, "input": [zen_text(rng, n) for n in (50, 70, 90)]}))
+    return Recording("pooling", "9 embedding requests (one of three inputs) arriving over time, the built-in model "
+                     "served as an embedding model (--runner pooling) with a 64-token step budget",
+                     ["--runner", "pooling", "--max-num-batched-tokens", "64"], workload)
+
+
 RECORDINGS = {r.name: r for r in (lifecycle(), mixed(), kv_tight(), kv_roomy(), kv_no_prefix_cache(), load(5), load(25),
-                                  load(75), load_dp(), load_tp(), multi_node(), external_lb(), cases(), node_lost())}
+                                  load(75), load_dp(), load_tp(), multi_node(), external_lb(), cases(), node_lost(),
+                                  pooling())}
 
 
 # ---- the server and the client ------------------------------------------------------------
@@ -295,15 +310,17 @@ def model_fingerprint() -> str:
     return default_model.model_fingerprint(default_model.default_model_path())
 
 
-def warm_up(url: str, engines: int = 1) -> list[str]:
+def warm_up(url: str, engines: int = 1, pooling: bool = False) -> list[str]:
     """One tiny request per engine before the workload, sent together (the load balancer gives
     each engine one): the first forward pass of a fresh engine pays for allocating and tuning
     its kernels (~0.4 s on a CPU), which is no part of what the notebooks show. Returns their
     response ids, so drop_requests can take them out of the run."""
-    body = {"model": MODEL, "prompt": "Warm up.", "max_tokens": 2, "temperature": 0.0}
+    body, path = {"model": MODEL, "prompt": "Warm up.", "max_tokens": 2, "temperature": 0.0}, "/v1/completions"
+    if pooling:  # a pooling server (--runner pooling) computes embeddings only
+        body, path = {"model": MODEL, "input": "Warm up."}, "/v1/embeddings"
 
     def one(_) -> str:
-        response = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+        response = httpx.post(f"{url}{path}", json=body, timeout=300)
         response.raise_for_status()
         return response.json()["id"]
 
@@ -358,7 +375,8 @@ def record(name: str, out_dir: str | Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="tinyserve-record-") as scratch:
         with deployment(Path(scratch), recording.flags, recording.headless_flags, recording.routed_ranks) as (url,
                                                                                                           kill_node):
-            warm_up_ids = warm_up(url, engines=max(recording.routed_ranks, engine_count(recording.flags)))
+            warm_up_ids = warm_up(url, engines=max(recording.routed_ranks, engine_count(recording.flags)),
+                                  pooling="pooling" in recording.flags)
             if recording.single_chat is not None:
                 chat_once(url, recording.single_chat)
             elif recording.kill_node_at_s is not None:

@@ -6,6 +6,7 @@ position's (pooling_type MEAN), for the same token ids.
 """
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,3 +174,18 @@ def test_async_llm_encode_yields_one_finished_output_with_the_offline_vector(fol
     [offline] = llm.encode({"prompt_token_ids": PROMPTS[1]}, use_tqdm=False)
     assert output.finished and output.request_id == "a"
     torch.testing.assert_close(output.outputs.data, offline.outputs.data)
+
+
+def test_the_inputs_of_one_http_request_each_own_their_engine_spans_in_a_recorded_run():
+    """recorded-pooling's last request carries three inputs: three request spans under one HTTP span, in one trace."""
+    run = load_run(Path(__file__).resolve().parents[1] / "traces" / "recorded-pooling")
+    shared = [r for r in run.requests if r.http_span is not None
+              and sum(o.http_span is not None and o.http_span.span_id == r.http_span.span_id for o in run.requests) == 3]
+    assert len(shared) == 3
+    for request in run.requests:
+        [sequence] = request.sequences
+        assert sequence.request_id == request.request_id
+        assert request.inputs.pooling_params == {} and request.num_output_tokens == 0
+    served = [step for step in run.steps if step.request_ids]
+    assert all(step.num_decode_requests == 0 for step in served)
+    assert max(step.num_scheduled_tokens for step in served) == 64  # the budget, filled by chunks

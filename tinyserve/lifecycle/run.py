@@ -157,7 +157,30 @@ def load_run(path: str | Path) -> Run:
         traces[span.trace_id].append(span)
         if span.parent_span_id:
             children[span.parent_span_id].append(span)
-    requests = Records(request_timeline_from_span(span, traces[span.trace_id]) for span in spans
+    requests = Records(request_timeline_from_span(span, _trace_of(span, traces[span.trace_id])) for span in spans
                        if schema.GEN_AI_OPERATION_NAME in span.attributes)
     steps = Records(step_record_from_span(span, children[span.span_id]) for span in spans if span.name == schema.STEP)
     return Run(folder, manifest, spans, requests, steps)
+
+
+def _trace_of(request_span: Span, trace: list[Span]) -> list[Span]:
+    """The spans of `trace` that belong to this request: its own, and those of no other request in the trace.
+
+    One HTTP request may carry several requests, each with its request span under the HTTP span (the
+    prompts of one completion, the inputs of one embedding request); each owns the spans below it.
+    """
+    requests = [s for s in trace if schema.GEN_AI_OPERATION_NAME in s.attributes]
+    if len(requests) == 1:
+        return trace
+    by_id = {s.span_id: s for s in trace}
+    request_ids = {s.span_id for s in requests}
+
+    def owner(span: Span) -> str | None:
+        seen = 0
+        while span is not None and seen < len(trace):
+            if span.span_id in request_ids:
+                return span.span_id
+            span, seen = by_id.get(span.parent_span_id), seen + 1
+        return None
+
+    return [s for s in trace if owner(s) in (None, request_span.span_id)]
