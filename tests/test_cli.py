@@ -111,6 +111,7 @@ def test_run_batch_answers_every_line_in_order_as_the_server_would(server, tmp_p
         '{"custom_id": "broken", "method": "POST", ',
         batch_line("bad-temperature", "/v1/chat/completions", BAD_BODY),
         batch_line("embeddings", "/v1/embeddings", {"model": MODEL, "input": "hi"}),
+        batch_line("files", "/v1/files", {"model": MODEL}),
     ]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     result = tinyserve("run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
@@ -118,10 +119,11 @@ def test_run_batch_answers_every_line_in_order_as_the_server_would(server, tmp_p
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
 
-    assert [r["custom_id"] for r in records] == ["chat", "completion", None, "bad-temperature", "embeddings"]
+    assert [r["custom_id"] for r in records] == ["chat", "completion", None, "bad-temperature", "embeddings",
+                                                 "files"]
     assert all(r["id"].startswith("batch_req_") for r in records)
     assert len({r["id"] for r in records}) == len(records)
-    chat, completion, broken, bad, embeddings = records
+    chat, completion, broken, bad, embeddings, files = records
 
     # Answered lines: the endpoint's status and body, exactly as the running server answers them.
     reference_chat = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT_BODY, timeout=60).json()
@@ -145,8 +147,11 @@ def test_run_batch_answers_every_line_in_order_as_the_server_would(server, tmp_p
     # Lines that could not be sent: no response, an error code and message instead.
     assert broken["response"] is None and broken["error"]["code"] == "invalid_json_line"
     assert broken["error"]["message"].startswith("line 3: ")
-    assert embeddings["response"] is None and embeddings["error"]["code"] == "invalid_url"
-    assert "/v1/embeddings" in embeddings["error"]["message"]
+    assert files["response"] is None and files["error"]["code"] == "invalid_url"
+    assert "/v1/files" in files["error"]["message"]
+    # An embeddings line goes to its endpoint: this engine generates, so the endpoint's 400 says so.
+    assert embeddings["error"] is None and embeddings["response"]["status_code"] == 400
+    assert "does not support Embeddings API" in embeddings["response"]["body"]["error"]["message"]
 
 
 # The two failures below stop before any engine work, so they too run in this process.

@@ -37,7 +37,8 @@ from tqdm import tqdm
 from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from
 from tinyserve.entrypoints.api.errors import openai_error_body
 
-SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions")
+# As vLLM's run-batch; /v1/embeddings is answered by an engine started with --runner pooling (else a 400 per line).
+SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 REQUIRED_FIELDS = ("custom_id", "method", "url", "body")
 
 
