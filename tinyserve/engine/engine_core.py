@@ -23,6 +23,7 @@ from tinyserve.engine.worker.tensor_parallel_workers import TensorParallelRunner
 from tinyserve.kernels.backend import default_attention_backend, get_attention_backend
 from tinyserve.lifecycle.engine_spans import EngineSpanBuilder
 from tinyserve.lifecycle.tracing import tracing_enabled
+from tinyserve.lora.attach import attach_lora
 from tinyserve.utils import cdiv
 from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
@@ -72,7 +73,8 @@ class EngineCore:
         # The Triton kernels read every shape from tensors, so a decode step can be
         # recorded once per batch-size bucket and replayed (CUDA graphs); not yet with
         # the collectives of tensor parallelism inside.
-        decode_graphs = backend.name == "triton" and not args.enforce_eager and self.tp_workers is None
+        decode_graphs = (backend.name == "triton" and not args.enforce_eager and self.tp_workers is None
+                         and not args.enable_lora)  # LoRA's groups change with every batch
         num_blocks = args.num_kv_blocks or self._blocks_from_memory(model, gpu_at_start, decode_graphs)
         if self.tp_workers is not None:
             self.tp_workers.start(num_blocks)
@@ -86,6 +88,7 @@ class EngineCore:
                                         max_model_len=info.max_model_len)
         if self.tp_workers is not None:
             self.model_runner = TensorParallelRunner(self.model_runner, self.tp_workers)
+        self.lora_manager = attach_lora(args, model, self.scheduler, self.model_runner) if args.enable_lora else None
         self.model_runner.warm_up()
 
     def _make_recorder(self, spans_inline: bool) -> StepRecorder:
@@ -228,3 +231,7 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget a LoRA adapter unloaded at run time (vLLM's remove_lora); False if this engine did not hold it."""
+        return self.lora_manager is not None and self.lora_manager.remove_lora(lora_id)

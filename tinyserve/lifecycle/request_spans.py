@@ -103,6 +103,17 @@ class RequestSpans:
                 attributes[schema.MESSAGES] = json.dumps(messages, ensure_ascii=False)
         span.set_attributes(attributes)
 
+    def log_lora(self, span, lora_request) -> None:
+        """The request's LoRA adapter (None: the base model): its name on the request span, the whole
+        LoRARequest as JSON on `span` (the render span) with the other logged inputs, for replay."""
+        if lora_request is None:
+            return
+        self.span.set_attribute(schema.LORA_NAME, lora_request.lora_name)
+        span.set_attributes({schema.LORA_NAME: lora_request.lora_name,
+                             schema.LORA_REQUEST: msgspec.json.encode({
+                                 "lora_name": lora_request.lora_name, "lora_int_id": lora_request.lora_int_id,
+                                 "lora_path": lora_request.lora_path}).decode()})
+
     def _detokenize_span(self, completions) -> None:
         """The detokenize span, built at the end from the clock of every detokenizer update."""
         clock = self.detokenizing
@@ -209,6 +220,9 @@ class _NoSpans:
         return sampling_params
 
     def log_inputs(self, span, **kwargs) -> None:
+        pass
+
+    def log_lora(self, span, lora_request) -> None:
         pass
 
     def finish(self, completions, error: BaseException | None = None) -> None:

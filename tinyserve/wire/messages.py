@@ -12,6 +12,7 @@ to decode instead of running code.
 
 import msgspec
 
+from tinyserve.lora.request import LoRARequest
 from tinyserve.sampling_params import SamplingParams
 
 
@@ -24,6 +25,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     # W3C trace context (traceparent/tracestate); empty when tracing is off.
     trace_context: dict[str, str] = {}
+    lora_request: LoRARequest | None = None  # the adapter it runs under (tinyserve/lora/); None: the base model
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

@@ -26,6 +26,7 @@ tokens it sampled itself.
 
 from dataclasses import dataclass, field
 
+from tinyserve.lora.request import LoRARequest
 from tinyserve.sampling_params import SamplingParams
 
 
@@ -54,6 +55,7 @@ class NewRequestData(ScheduledRequest):
     eos_token_ids: list[int]  # the sampler's min_tokens masks them, with sampling_params.stop_token_ids
     block_ids: list[int]  # the whole block table
     output_token_ids: list[int]  # empty, unless resumed after a preemption
+    lora_request: LoRARequest | None = None  # its adapter (tinyserve/lora/), None: the base model
 
     @property
     def num_cached_tokens(self) -> int:
