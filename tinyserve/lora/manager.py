@@ -84,6 +84,7 @@ class LoRAManager:
         for wrapped, weights in self._slot_weights(adapter):
             wrapped.set_slot(slot, weights, adapter.scaling)
         self.resident[lora_id] = slot
+        self._evict_loaded()
         return slot
 
     def _slot_weights(self, adapter: PeftAdapter) -> list:
@@ -106,12 +107,15 @@ class LoRAManager:
         logger.info("loaded LoRA adapter %r (id %d, rank %d) from %s", lora_request.lora_name, lora_id,
                     adapter.rank, lora_request.lora_path)
         self.loaded[lora_id] = adapter
+        return adapter
+
+    def _evict_loaded(self) -> None:
+        """Keep max_cpu_loras adapters loaded: the least recently used of those not resident go."""
         while len(self.loaded) > self.max_cpu_loras:
             evicted = next((i for i in self.loaded if i not in self.resident), None)
             if evicted is None:
-                break
+                return
             del self.loaded[evicted]
-        return adapter
 
     def remove_lora(self, lora_id: int) -> bool:
         """Forget an adapter's weights and free its slot (unloaded at run time); False if it was not held."""
