@@ -158,3 +158,33 @@ def test_lora_settings_are_checked():
         EngineArgs.from_kwargs(enable_lora=True, max_loras=0)
     with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be at least max_loras \(2\)"):
         EngineArgs.from_kwargs(enable_lora=True, max_loras=2, max_cpu_loras=1)
+
+
+def test_traces_carry_the_adapter_and_replay_runs_each_request_under_it(tmp_path):
+    from tinyserve.lifecycle import schema
+    from tinyserve.lifecycle.replay import replay_run
+    from tinyserve.lifecycle.run import load_run
+
+    folder = tiny_model_with_tokenizer("qwen2")
+    path = peft_adapter(folder, "sql", seed=3)
+    sql = LoRARequest("sql", 1, str(path))
+    prompt_list = prompts(2)
+    traced = LLM(str(folder), enable_lora=True, max_lora_rank=8, trace_dir=str(tmp_path))
+    generate(traced, prompt_list, [sql, None])
+    run = load_run(traced.trace_run_dir)
+
+    by_prompt = {tuple(r.inputs.prompt_token_ids): r for r in run.requests}
+    logged = by_prompt[tuple(prompt_list[0])]
+    assert logged.inputs.lora_request == {"lora_name": "sql", "lora_int_id": 1, "lora_path": str(path)}
+    assert by_prompt[tuple(prompt_list[1])].inputs.lora_request is None
+    [queue] = [s.stages[schema.QUEUE] for s in logged.sequences]
+    assert queue.attributes[schema.LORA_NAME] == "sql"
+    first_step = run.steps[0].span.attributes
+    assert first_step[schema.STEP_LORA_ADAPTERS] == ["sql"]  # the base model's request shares the step
+    assert first_step[schema.STEP_RUNNING_LORA_ADAPTERS] == ["sql"]
+
+    results = replay_run(run, LLM(str(folder), enable_lora=True, max_lora_rank=8))
+    assert [r.matched for r in results] == [True, True]
+    # Replayed on an engine without LoRA, the adapter's request is refused, and says why.
+    [refused, base] = replay_run(run, LLM(str(folder)))
+    assert refused.skipped and "LoRA is not enabled" in refused.skipped_reason and base.matched

@@ -3,6 +3,7 @@
 import argparse
 from pathlib import Path
 
+from tinyserve.cli.lora_flags import add_lora_flags, lora_engine_kwargs
 from tinyserve.config import DTYPES, KV_CACHE_DTYPES, EngineArgs
 from tinyserve.kernels.backend import ATTENTION_BACKENDS
 from tinyserve.structured_output import STRUCTURED_OUTPUT_BACKENDS
@@ -60,6 +61,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                             "fewer while other programs keep them busy)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="on CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    add_lora_flags(parser)
 
 
 def settle_model(args: argparse.Namespace) -> str | None:
@@ -99,6 +101,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         tensor_parallel_watchdog_s=args.tensor_parallel_watchdog_timeout,
         structured_outputs_backend=args.structured_outputs_backend,
         structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
+        **lora_engine_kwargs(args),
     )
     engine_args.validate()
     return engine_args

@@ -23,7 +23,7 @@ from tinyserve.engine.worker.tensor_parallel_workers import TensorParallelRunner
 from tinyserve.kernels.backend import default_attention_backend, get_attention_backend
 from tinyserve.lifecycle.engine_spans import EngineSpanBuilder
 from tinyserve.lifecycle.tracing import tracing_enabled
-from tinyserve.lora.attach import attach_lora
+from tinyserve.lora.attach import attach_lora, attach_lora_recorder
 from tinyserve.utils import cdiv
 from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
@@ -52,6 +52,8 @@ class EngineCore:
             args.structured_outputs_backend, self.model_info.path, self.model_info.vocab_size,
             self.model_info.eos_token_ids, compile_timeout=args.structured_outputs_compile_timeout)
         self.recorder = self._make_recorder(spans_inline)
+        if self.lora_manager is not None:  # the adapters on the request's and the step's spans
+            attach_lora_recorder(self.recorder, self.lora_manager, self.scheduler)
         # Everything allocated so far (model, tokenizer, libraries) lives as long as the
         # engine: move it out of the garbage collector's sight, as vLLM does after start-up.
         # Otherwise every full collection walks those millions of objects again: a

@@ -132,7 +132,7 @@ class LLM:
                     messages = raw_prompt if operation == schema.OPERATION_CHAT else None
                     spans.log_inputs(render_span, prompt=prompt.prompt, prompt_token_ids=prompt.prompt_token_ids,
                                      sampling_params=p, messages=messages)
-                    spans.log_lora(render_span, lora)
+                    spans.log_lora(lora, render_span)
                 made.append((request_id, spans, p, prompt,
                              engine.make_requests(request_id, prompt, p, spans=spans, lora_request=lora)))
         except Exception as error:

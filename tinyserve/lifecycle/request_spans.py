@@ -103,16 +103,17 @@ class RequestSpans:
                 attributes[schema.MESSAGES] = json.dumps(messages, ensure_ascii=False)
         span.set_attributes(attributes)
 
-    def log_lora(self, span, lora_request) -> None:
-        """The request's LoRA adapter (None: the base model): its name on the request span, the whole
-        LoRARequest as JSON on `span` (the render span) with the other logged inputs, for replay."""
+    def log_lora(self, lora_request, span=None) -> None:
+        """The request's LoRA adapter (None: the base model): its name, and the whole LoRARequest as JSON
+        with the logged inputs (replay runs under it), on the request span and on `span` (the render span)."""
         if lora_request is None:
             return
-        self.span.set_attribute(schema.LORA_NAME, lora_request.lora_name)
-        span.set_attributes({schema.LORA_NAME: lora_request.lora_name,
-                             schema.LORA_REQUEST: msgspec.json.encode({
-                                 "lora_name": lora_request.lora_name, "lora_int_id": lora_request.lora_int_id,
-                                 "lora_path": lora_request.lora_path}).decode()})
+        attributes = {schema.LORA_NAME: lora_request.lora_name, schema.LORA_REQUEST: msgspec.json.encode({
+            "lora_name": lora_request.lora_name, "lora_int_id": lora_request.lora_int_id,
+            "lora_path": lora_request.lora_path}).decode()}
+        for target in (self.span, span):
+            if target is not None:
+                target.set_attributes(attributes)
 
     def _detokenize_span(self, completions) -> None:
         """The detokenize span, built at the end from the clock of every detokenizer update."""
@@ -222,7 +223,7 @@ class _NoSpans:
     def log_inputs(self, span, **kwargs) -> None:
         pass
 
-    def log_lora(self, span, lora_request) -> None:
+    def log_lora(self, lora_request, span=None) -> None:
         pass
 
     def finish(self, completions, error: BaseException | None = None) -> None:

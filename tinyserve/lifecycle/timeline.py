@@ -72,6 +72,9 @@ class RequestInputs:
     # SamplingParams' fields as logged (those left at their defaults omitted); LLM.generate takes this dict.
     sampling_params: dict | None
     redacted: bool  # the server was told not to log inputs
+    # The LoRA adapter it ran under, as logged: {"lora_name", "lora_int_id", "lora_path"}; None: the base model.
+    # LLM.generate takes this dict as its lora_request.
+    lora_request: dict | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -274,6 +277,7 @@ def _inputs(attributes: dict) -> RequestInputs:
         prompt_token_ids=None if ids is None else list(ids),
         sampling_params=sampling_params,
         redacted=bool(attributes.get(schema.INPUTS_REDACTED, False)),
+        lora_request=_json_attribute(attributes, schema.LORA_REQUEST),
     )
 
 

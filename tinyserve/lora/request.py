@@ -52,12 +52,24 @@ def block_hash_root(lora_request: LoRARequest | None) -> bytes:
 
 
 def lora_requests_per_prompt(lora_request, count: int) -> list[LoRARequest | None]:
-    """LLM.generate's lora_request, one per prompt: one LoRARequest (or None) for all, or a list of `count`."""
-    if lora_request is None or isinstance(lora_request, LoRARequest):
-        return [lora_request] * count
+    """LLM.generate's lora_request, one per prompt: one LoRARequest (or None) for all, or a list of `count`.
+
+    A dict is taken as LoRARequest's fields, as a trace logs them (replay hands them over so).
+    """
+    if lora_request is None or isinstance(lora_request, (LoRARequest, dict)):
+        return [_as_lora_request(lora_request)] * count
     if isinstance(lora_request, (list, tuple)) and len(lora_request) == count:
-        for item in lora_request:
-            if item is not None and not isinstance(item, LoRARequest):
-                raise ValueError(f"lora_request entries must be LoRARequests or None, got {type(item).__name__}")
-        return list(lora_request)
+        return [_as_lora_request(item) for item in lora_request]
     raise ValueError(f"lora_request must be one LoRARequest (or None) or a list of {count} (one per prompt)")
+
+
+def _as_lora_request(item) -> LoRARequest | None:
+    if item is None or isinstance(item, LoRARequest):
+        return item
+    if isinstance(item, dict):
+        try:
+            return LoRARequest(**item)
+        except TypeError as error:
+            raise ValueError(f"lora_request: {error}") from None
+    raise ValueError(f"lora_request entries must be LoRARequests (or their fields as a dict) or None, "
+                     f"got {type(item).__name__}")
