@@ -31,6 +31,9 @@ def add_lora_modules_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def lora_engine_kwargs(args: argparse.Namespace) -> dict:
+    """EngineArgs' LoRA fields; ValueError for --lora-modules without --enable-lora (before any engine starts)."""
+    if getattr(args, "lora_modules", None) and not getattr(args, "enable_lora", False):
+        raise ValueError("--lora-modules needs --enable-lora")
     return {"enable_lora": getattr(args, "enable_lora", False), "max_loras": getattr(args, "max_loras", 1),
             "max_lora_rank": getattr(args, "max_lora_rank", 16), "max_cpu_loras": getattr(args, "max_cpu_loras", None)}
 
