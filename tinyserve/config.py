@@ -74,6 +74,12 @@ class EngineArgs:
     trace_run_dir: str | None = None
     otlp_endpoint: str | None = None
     trace_max_bytes: int | None = None  # --trace-max-mb: the run folder's cap (otlp_capped.py)
+    # LoRA adapters (tinyserve/lora/), vLLM's names: max_loras resident at once (and running at once),
+    # each of rank up to max_lora_rank; max_cpu_loras kept loaded in memory (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -99,6 +105,7 @@ class EngineArgs:
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be non-negative, or -1 for the whole vocabulary, "
                              f"got {self.max_logprobs}")
+        self._validate_lora()
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "cpu_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -144,10 +151,20 @@ class EngineArgs:
         self.pooler_config = config
         if self.tensor_parallel_size > 1 or self.force_tensor_parallel:
             raise ValueError("runner='pooling' runs on one rank: tensor_parallel_size must be 1")
+        if self.enable_lora:
+            raise ValueError("enable_lora is for runner='generate': a pooling engine serves the base model only")
         if config["pooling_type"] != "LAST" and self.enable_prefix_caching:
             # MEAN and CLS read every position's hidden state: a cached prefix has none to read.
             logger.info("pooling_type %s pools every position: prefix caching is turned off", config["pooling_type"])
             self.enable_prefix_caching = False
+    def _validate_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.enable_lora and (self.tensor_parallel_size > 1 or self.force_tensor_parallel):
+            raise ValueError("enable_lora is not supported with tensor parallelism (tensor_parallel_size > 1) yet")
 
     @property
     def torch_device(self) -> torch.device:

@@ -4,6 +4,7 @@ import argparse
 import json
 from pathlib import Path
 
+from tinyserve.cli.lora_flags import add_lora_flags, lora_engine_kwargs
 from tinyserve.config import CONVERTS, DTYPES, KV_CACHE_DTYPES, RUNNERS, EngineArgs
 from tinyserve.kernels.backend import ATTENTION_BACKENDS
 from tinyserve.structured_output import STRUCTURED_OUTPUT_BACKENDS
@@ -71,6 +72,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     pooling.add_argument("--pooler-config", type=json_object, default=None, metavar="JSON",
                          help='how a pooling model makes its vector: {"pooling_type": "LAST" | "MEAN" | "CLS", '
                               '"normalize": true | false} (default: LAST, L2-normalised)')
+    add_lora_flags(parser)
 
 
 def json_object(text: str) -> dict:
@@ -121,6 +123,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         runner=args.runner,
         convert=args.convert,
         pooler_config=args.pooler_config,
+        **lora_engine_kwargs(args),
     )
     engine_args.validate()
     return engine_args

@@ -24,6 +24,7 @@ from tinyserve.cli.data_parallel_flags import (
     size_local,
 )
 from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from
+from tinyserve.cli.lora_flags import add_lora_modules_flag, lora_registry_from
 from tinyserve.cli.load_balancing_flags import add_load_balancing_flags, check_load_balancing_flags
 from tinyserve.cli.listener import bind_listener
 from tinyserve.cli.metrics_flags import add_metrics_flags
@@ -117,6 +118,7 @@ def add_parser(commands) -> None:
     tracing.add_argument("--trace-redact-inputs", action="store_true",
                          help="keep token counts in traces but drop prompt and output text and token ids "
                               "(replay then needs the prompts from elsewhere)")
+    add_lora_modules_flag(parser)
     add_vllm_flags(parser)
     parser.set_defaults(handler=run)
 
@@ -146,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         engine = AsyncLLM(engine_args, data_parallel_size=args.data_parallel_size, log_requests=args.log_requests,
                           max_waiting_requests=args.max_waiting_requests, multi_node=client.multi_node,
                           data_parallel_rank=args.data_parallel_rank, client=client)
+        loras = lora_registry_from(args, engine_args, engine.model_info.path, names[0])
     except ValueError as error:
         if client is not None:
             client.shutdown()
@@ -160,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
 
     ctx = ServingContext(engine, names, redact_inputs=args.trace_redact_inputs,
                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                         return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids, loras=loras)
     if run_dir is not None:
         print(f"tinyserve: tracing to {run_dir}", flush=True)
     field_limits = FieldLimits(max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,

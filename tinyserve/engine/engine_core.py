@@ -26,6 +26,7 @@ from tinyserve.engine.worker.tensor_parallel_workers import TensorParallelRunner
 from tinyserve.kernels.backend import default_attention_backend, get_attention_backend
 from tinyserve.lifecycle.engine_spans import EngineSpanBuilder
 from tinyserve.lifecycle.tracing import tracing_enabled
+from tinyserve.lora.attach import attach_lora, attach_lora_recorder
 from tinyserve.utils import cdiv
 from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
@@ -54,6 +55,8 @@ class EngineCore:
             args.structured_outputs_backend, self.model_info.path, self.model_info.vocab_size,
             self.model_info.eos_token_ids, compile_timeout=args.structured_outputs_compile_timeout)
         self.recorder = self._make_recorder(spans_inline)
+        if self.lora_manager is not None:  # the adapters on the request's and the step's spans
+            attach_lora_recorder(self.recorder, self.lora_manager, self.scheduler)
         # Everything allocated so far (model, tokenizer, libraries) lives as long as the
         # engine: move it out of the garbage collector's sight, as vLLM does after start-up.
         # Otherwise every full collection walks those millions of objects again: a
@@ -75,7 +78,8 @@ class EngineCore:
         # The Triton kernels read every shape from tensors, so a decode step can be
         # recorded once per batch-size bucket and replayed (CUDA graphs); not yet with
         # the collectives of tensor parallelism inside.
-        decode_graphs = backend.name == "triton" and not args.enforce_eager and self.tp_workers is None
+        decode_graphs = (backend.name == "triton" and not args.enforce_eager and self.tp_workers is None
+                         and not args.enable_lora)  # LoRA's groups change with every batch
         num_blocks = args.num_kv_blocks or self._blocks_from_memory(model, gpu_at_start, decode_graphs)
         if self.tp_workers is not None:
             self.tp_workers.start(num_blocks)
@@ -95,6 +99,7 @@ class EngineCore:
                                         max_model_len=info.max_model_len)
         if self.tp_workers is not None:
             self.model_runner = TensorParallelRunner(self.model_runner, self.tp_workers)
+        self.lora_manager = attach_lora(args, model, self.scheduler, self.model_runner) if args.enable_lora else None
         self.model_runner.warm_up()
 
     def _make_recorder(self, spans_inline: bool) -> StepRecorder:
@@ -235,3 +240,7 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget a LoRA adapter unloaded at run time (vLLM's remove_lora); False if this engine did not hold it."""
+        return self.lora_manager is not None and self.lora_manager.remove_lora(lora_id)

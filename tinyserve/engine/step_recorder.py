@@ -61,6 +61,11 @@ class StepRecorder:
         self.span_builder = span_builder  # None: tracing is off
         self.last_scheduler_output = None
         self.last_step_times: StepTimes | None = None
+        # Layers beside the engine that put attributes of their own on the spans (LoRA: lora/attach.py):
+        # request_hooks(EngineCoreRequest) -> dict for its queue span; step_hooks(SchedulerOutput) -> dict
+        # for the step span.
+        self.request_hooks: list = []
+        self.step_hooks: list = []
 
     @contextlib.contextmanager
     def step(self):
@@ -74,7 +79,9 @@ class StepRecorder:
         self.last_step_times = StepTimes(record.start, record.scheduled_at, record.executed_at, end, ranks,
                                          threads.threads, threads.cpu_s)
         if self.span_builder is not None:
-            self.span_builder.record_step(record.scheduler_output, self.last_step_times, stats, record.outputs)
+            attributes = {k: v for hook in self.step_hooks for k, v in hook(record.scheduler_output).items()}
+            self.span_builder.record_step(record.scheduler_output, self.last_step_times, stats, record.outputs,
+                                          attributes)
         record.engine_core_outputs = EngineCoreOutputs(engine_index=self.engine_index, timestamp=end,
                                                        outputs=record.outputs, scheduler_stats=stats)
 
@@ -86,7 +93,8 @@ class StepRecorder:
             constraint = request.sampling_params.structured_outputs
             self.span_builder.on_request(request.request_id, request.trace_context, len(request.prompt_token_ids),
                                          len(self.scheduler.waiting), constraint.kind if constraint else None,
-                                         request.sampling_params.seed)
+                                         request.sampling_params.seed,
+                                         {k: v for hook in self.request_hooks for k, v in hook(request).items()})
 
     def on_finished(self, outputs: list[EngineCoreOutput]) -> None:
         """Requests that finished outside a step (aborted): their spans end."""

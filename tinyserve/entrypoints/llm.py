@@ -20,6 +20,7 @@ from tinyserve.frontend.input_processor import ProcessedPrompt
 from tinyserve.frontend.llm_engine import LLMEngine
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import start_request_spans
+from tinyserve.lora.request import lora_requests_per_prompt
 from tinyserve.lifecycle.tracing import (
     flush_tracing,
     new_run_dir,
@@ -73,16 +74,18 @@ class LLM:
         repetition_penalty, max_new_tokens as max_tokens), as vLLM's generation_config="auto"."""
         return SamplingParams(**self.model_info.generation_defaults)
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """prompts: a string, a list of strings, token-id dicts {"prompt_token_ids": [...]}, or a mix.
 
         A flat list of ints is one prompt of token ids; an empty list gives an empty list.
+        lora_request: a LoRARequest (tinyserve.lora.request) for every prompt, or a list of one per
+        prompt (None: the base model), with enable_lora=True, as vLLM's.
         """
         prompts = self._prompt_list(prompts)
         if not prompts:
             return []
         return self._run(prompts, self.input_processor.tokenize_prompt, schema.OPERATION_TEXT_COMPLETION,
-                         self._params_per_prompt(sampling_params, len(prompts)), use_tqdm)
+                         self._params_per_prompt(sampling_params, len(prompts)), use_tqdm, lora_request)
 
     def encode(self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = True, *,
                pooling_task: str = "embed") -> list[PoolingRequestOutput]:
@@ -119,7 +122,8 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, *, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+             lora_request=None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"}) or a list of conversations.
 
         continue_final_message=True (with add_generation_prompt=False): each reply continues the
@@ -137,16 +141,17 @@ class LLM:
             )
 
         return self._run(conversations, render, schema.OPERATION_CHAT,
-                         self._params_per_prompt(sampling_params, len(conversations)), use_tqdm)
+                         self._params_per_prompt(sampling_params, len(conversations)), use_tqdm, lora_request)
 
-    def _run(self, prompts: list, render, operation: str, params: list, use_tqdm: bool) -> list:
+    def _run(self, prompts: list, render, operation: str, params: list, use_tqdm: bool, lora_request=None) -> list:
         """Render, check and queue every prompt (params: one per prompt), then step until all are done."""
+        loras = lora_requests_per_prompt(lora_request, len(prompts))
         engine = self.llm_engine
         # Build and check every request before the first one is queued: one bad
         # prompt rejects the call and leaves the engine untouched.
         opened, made = [], []  # every request's spans; (id, spans, params, prompt, engine requests)
         try:
-            for raw_prompt, p in zip(prompts, params):
+            for raw_prompt, p, lora in zip(prompts, params, loras):
                 request_id = str(next(self._request_counter))
                 spans = start_request_spans(operation, self.model_name, request_id)
                 opened.append(spans)
@@ -156,7 +161,9 @@ class LLM:
                     messages = raw_prompt if operation == schema.OPERATION_CHAT else None
                     spans.log_inputs(render_span, prompt=prompt.prompt, prompt_token_ids=prompt.prompt_token_ids,
                                      sampling_params=p, messages=messages)
-                made.append((request_id, spans, p, prompt, engine.make_requests(request_id, prompt, p, spans=spans)))
+                    spans.log_lora(lora, render_span)
+                made.append((request_id, spans, p, prompt,
+                             engine.make_requests(request_id, prompt, p, spans=spans, lora_request=lora)))
         except Exception as error:
             for spans in opened:
                 spans.fail(error)

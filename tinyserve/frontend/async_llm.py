@@ -196,10 +196,11 @@ class AsyncLLM:
         output_kind: OutputKind = OutputKind.DELTA,
         priority: int = 0,
         spans=NO_SPANS,
+        lora_request=None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutputs (deltas by default) until the request finishes."""
         stream = await self.add_request(prompt, sampling_params, request_id, output_kind=output_kind,
-                                        priority=priority, spans=spans)
+                                        priority=priority, spans=spans, lora_request=lora_request)
         try:
             async for output in stream:
                 yield output
@@ -229,6 +230,7 @@ class AsyncLLM:
         output_kind: OutputKind = OutputKind.DELTA,
         priority: int = 0,
         spans=NO_SPANS,
+        lora_request=None,  # a LoRARequest (tinyserve/lora/): the adapter it runs under
     ) -> RequestStream:
         """Admit, validate and send a request; its outputs arrive on the returned stream.
 
@@ -241,7 +243,7 @@ class AsyncLLM:
             prompt = await self.process_prompt(prompt)
             child_requests = self.input_processor.make_requests(
                 request_id, prompt, sampling_params, num_kv_blocks=self.num_kv_blocks, priority=priority,
-                trace_context=spans.carrier(),
+                trace_context=spans.carrier(), lora_request=lora_request,
             )
             if self.log_requests:
                 log_inputs(request_id, prompt, sampling_params)

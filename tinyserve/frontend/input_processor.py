@@ -13,6 +13,8 @@ from tinyserve.config import ModelInfo, check_kv_fit
 from tinyserve.errors import InvalidInputError
 from tinyserve.frontend.render import ProcessedPrompt, Renderer
 from tinyserve.pooling_params import POOLING_SAMPLING_PARAMS, PoolingParams
+from tinyserve.lora.registry import LoRAChecker
+from tinyserve.lora.request import LoRARequest
 from tinyserve.wire.messages import EngineCoreRequest
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.structured_output import check_structured_outputs
@@ -28,11 +30,11 @@ class InputProcessor(Renderer):
     @classmethod
     def from_engine_args(cls, model_info: ModelInfo, tokenizer, args) -> "InputProcessor":
         return cls(model_info, tokenizer, args.block_size, args.max_logprobs, args.scheduling_policy,
-                   args.structured_outputs_backend, args.runner)
+                   args.structured_outputs_backend, args.runner, LoRAChecker.from_engine_args(model_info.path, args))
 
     def __init__(self, model_info: ModelInfo, tokenizer, block_size: int, max_logprobs: int = 20,
                  scheduling_policy: str = "fcfs", structured_outputs_backend: str = "xgrammar",
-                 runner: str = "generate") -> None:
+                 runner: str = "generate", lora_checker: LoRAChecker | None = None) -> None:
         """max_logprobs: the most logprobs or prompt_logprobs a request may ask for (vLLM's flag, default 20).
         scheduling_policy: the engine's; a request's priority means something only under "priority".
         structured_outputs_backend: the engine's grammar library (it must compile a request's constraint).
@@ -43,6 +45,8 @@ class InputProcessor(Renderer):
         self.scheduling_policy = scheduling_policy
         self.block_size = block_size
         self.max_logprobs = max_logprobs
+        # A request's LoRA adapter, checked against the engine's settings (tinyserve/lora/registry.py).
+        self.lora_checker = lora_checker or LoRAChecker(model_info.path, enable_lora=False, max_lora_rank=0)
 
     def make_requests(
         self,
@@ -54,6 +58,7 @@ class InputProcessor(Renderer):
         arrival_time: float | None = None,
         priority: int = 0,
         trace_context: dict[str, str] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[EngineCoreRequest]:
         """Check the request, then fan it out: one EngineCoreRequest per sample (n > 1 → n of them).
 
@@ -65,6 +70,7 @@ class InputProcessor(Renderer):
         """
         self.check_runner(sampling_params)
         self.model_info.validate_prompt(prompt.prompt_token_ids)
+        self.lora_checker.check(lora_request)  # an adapter this engine can serve (a pooling one serves none)
         if isinstance(sampling_params, PoolingParams):
             return [self._pooling_request(request_id, prompt, sampling_params, num_kv_blocks=num_kv_blocks,
                                           arrival_time=arrival_time, priority=priority, trace_context=trace_context)]
@@ -97,6 +103,7 @@ class InputProcessor(Renderer):
                 arrival_time=arrival_time,
                 priority=priority,
                 trace_context=trace_context or {},
+                lora_request=lora_request,
             )
             for index in range(n)
         ]

@@ -38,11 +38,11 @@ class LLMEngine:
         self.client = InprocClient(engine_args, model_info, spans_inline=True)
 
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, *, priority: int = 0,
-                      spans=NO_SPANS) -> list[EngineCoreRequest]:
+                      spans=NO_SPANS, lora_request=None) -> list[EngineCoreRequest]:
         """Validate a request and fan it out, without queueing anything (raises ValueError)."""
         return self.input_processor.make_requests(
             request_id, prompt, params, num_kv_blocks=min(self.client.num_kv_blocks), priority=priority,
-            trace_context=spans.carrier(),
+            trace_context=spans.carrier(), lora_request=lora_request,
         )
 
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,

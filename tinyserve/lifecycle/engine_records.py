@@ -5,7 +5,7 @@ step span is built from; TracedRequest is what a request's engine spans need fro
 arrival, FinishedRequest what they need once it has finished.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tinyserve.lifecycle import schema
 
@@ -45,6 +45,7 @@ class StepSpanInput:
     prefix_cache_hit_tokens: int
     finished_request_ids: list[str]
     released_request_ids: list[str]  # finished or aborted since the previous recorded step
+    attributes: dict = field(default_factory=dict)  # from the recorder's step hooks (a layer's own: LoRA's adapters)
 
 
 @dataclass(slots=True)
@@ -54,6 +55,7 @@ class TracedRequest:
     queue_depth_at_arrival: int
     structured_output_kind: str | None = None  # json, regex, ...: the request is constrained
     seed: int | None = None  # the engine request's own seed (with n > 1: the parent's + the child's index)
+    attributes: dict = field(default_factory=dict)  # for its queue span, from the recorder's request hooks
 
 
 @dataclass(slots=True)
@@ -68,6 +70,7 @@ class FinishedRequest:
     queue_depth_at_arrival: int
     structured_output_kind: str | None = None
     seed: int | None = None
+    attributes: dict = field(default_factory=dict)
 
 
 def block_changes(scheduled: list) -> dict:

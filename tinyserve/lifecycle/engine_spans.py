@@ -72,13 +72,17 @@ class EngineSpanBuilder:
     # ---- called from the engine loop: cheap -------------------------------------
 
     def on_request(self, request_id: str, trace_context: dict[str, str], num_prompt_tokens: int,
-                   queue_depth: int, structured_output_kind: str | None = None, seed: int | None = None) -> None:
-        """A request was queued: remember what its spans will need (seed: its own, a child's seed + index)."""
+                   queue_depth: int, structured_output_kind: str | None = None, seed: int | None = None,
+                   attributes: dict | None = None) -> None:
+        """A request was queued: remember what its spans will need (seed: its own, a child's seed + index;
+        attributes: for its queue span, from layers beside the engine, such as its LoRA adapter)."""
         self._traced[request_id] = TracedRequest(trace_context, num_prompt_tokens, queue_depth, structured_output_kind,
-                                                 seed)
+                                                 seed, attributes or {})
 
-    def record_step(self, scheduler_output, times: StepTimes, stats, outputs: list) -> None:
-        """After a step: its SchedulerOutput, clock, SchedulerStats and EngineCoreOutputs' outputs."""
+    def record_step(self, scheduler_output, times: StepTimes, stats, outputs: list,
+                    attributes: dict | None = None) -> None:
+        """After a step: its SchedulerOutput, clock, SchedulerStats and EngineCoreOutputs' outputs (attributes:
+        more for its span, from layers beside the engine)."""
         hits, self._prefix_cache_hits = stats.prefix_cache_hits - self._prefix_cache_hits, stats.prefix_cache_hits
         finished = self._finished(outputs)
         # Released blocks are told with the step that tells the worker. An empty step has a span only
@@ -90,7 +94,8 @@ class EngineSpanBuilder:
                 self._submit(None, {}, finished)
             return
         record = StepSpanInput(scheduler_output, times, stats, hits,
-                                [output.request_id for output in outputs if output.finished], self._released)
+                                [output.request_id for output in outputs if output.finished], self._released,
+                                attributes or {})
         self._released = []
         served = {s.request_id: self._traced[s.request_id].trace_context
                   for s in scheduler_output.scheduled if s.request_id in self._traced}
@@ -110,7 +115,7 @@ class EngineSpanBuilder:
                 finished.append(FinishedRequest(
                     output.request_id, traced.trace_context, output.times, output.finish_reason,
                     output.num_cached_tokens, traced.num_prompt_tokens, len(output.times.token_times),
-                    traced.queue_depth_at_arrival, traced.structured_output_kind, traced.seed,
+                    traced.queue_depth_at_arrival, traced.structured_output_kind, traced.seed, traced.attributes,
                 ))
         return finished
 
@@ -177,7 +182,7 @@ class EngineSpanBuilder:
         queue_span = self.tracer.start_span(schema.QUEUE, context=parent, start_time=_ns(times.queued_time),
                                             attributes={**common, schema.QUEUE_DEPTH_AT_ARRIVAL: request.queue_depth_at_arrival,
                                                         **({schema.GEN_AI_REQUEST_SEED: request.seed}
-                                                           if request.seed is not None else {})})
+                                                           if request.seed is not None else {}), **request.attributes})
         queue_span.end(end_time=_ns(scheduled))
         if request.structured_output_kind is not None and times.structured_output_start is not None:
             grammar = self.tracer.start_span(schema.STRUCTURED_OUTPUT, context=parent, attributes={
@@ -264,6 +269,7 @@ class EngineSpanBuilder:
             schema.PREFIX_CACHE_HIT_TOKENS: record.prefix_cache_hit_tokens,
             schema.NUM_WAITING: stats.num_waiting_reqs,
             schema.NUM_RUNNING: stats.num_running_reqs,
+            **record.attributes,
         }
         times = record.times
         timeline = self.timelines.context_for(times.start, times.end,

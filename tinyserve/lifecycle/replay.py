@@ -1,8 +1,8 @@
 """Replay: re-run logged requests and check that the engine produces the same tokens.
 
-A trace logs everything a request needs to run again: its prompt token ids and
-its sampling params (seed included) in the render span, and every completion's
-output token ids in the request span. Replay submits each logged request to an
+A trace logs everything a request needs to run again: its prompt token ids, its
+sampling params (seed included) and its LoRA adapter in the render span, and every
+completion's output token ids in the request span. Replay submits each logged request to an
 engine its caller hands over (this module imports nothing of the engine) and
 compares the outputs token by token:
 
@@ -101,7 +101,8 @@ def replay_request(request: RequestTimeline, llm) -> ReplayResult:
     if reason is not None:
         return ReplayResult(request.request_id, matched=False, skipped_reason=reason)
     try:
-        [output] = llm.generate([_prompt(request)], request.inputs.sampling_params, use_tqdm=False)
+        [output] = llm.generate([_prompt(request)], request.inputs.sampling_params, use_tqdm=False,
+                                lora_request=[request.inputs.lora_request])
     except ValueError as error:  # this engine cannot serve it: another model, a smaller context
         return ReplayResult(request.request_id, matched=False, skipped_reason=f"the engine rejected it: {error}")
     return _compare(request, output)
@@ -118,7 +119,7 @@ def replay_run(run: Run, llm, request_ids: list[str] | None = None) -> list[Repl
     runnable = [request for request in requests if why_not_reproducible(request) is None]
     try:
         outputs = llm.generate([_prompt(r) for r in runnable], [r.inputs.sampling_params for r in runnable],
-                               use_tqdm=False) if runnable else []
+                               use_tqdm=False, lora_request=[r.inputs.lora_request for r in runnable]) if runnable else []
     except ValueError:
         return [replay_request(request, llm) for request in requests]
     replayed = {request.request_id: _compare(request, output) for request, output in zip(runnable, outputs)}

@@ -109,6 +109,18 @@ class RequestSpans:
                 attributes[schema.MESSAGES] = json.dumps(messages, ensure_ascii=False)
         span.set_attributes(attributes)
 
+    def log_lora(self, lora_request, span=None) -> None:
+        """The request's LoRA adapter (None: the base model): its name, and the whole LoRARequest as JSON
+        with the logged inputs (replay runs under it), on the request span and on `span` (the render span)."""
+        if lora_request is None:
+            return
+        attributes = {schema.LORA_NAME: lora_request.lora_name, schema.LORA_REQUEST: msgspec.json.encode({
+            "lora_name": lora_request.lora_name, "lora_int_id": lora_request.lora_int_id,
+            "lora_path": lora_request.lora_path}).decode()}
+        for target in (self.span, span):
+            if target is not None:
+                target.set_attributes(attributes)
+
     def _detokenize_span(self, completions) -> None:
         """The detokenize span, built at the end from the clock of every detokenizer update."""
         clock = self.detokenizing
@@ -227,6 +239,9 @@ class _NoSpans:
         pass
 
     def pooled(self, dimensions: int) -> None:
+        pass
+
+    def log_lora(self, lora_request, span=None) -> None:
         pass
 
     def finish(self, completions, error: BaseException | None = None) -> None:

@@ -188,6 +188,15 @@ KV_USAGE = "tinyserve.kv.usage"
 PREFIX_CACHE_HIT_TOKENS = "tinyserve.prefix_cache.hit_tokens"
 NUM_WAITING = "tinyserve.num_waiting"
 NUM_RUNNING = "tinyserve.num_running"
+# LoRA adapters (tinyserve/lora/). A request's adapter: its name on the request span (and the engine's
+# queue span); the whole LoRARequest as JSON (lora_name, lora_int_id, lora_path) with the logged inputs
+# on tinyserve.render, which replay runs it under. A step's adapters: those of its batch, and those
+# of the running and waiting requests after it was scheduled.
+LORA_NAME = "tinyserve.lora.name"
+LORA_REQUEST = "tinyserve.lora.request"
+STEP_LORA_ADAPTERS = "tinyserve.step.lora_adapters"
+STEP_RUNNING_LORA_ADAPTERS = "tinyserve.step.running_lora_adapters"
+STEP_WAITING_LORA_ADAPTERS = "tinyserve.step.waiting_lora_adapters"
 
 # ---- trace files -------------------------------------------------------------------
 MANIFEST_FILE = "manifest.json"

@@ -73,6 +73,9 @@ class RequestInputs:
     sampling_params: dict | None
     redacted: bool  # the server was told not to log inputs
     pooling_params: dict | None = None  # a pooling request's (--runner pooling), in place of sampling_params
+    # The LoRA adapter it ran under, as logged: {"lora_name", "lora_int_id", "lora_path"}; None: the base model.
+    # LLM.generate takes this dict as its lora_request.
+    lora_request: dict | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -281,6 +284,7 @@ def _inputs(attributes: dict) -> RequestInputs:
         sampling_params=sampling_params,
         redacted=bool(attributes.get(schema.INPUTS_REDACTED, False)),
         pooling_params=_logged_params(attributes, schema.POOLING_PARAMS),
+        lora_request=_json_attribute(attributes, schema.LORA_REQUEST),
     )
 
 

@@ -86,6 +86,7 @@ class EngineFailed(msgspec.Struct, array_like=True):
 UTILITY_METHODS: dict[str, type] = {
     "get_stats": SchedulerStats,
     "reset_prefix_cache": bool,
+    "remove_lora": bool,
 }
 
 INPUT_TYPES: dict[EngineInputKind, type] = {

@@ -13,6 +13,7 @@ to decode instead of running code.
 import msgspec
 
 from tinyserve.pooling_params import PoolingParams
+from tinyserve.lora.request import LoRARequest
 from tinyserve.sampling_params import SamplingParams
 
 
@@ -28,6 +29,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # A pooling request (--runner pooling): a vector from the prompt, no tokens. Its sampling_params
     # are then pooling_params.POOLING_SAMPLING_PARAMS, which nothing samples with.
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs under (tinyserve/lora/); None: the base model
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

@@ -9,6 +9,8 @@ Prefix caching: every *full* block gets a BlockHash chained from its prefix.
 When a new request arrives, its leading full blocks are looked up by hash; each
 hit is a block whose K/V is already computed, so the request starts with
 `num_computed_tokens = hits * block_size` and shares those blocks (ref_cnt > 1).
+The first block chains from the request's `block_hash_root`: b"" for the base model, the
+adapter's identity under a LoRA adapter (whose K/V differ for the same tokens).
 """
 
 from collections import defaultdict
@@ -16,9 +18,6 @@ from collections import defaultdict
 from tinyserve.engine.core.block_pool import BlockHash, BlockPool, KVBlock
 from tinyserve.engine.core.request import Request
 from tinyserve.utils import cdiv
-
-_ROOT_HASH = b""  # parent hash of a request's first block
-
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
@@ -117,7 +116,7 @@ class KVCacheManager:
         hashes = self.req_to_hashes[request.request_id]
         tokens, size = request.all_token_ids, self.block_size
         for i in range(len(hashes), request.num_tokens // size):
-            parent = hashes[-1].value if hashes else _ROOT_HASH
+            parent = hashes[-1].value if hashes else request.block_hash_root
             hashes.append(BlockHash(parent, tuple(tokens[i * size : (i + 1) * size])))
         return hashes
 

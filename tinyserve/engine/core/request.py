@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from tinyserve.lora.request import LoRARequest, block_hash_root
 from tinyserve.wire.messages import EngineCoreRequest, RequestTimes
 from tinyserve.pooling_params import PoolingParams
 from tinyserve.sampling_params import SamplingParams
@@ -51,6 +52,7 @@ class Request:
     priority: int = 0
     trace_context: dict[str, str] = field(default_factory=dict)
     pooling_params: PoolingParams | None = None  # a pooling request: a vector, no tokens (pooling_scheduler.py)
+    lora_request: LoRARequest | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -92,6 +94,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def block_hash_root(self) -> bytes:
+        """What the prefix cache chains the first block's hash from: the adapter's identity, or b""."""
+        return block_hash_root(self.lora_request)
 
     @property
     def waiting_for_grammar(self) -> bool:

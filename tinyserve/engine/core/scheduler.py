@@ -74,6 +74,9 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self.step_id = 0
         self.num_preemptions = 0
+        # Layers that limit which waiting requests may start (LoRA: lora/scheduling.py), each
+        # gate(request, scheduler) -> bool; a request one refuses keeps its place and is passed over.
+        self.admission_gates: list = []
 
     # ---- requests in and out -------------------------------------------------
 
@@ -170,11 +173,11 @@ class Scheduler:
 
     def _schedule_waiting(self, step: "StepDraft") -> None:
         """2. Waiting requests, while budget, seats and KV blocks allow; those whose grammar is still
-        being compiled (structured outputs) keep their place and wait."""
+        being compiled (structured outputs), or that an admission gate refuses, keep their place and wait."""
         position = 0
         while position < len(self.waiting) and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[position]
-            if request.waiting_for_grammar:
+            if request.waiting_for_grammar or not all(gate(request, self) for gate in self.admission_gates):
                 position += 1
                 continue
             cached_blocks, num_cached = self.kv.get_computed_blocks(request)
@@ -265,6 +268,7 @@ class Scheduler:
             block_ids=self.kv.get_block_ids(request.request_id),
             output_token_ids=list(request.output_token_ids),
             pooling_params=request.pooling_params,
+            lora_request=request.lora_request,
         )
 
     @staticmethod

@@ -27,6 +27,7 @@ tokens it sampled itself.
 from dataclasses import dataclass, field
 
 from tinyserve.pooling_params import PoolingParams
+from tinyserve.lora.request import LoRARequest
 from tinyserve.sampling_params import SamplingParams
 
 
@@ -56,6 +57,7 @@ class NewRequestData(ScheduledRequest):
     block_ids: list[int]  # the whole block table
     output_token_ids: list[int]  # empty, unless resumed after a preemption
     pooling_params: PoolingParams | None = None  # a pooling request's (pooling_runner.py)
+    lora_request: LoRARequest | None = None  # its adapter (tinyserve/lora/), None: the base model
 
     @property
     def num_cached_tokens(self) -> int:

@@ -69,6 +69,9 @@ class ModelRunner:
             device=device, capture=device.type == "cuda",
         ) if decode_graphs else None
         self.num_graph_steps = 0  # decode steps that ran through decode_graphs
+        # Layers beside the model that must see each batch as it is flattened (LoRA: lora/manager.py),
+        # each hook(scheduled requests, their states), called at the end of prepare_inputs.
+        self.input_hooks: list = []
 
     @staticmethod
     def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -87,7 +90,8 @@ class ModelRunner:
         for new in scheduler_output.scheduled_new_requests:
             state = self.requests.get(new.request_id)
             if state is None:
-                state = CachedRequestState(new.request_id, new.prompt_token_ids, new.sampling_params, new.eos_token_ids)
+                state = CachedRequestState(new.request_id, new.prompt_token_ids, new.sampling_params, new.eos_token_ids,
+                                           lora_request=new.lora_request)
                 self.requests[new.request_id] = state
             state.output_token_ids = list(new.output_token_ids)  # empty, unless resumed after a preemption
             state.block_ids = list(new.block_ids)
@@ -126,6 +130,8 @@ class ModelRunner:
             query_lens, seq_lens, block_tables.to(self.device, non_blocking=True),
             torch.tensor(slot_mapping, dtype=torch.int64),
         )
+        for hook in self.input_hooks:
+            hook(scheduled_requests, states)
         return ModelInputs(
             input_ids=on_device(input_ids, torch.int64),
             positions=on_device(positions, torch.int64),

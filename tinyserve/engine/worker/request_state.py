@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tinyserve.lora.request import LoRARequest
 from tinyserve.sampling_params import SamplingParams
 
 
@@ -34,6 +35,7 @@ class CachedRequestState:
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs were reported (prompt_logprobs)
     # allowed_token_ids as a mask over the vocabulary (True: forbidden), made at its first step (token_filters.py)
     allowed_token_ids_mask: torch.Tensor | None = None
+    lora_request: LoRARequest | None = None  # its adapter (tinyserve/lora/manager.py reads it)
 
     @property
     def num_output_tokens(self) -> int:

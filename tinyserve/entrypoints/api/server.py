@@ -43,6 +43,7 @@ from tinyserve.entrypoints.api.guards.limits import DEFAULT_MAX_REQUEST_BODY_BYT
 from tinyserve.entrypoints.api.guards.strict_body import with_ignored_fields
 from tinyserve.entrypoints.api.load_reports import LoadReportsMiddleware, ServerLoad
 from tinyserve.entrypoints.api.http_metrics import HttpMetricsMiddleware
+from tinyserve.entrypoints.api.lora_metrics import lora_stat_loggers
 from tinyserve.entrypoints.api.metrics import ServerMetrics
 from tinyserve.entrypoints.api.openapi import make_truthful
 from tinyserve.entrypoints.api.openai_protocol import (
@@ -58,6 +59,7 @@ from tinyserve.entrypoints.api.serving_engine import ServingContext
 from tinyserve.entrypoints.api.request_ids import RequestIdMiddleware
 from tinyserve.entrypoints.api.other_apis.responses_protocol import RESPONSE_ID_PATTERN, ResponsesRequest, ResponseStore
 from tinyserve.entrypoints.api.other_apis.responses_serving import create_response
+from tinyserve.entrypoints.api.other_apis.lora_serving import add_lora_routes, lora_model_cards
 from tinyserve.lifecycle.http_spans import TracingMiddleware
 from tinyserve.lifecycle.tracing import shutdown_tracing
 
@@ -76,6 +78,7 @@ def build_app(
     async def lifespan(app: FastAPI):
         await ctx.engine.start()
         ctx.engine.stat_loggers.append(metrics)
+        ctx.engine.stat_loggers += lora_stat_loggers(ctx, metrics)  # vllm:lora_requests_info, with adapters
         metrics.record_cache_config(ctx.engine.engine_args, ctx.engine.client.num_kv_blocks)
         # What is loaded by now (torch, transformers, the app) lives as long as the server. Frozen,
         # it is no longer walked by every full garbage collection, each of which would stop the
@@ -135,12 +138,16 @@ def build_app(
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(name) for name in ctx.model_names]}
+        cards = [model_card(name) for name in ctx.model_names]
+        return {"object": "list", "data": cards + lora_model_cards(ctx, cards[0])}
 
     @app.get("/v1/models/{model_id:path}")  # :path: a name may hold slashes ("org/model")
     async def model(model_id: str):
         ctx.check_model(model_id)
-        return model_card(model_id)
+        adapter = [card for card in lora_model_cards(ctx, model_card(model_id)) if card["id"] == model_id]
+        return adapter[0] if adapter else model_card(model_id)
+
+    add_lora_routes(app, ctx)  # /v1/load_lora_adapter and /v1/unload_lora_adapter, when allowed
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
@@ -226,7 +233,7 @@ def build_app(
                            "['ChatCompletionRequest', 'CompletionRequest'] (a body with messages, or with prompt)")
         raise RequestValidationError(errors[shape].errors())
 
-    make_truthful(app, model_names=ctx.model_names, api_key=api_key is not None, field_limits=field_limits,
+    make_truthful(app, model_names=ctx.model_names + (list(ctx.loras.adapters) if ctx.loras else []), api_key=api_key is not None, field_limits=field_limits,
                   vocab_size=getattr(getattr(ctx.engine, "model_info", None), "vocab_size", None),
                   auto_tool_choice=ctx.tool_call_parser is not None)
 

@@ -78,6 +78,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         )
         stream = await add_constrained_request(engine, constrained_field, prompt, params, engine_id,
                                                priority=body.priority, spans=spans,
+                                               lora_request=ctx.lora_request(body.model),
                                                output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
     except InvalidInputError as error:
         spans.fail(error)

@@ -168,7 +168,8 @@ async def _add_all(ctx, body, engine_id, processed, params_list, spans_list) -> 
         for index, (prompt, params, spans) in enumerate(zip(processed, params_list, spans_list)):
             streams.append(await add_constrained_request(ctx.engine, body.constraint()[1], prompt, params,
                                                          f"{engine_id}-{index}", output_kind=kind,
-                                                         priority=body.priority, spans=spans))
+                                                         priority=body.priority, spans=spans,
+                                                         lora_request=ctx.lora_request(body.model)))
     except Exception as error:
         for spans in spans_list:
             spans.fail(error)

@@ -21,6 +21,8 @@ from tinyserve.errors import InvalidInputError
 from tinyserve.frontend.async_llm import AsyncLLM
 from tinyserve.frontend.input_processor import ProcessedPrompt
 from tinyserve.lifecycle import schema
+from tinyserve.lora.registry import LoRARegistry
+from tinyserve.lora.request import LoRARequest
 from tinyserve.outputs import RequestOutput
 from tinyserve.sampling_params import SamplingParams
 
@@ -32,12 +34,21 @@ class ServingContext:
     redact_inputs: bool = False  # traces keep token counts but no text or token ids
     tool_call_parser: str | None = None  # how "auto" tool calls are read (--enable-auto-tool-choice); None: refused
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: logprob tokens as "token_id:N"
+    loras: LoRARegistry | None = None  # --enable-lora: the adapters a request's model may name (tinyserve/lora/)
 
     def check_model(self, model: str | None) -> str:
-        """The served name a response reports; a model left out or empty ("") is the served one, as in vLLM."""
+        """The served name a response reports; a model left out or empty ("") is the served one, as in vLLM.
+        A LoRA adapter's name is reported as itself."""
+        if model and self.lora_request(model) is not None:
+            return model
         if model and model not in self.model_names:
-            raise APIError(404, f"The model `{model}` does not exist. Available: {self.model_names}", "model")
+            available = self.model_names + (list(self.loras.adapters) if self.loras else [])
+            raise APIError(404, f"The model `{model}` does not exist. Available: {available}", "model")
         return self.model_names[0]
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's model names, or None (the base model)."""
+        return self.loras.get(model) if self.loras is not None and model else None
 
     @property
     def model_root(self) -> str:
@@ -186,6 +197,8 @@ def tool_call_plan(ctx: ServingContext, constraint, field: str | None, choice, t
 
 async def add_constrained_request(engine: AsyncLLM, constrained_field: str | None, *args, **kwargs):
     """engine.add_request; a constraint the grammar library refuses is a 400 naming the field it came from."""
+    if kwargs.get("lora_request") is not None and "spans" in kwargs:  # the adapter, logged for replay
+        kwargs["spans"].log_lora(kwargs["lora_request"])
     try:
         stream = await engine.add_request(*args, **kwargs)
         stream.constraint_field = constrained_field

@@ -200,6 +200,7 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request
                                                    template_kwargs=body.chat_template_kwargs,
                                                    tools=template_tools(body.tools))
         stream = await add_constrained_request(ctx.engine, constrained_field, prompt, params, message_id, spans=spans,
+                                               lora_request=ctx.lora_request(body.model),
                                                output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
     except Exception as error:
         spans.fail(error)

@@ -181,6 +181,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
                                                    body.max_output_tokens, make_params, tools=body.template_tools)
         stream = await add_constrained_request(ctx.engine, constrained_field, prompt, params, answer.id,
                                                priority=body.priority, spans=spans,
+                                               lora_request=ctx.lora_request(body.model),
                                                output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
     except APIError as error:
         spans.fail(error)

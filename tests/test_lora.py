@@ -1,0 +1,190 @@
+"""LoRA adapters offline: greedy tokens equal transformers + PEFT for each adapter and the base model,
+in one mixed batch; more adapters than slots take turns; the prefix cache keeps adapters apart;
+adapters this engine cannot serve are refused, named."""
+
+import pytest
+import torch
+
+from tests.hf_reference import MAX_TOKENS
+from tests.lora_adapters import peft_adapter, peft_greedy
+from tests.tiny_checkpoints import tiny_checkpoint, tiny_model_with_tokenizer
+from tinyserve import LLM, SamplingParams
+from tinyserve.config import EngineArgs
+from tinyserve.lora.request import LoRARequest
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+def prompts(count: int, vocab_size: int = 300) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(99)
+    return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in (6, 23, 41)[:count]]
+
+
+def generate(llm, prompt_list, loras) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_list], GREEDY, use_tqdm=False,
+                           lora_request=loras)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def batches_seen(llm) -> list[set]:
+    """Record, for every forward pass from now on, the adapters of its batch (None: the base model)."""
+    seen = []
+    llm.engine_core.model_runner.input_hooks.append(lambda scheduled, states: seen.append(
+        {s.lora_request.lora_name if s.lora_request else None for s in states}))
+    return seen
+
+
+def assert_blocks_all_free(llm) -> None:
+    pool = llm.engine_core.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_matches_peft_for_each_adapter_and_the_base_in_one_mixed_batch(family):
+    folder = tiny_model_with_tokenizer(family)
+    # Two adapters: one on every projection; one of another rank, rsLoRA's scaling, and only q, v and
+    # down (so qkv_proj gets a delta in two of its three slices, gate_up_proj none).
+    sql = peft_adapter(folder, "sql", r=4, lora_alpha=8, seed=1)
+    chat = peft_adapter(folder, "chat", r=8, lora_alpha=16, seed=2, use_rslora=True,
+                        target_modules=("q_proj", "v_proj", "down_proj"))
+    adapters = [None, LoRARequest("sql", 1, str(sql)), LoRARequest("chat", 2, str(chat))]
+    prompt_list = prompts(3)
+    expected = [peft_greedy(folder, path, p) for path in (None, sql, chat) for p in prompt_list]
+
+    llm = LLM(str(folder), enable_lora=True, max_loras=2, max_lora_rank=8)
+    seen = batches_seen(llm)
+    got = generate(llm, prompt_list * 3, [lora for lora in adapters for _ in prompt_list])
+    assert got == expected
+    assert {None, "sql", "chat"} in seen  # the base model and both adapters in one forward pass
+    assert_blocks_all_free(llm)
+
+
+def test_more_adapters_than_slots_take_turns_and_are_read_again_once_evicted():
+    folder = tiny_model_with_tokenizer("llama")
+    paths = [peft_adapter(folder, "sql", seed=1), peft_adapter(folder, "chat", r=8, lora_alpha=16, seed=2)]
+    loras = [LoRARequest("sql", 1, str(paths[0])), LoRARequest("chat", 2, str(paths[1]))]
+    prompt_list = prompts(2)
+    expected = [peft_greedy(folder, path, p) for path in paths for p in prompt_list]
+
+    llm = LLM(str(folder), enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8)
+    manager = llm.engine_core.lora_manager
+    seen = batches_seen(llm)
+    assert generate(llm, prompt_list * 2, [lora for lora in loras for _ in prompt_list]) == expected
+    assert all(len(batch - {None}) <= 1 for batch in seen)  # one slot: one adapter at a time, the other waits
+    assert {"sql"} in seen and {"chat"} in seen
+    assert manager.num_loads == 2 and list(manager.loaded) == [2]
+    # max_cpu_loras=1: "sql" was evicted, and is read from its folder again
+    assert generate(llm, prompt_list[:1], loras[0]) == expected[:1]
+    assert manager.num_loads == 3
+    assert_blocks_all_free(llm)
+
+
+def test_adapters_stay_loaded_up_to_max_cpu_loras():
+    folder = tiny_model_with_tokenizer("llama")
+    paths = [peft_adapter(folder, "sql", seed=1), peft_adapter(folder, "chat", r=8, lora_alpha=16, seed=2)]
+    loras = [LoRARequest("sql", 1, str(paths[0])), LoRARequest("chat", 2, str(paths[1]))]
+    llm = LLM(str(folder), enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=8)
+    for lora in [*loras, *loras]:
+        generate(llm, prompts(1), lora)
+    assert llm.engine_core.lora_manager.num_loads == 2  # swapped in and out of the one slot, read once each
+
+
+def test_the_prefix_cache_keeps_each_adapters_blocks_apart():
+    folder = tiny_model_with_tokenizer("llama")
+    path = peft_adapter(folder, "sql", seed=1)
+    sql = LoRARequest("sql", 1, str(path))
+    prompt = prompts(3)[2]  # 41 tokens: two full blocks of 16
+    llm = LLM(str(folder), enable_lora=True, max_lora_rank=8, block_size=16)
+
+    def run(lora):
+        [output] = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False, lora_request=lora)
+        return list(output.outputs[0].token_ids), output.num_cached_tokens
+
+    base_tokens, base_hit = run(None)
+    sql_tokens, sql_hit = run(sql)
+    assert base_hit == 0 and sql_hit == 0  # the same prompt under an adapter is other K/V: no hit
+    assert sql_tokens == peft_greedy(folder, path, prompt) and base_tokens == peft_greedy(folder, None, prompt)
+    assert run(sql) == (sql_tokens, 32)  # under the same adapter: its own two blocks
+    assert run(None) == (base_tokens, 32)
+    assert_blocks_all_free(llm)
+
+
+@pytest.fixture(scope="module")
+def lora_llm():
+    return LLM(str(tiny_model_with_tokenizer("llama")), enable_lora=True, max_lora_rank=8)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"r": 16, "lora_alpha": 16}, "has rank 16, over this server's max_lora_rank 8"),
+    ({"use_dora": True}, "DoRA (use_dora) is not supported"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"bias": "lora_only"}, "bias='lora_only' is not supported"),
+    ({"target_modules": ("q_proj", "lm_head")}, "target modules ['lm_head'] are not supported"),
+], ids=["rank", "dora", "modules_to_save", "bias", "lm_head"])
+def test_an_adapter_this_engine_cannot_serve_is_refused_with_its_name_and_why(lora_llm, config, message):
+    folder = tiny_model_with_tokenizer("llama")
+    path = peft_adapter(folder, "odd", **config)
+    with pytest.raises(ValueError, match="LoRA adapter 'odd'") as error:
+        generate(lora_llm, prompts(1), LoRARequest("odd", 7, str(path)))
+    assert message in str(error.value)
+    assert not lora_llm.llm_engine.has_unfinished_requests
+
+
+def test_an_adapter_of_another_base_model_is_refused(lora_llm):
+    other_base = tiny_checkpoint("llama", intermediate_size=96)
+    path = peft_adapter(other_base, "elsewhere")
+    with pytest.raises(ValueError, match="LoRA adapter 'elsewhere' was trained for another base model: "
+                                         r"layer 0 down_proj has lora_A \[4, 96\] and lora_B \[64, 4\], this model needs \[4, 128\] and \[64, 4\]"):
+        generate(lora_llm, prompts(1), LoRARequest("elsewhere", 8, str(path)))
+
+
+def test_requests_for_adapters_need_enable_lora_and_a_peft_folder(lora_llm, tmp_path):
+    folder = tiny_model_with_tokenizer("llama")
+    with pytest.raises(ValueError, match=r"LoRA adapter 'sql' asked for, but LoRA is not enabled \(enable_lora=True"):
+        generate(LLM(str(folder)), prompts(1), LoRARequest("sql", 1, str(peft_adapter(folder, "sql"))))
+    with pytest.raises(ValueError, match="LoRA adapter 'nowhere': no adapter_config.json in"):
+        generate(lora_llm, prompts(1), LoRARequest("nowhere", 9, str(tmp_path)))
+    with pytest.raises(ValueError, match="lora_request must be one LoRARequest"):
+        generate(lora_llm, prompts(2), [None])
+    with pytest.raises(ValueError, match="lora_int_id must be an integer of at least 1"):
+        LoRARequest("sql", 0, "/x")
+
+
+def test_lora_settings_are_checked():
+    with pytest.raises(ValueError, match="enable_lora is not supported with tensor parallelism"):
+        EngineArgs.from_kwargs(enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="max_loras must be at least 1"):
+        EngineArgs.from_kwargs(enable_lora=True, max_loras=0)
+    with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be at least max_loras \(2\)"):
+        EngineArgs.from_kwargs(enable_lora=True, max_loras=2, max_cpu_loras=1)
+
+
+def test_traces_carry_the_adapter_and_replay_runs_each_request_under_it(tmp_path):
+    from tinyserve.lifecycle import schema
+    from tinyserve.lifecycle.replay import replay_run
+    from tinyserve.lifecycle.run import load_run
+
+    folder = tiny_model_with_tokenizer("qwen2")
+    path = peft_adapter(folder, "sql", seed=3)
+    sql = LoRARequest("sql", 1, str(path))
+    prompt_list = prompts(2)
+    traced = LLM(str(folder), enable_lora=True, max_lora_rank=8, trace_dir=str(tmp_path))
+    generate(traced, prompt_list, [sql, None])
+    run = load_run(traced.trace_run_dir)
+
+    by_prompt = {tuple(r.inputs.prompt_token_ids): r for r in run.requests}
+    logged = by_prompt[tuple(prompt_list[0])]
+    assert logged.inputs.lora_request == {"lora_name": "sql", "lora_int_id": 1, "lora_path": str(path)}
+    assert by_prompt[tuple(prompt_list[1])].inputs.lora_request is None
+    [queue] = [s.stages[schema.QUEUE] for s in logged.sequences]
+    assert queue.attributes[schema.LORA_NAME] == "sql"
+    first_step = run.steps[0].span.attributes
+    assert first_step[schema.STEP_LORA_ADAPTERS] == ["sql"]  # the base model's request shares the step
+    assert first_step[schema.STEP_RUNNING_LORA_ADAPTERS] == ["sql"]
+
+    results = replay_run(run, LLM(str(folder), enable_lora=True, max_lora_rank=8))
+    assert [r.matched for r in results] == [True, True]
+    # Replayed on an engine without LoRA, the adapter's request is refused, and says why.
+    [refused, base] = replay_run(run, LLM(str(folder)))
+    assert refused.skipped and "LoRA is not enabled" in refused.skipped_reason and base.matched

@@ -1,0 +1,130 @@
+"""The worker's adapters: which are resident in the model's slots, which are loaded, which are read.
+
+    requested (LoRARequest in a NewRequestData) ──► loaded: weights read from the PEFT folder,
+                                                    kept for max_cpu_loras adapters (LRU)
+                                                 ──► resident: in one of max_loras slots of every
+                                                    LoRALinear (LRU among those the batch does not use)
+
+Before each forward pass the model runner hands its input hook the batch (`prepare_batch`):
+every adapter the batch uses is made resident, loaded from disk first if it is not
+in memory, evicting the least recently used ones the batch does not need. The scheduler
+admits no request whose adapter would make more than max_loras adapters run at once
+(scheduling.py), so a batch always fits in the slots. Then the token rows of each slot are
+set as the LoRALinear layers' groups.
+"""
+
+import logging
+from collections import OrderedDict
+
+import torch
+
+from tinyserve.lora.layers import LoRABatch, wrap_model
+from tinyserve.lora.peft_format import PeftAdapter, load_peft_adapter
+from tinyserve.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAManager:
+    def __init__(self, model, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None = None) -> None:
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
+        self.model_config = model.config.to_dict()
+        self.batch = LoRABatch()
+        self.targets = wrap_model(model, self.batch, max_loras)
+        parameter = next(model.parameters())
+        self.dtype, self.device = parameter.dtype, parameter.device
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):  # a packed model's weights
+            self.dtype = torch.float32
+        self.loaded: OrderedDict[int, PeftAdapter] = OrderedDict()  # lora_int_id -> weights, LRU first
+        self.resident: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, LRU first
+        self.num_loads = 0  # adapters read from disk, for tests and the step span
+        self.batch_adapters: list[str] = []  # the names of the adapters of the latest batch
+
+    # ---- the model runner's input hook ----------------------------------------------------
+
+    def prepare_batch(self, scheduled_requests, states) -> None:
+        """Make the batch's adapters resident and group its token rows by slot."""
+        slot_rows: dict[int, list[int]] = {}
+        names, needed, start = [], {}, 0
+        for scheduled, state in zip(scheduled_requests, states):
+            lora_request = getattr(state, "lora_request", None)
+            end = start + scheduled.num_new_tokens
+            if lora_request is not None:
+                needed[lora_request.lora_int_id] = lora_request
+                slot = self._make_resident(lora_request, needed)
+                slot_rows.setdefault(slot, []).extend(range(start, end))
+                if lora_request.lora_name not in names:
+                    names.append(lora_request.lora_name)
+            start = end
+        self.batch.groups = [
+            (slot, None if len(rows) == start else torch.tensor(rows, dtype=torch.int64, device=self.device))
+            for slot, rows in slot_rows.items()
+        ]
+        self.batch_adapters = names
+
+    # ---- residency ----------------------------------------------------------------------------
+
+    def _make_resident(self, lora_request: LoRARequest, needed: dict[int, LoRARequest]) -> int:
+        lora_id = lora_request.lora_int_id
+        if lora_id in self.resident:
+            self.resident.move_to_end(lora_id)
+            return self.resident[lora_id]
+        adapter = self._load(lora_request)
+        used = set(self.resident.values())
+        free = [slot for slot in range(self.max_loras) if slot not in used]
+        if free:
+            slot = free[0]
+        else:
+            victim = next((i for i in self.resident if i not in needed), None)
+            if victim is None:  # the scheduler's gate keeps this from happening
+                raise RuntimeError(f"a batch uses more than max_loras={self.max_loras} adapters")
+            slot = self.resident.pop(victim)
+        for wrapped, weights in self._slot_weights(adapter):
+            wrapped.set_slot(slot, weights, adapter.scaling)
+        self.resident[lora_id] = slot
+        self._evict_loaded()
+        return slot
+
+    def _slot_weights(self, adapter: PeftAdapter) -> list:
+        """(LoRALinear, the (A, B) of each of its sub-projections, None where not adapted) for every one."""
+        per_module: dict[int, tuple] = {}
+        for (layer, target), (wrapped, index) in self.targets.items():
+            entry = per_module.setdefault(id(wrapped), (wrapped, [None] * len(wrapped.slices)))
+            entry[1][index] = adapter.weights.get((layer, target))
+        return list(per_module.values())
+
+    def _load(self, lora_request: LoRARequest) -> PeftAdapter:
+        lora_id = lora_request.lora_int_id
+        if lora_id in self.loaded:
+            self.loaded.move_to_end(lora_id)
+            return self.loaded[lora_id]
+        adapter = load_peft_adapter(lora_request.lora_path, lora_request.lora_name, self.model_config,
+                                    self.max_lora_rank, self.dtype)
+        adapter.weights = {key: (a.to(self.device), b.to(self.device)) for key, (a, b) in adapter.weights.items()}
+        self.num_loads += 1
+        logger.info("loaded LoRA adapter %r (id %d, rank %d) from %s", lora_request.lora_name, lora_id,
+                    adapter.rank, lora_request.lora_path)
+        self.loaded[lora_id] = adapter
+        return adapter
+
+    def _evict_loaded(self) -> None:
+        """Keep max_cpu_loras adapters loaded: the least recently used of those not resident go."""
+        while len(self.loaded) > self.max_cpu_loras:
+            evicted = next((i for i in self.loaded if i not in self.resident), None)
+            if evicted is None:
+                return
+            del self.loaded[evicted]
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter's weights and free its slot (unloaded at run time); False if it was not held."""
+        held = self.loaded.pop(lora_id, None) is not None
+        slot = self.resident.pop(lora_id, None)
+        if slot is not None:
+            for wrapped, _ in self.targets.values():
+                wrapped.clear_slot(slot)
+        return held or slot is not None
+
+    def list_loras(self) -> list[int]:
+        return list(self.loaded)
