@@ -248,6 +248,7 @@ def test_request_the_engine_process_refuses_finishes_with_an_error(loop, mp_clie
     output = run(loop, scenario()).outputs[0]
     assert output.request_id == "refused" and output.finish_reason == FINISH_REASON_ERROR
     assert "outside the vocabulary" in output.stop_reason
+    assert output.error == output.stop_reason and output.error_param == "prompt"  # the front end's 400 names it
     assert client.in_flight == {}
 
 

@@ -151,6 +151,24 @@ def test_requests_for_adapters_need_enable_lora_and_a_peft_folder(lora_llm, tmp_
         LoRARequest("sql", 0, "/x")
 
 
+def test_the_engine_reads_an_adapter_as_its_request_arrives_and_refuses_one_it_cannot_read(lora_llm, tmp_path):
+    """The engine's own check (EngineCore.check_request, which an engine process runs on what its socket brings):
+    an adapter whose folder went away after the front end checked it refuses that request, naming the model."""
+    from tinyserve.errors import InvalidInputError
+    from tinyserve.wire.messages import EngineCoreRequest
+
+    core = lora_llm.engine_core
+    path = peft_adapter(tiny_model_with_tokenizer("llama"), "sql")
+    request = EngineCoreRequest("ok", [5, 6, 7], GREEDY, [], 0.0, lora_request=LoRARequest("sql", 31, str(path)))
+    core.check_request(request)
+    assert 31 in core.lora_manager.loaded  # read now: its first step finds it in memory
+    missing = EngineCoreRequest("gone", [5, 6, 7], GREEDY, [], 0.0, lora_request=LoRARequest("gone", 32, str(tmp_path)))
+    with pytest.raises(InvalidInputError, match=r"LoRA adapter 'gone' cannot be loaded from .*no adapter_config") \
+            as refused:
+        core.check_request(missing)
+    assert refused.value.param == "model" and 32 not in core.lora_manager.loaded
+
+
 def test_lora_settings_are_checked():
     with pytest.raises(ValueError, match="enable_lora is not supported with tensor parallelism"):
         EngineArgs.from_kwargs(enable_lora=True, tensor_parallel_size=2)

@@ -97,6 +97,19 @@ def test_an_unloaded_adapter_is_a_404_and_can_be_loaded_again(lora_server, clien
     assert greedy_ids(client, "other", PROMPTS[0]) == before == peft_greedy(lora_server.folder, other, PROMPTS[0])
 
 
+def test_an_adapter_gone_from_disk_after_loading_refuses_its_request_and_the_engine_serves_on(lora_server, client):
+    gone = peft_adapter(lora_server.folder, "gone", seed=7)
+    assert load(lora_server, "gone", gone).status_code == 200  # its config read and checked: it was there
+    (gone / "adapter_model.safetensors").unlink()  # the engine reads its weights with its first request
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="gone", prompt=PROMPTS[0], max_tokens=2)
+    assert refused.value.body["param"] == "model", refused.value.body
+    assert "LoRA adapter 'gone'" in refused.value.body["message"]
+    assert "no adapter_model.safetensors" in refused.value.body["message"]
+    assert greedy_ids(client, "sql", PROMPTS[0]) == peft_greedy(lora_server.folder, lora_server.sql, PROMPTS[0])
+    assert httpx.get(f"{lora_server.url}/health", timeout=10).json()["status"] == "ok"
+
+
 def test_bad_adapters_and_unknown_names_are_refused_naming_the_problem(lora_server, client):
     with pytest.raises(openai.NotFoundError, match="The model `nope` does not exist"):
         client.completions.create(model="nope", prompt=[5, 6], max_tokens=2)
@@ -132,7 +145,8 @@ def test_the_trace_logs_each_adapter_and_replays_under_it(lora_server, client):
                      and r.completions[0].token_ids == ids and r.inputs.prompt_token_ids == list(PROMPTS[1])]
 
     wait_until(lambda: logged()[1], 30, "the request's spans are written")
-    run, [request] = logged()[0], logged()[1][-1:]
+    run, found = logged()  # one reading: the run the request was found in
+    request = found[-1]
     assert request.inputs.lora_request["lora_name"] == "sql"
     [result] = replay_run(run, LLM(str(lora_server.folder), enable_lora=True, max_lora_rank=8), [request.request_id])
     assert result.matched, result.describe()

@@ -37,6 +37,8 @@ class EngineCore:
         self.args = args
         self.engine_index = engine_index
         self.model_info = model_info or ModelInfo.from_args(args)
+        # Checks a layer adds to check_request (attach_lora's): each raises ValueError to refuse a request.
+        self.request_checks: list = []
         # Tensor parallelism: ranks 1..N-1 start now and load their shards while this one
         # loads rank 0's (worker/tensor_parallel_workers.py); force_tensor_parallel takes
         # that path with one rank too.
@@ -99,7 +101,8 @@ class EngineCore:
                                         max_model_len=info.max_model_len)
         if self.tp_workers is not None:
             self.model_runner = TensorParallelRunner(self.model_runner, self.tp_workers)
-        self.lora_manager = attach_lora(args, model, self.scheduler, self.model_runner) if args.enable_lora else None
+        self.lora_manager = attach_lora(args, model, self.scheduler, self.model_runner,
+                                        self.request_checks) if args.enable_lora else None
         self.model_runner.warm_up()
 
     def _make_recorder(self, spans_inline: bool) -> StepRecorder:
@@ -171,6 +174,8 @@ class EngineCore:
             self.args.block_size,
             self.num_kv_blocks,
         )
+        for check in self.request_checks:  # the layers' own (a LoRA adapter that cannot be read, say)
+            check(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         outputs = self.scheduler.abort_requests(request_ids)
@@ -219,7 +224,7 @@ class EngineCore:
             return []
         outputs = self.abort_requests(list(failed))
         for output in outputs:
-            output.error = failed[output.request_id]
+            output.error, output.error_param = failed[output.request_id], "structured_outputs"
         return outputs
 
     def flush_spans(self) -> None:

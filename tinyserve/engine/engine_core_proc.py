@@ -229,7 +229,7 @@ class EngineCoreProc:
             self.engine_core.add_request(request)
         except ValueError as error:
             # The request must not hang: it finishes at once, carrying the reason.
-            self._send_outputs([error_output(request.request_id, str(error))])
+            self._send_outputs([error_output(request.request_id, str(error), getattr(error, "param", None))])
 
     def _abort_requests(self, abort: EngineCoreAbort) -> None:
         outputs = self.engine_core.abort_requests(abort.request_ids)

@@ -50,14 +50,13 @@ from tinyserve.frontend.input_processor import InputProcessor, ProcessedPrompt, 
 from tinyserve.frontend.output_processor import OutputKind, OutputProcessor
 from tinyserve.frontend.pooling_output import PoolingOutputProcessor
 from tinyserve.frontend.render_threads import RenderThreads
-from tinyserve.frontend.request_stream import RequestStream, end_now
+from tinyserve.frontend.request_stream import RequestStream, end_now, engine_refusal
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import NO_SPANS
 from tinyserve.models.tokenizer import load_tokenizer
 from tinyserve.outputs import PoolingRequestOutput, RequestOutput
 from tinyserve.pooling_params import PoolingParams
 from tinyserve.sampling_params import SamplingParams
-from tinyserve.structured_output import GrammarError
 from tinyserve.wire.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 class RequestRejectedError(RuntimeError):
@@ -361,15 +360,16 @@ class AsyncLLM:
                 queue.put_nowait(self._dead)
 
     async def _fail_refused_requests(self, outputs: list[EngineCoreOutput]) -> None:
-        """Requests the engine ended itself, saying why (a grammar not compiled, or not in time): each
-        request's stream raises a GrammarError with that reason (a 400 at the API), and its other
+        """Requests the engine ended itself, saying why (a grammar not compiled, or not in time; an adapter it
+        cannot read; a request its own checks refuse): each request's stream raises that reason
+        (request_stream.engine_refusal: a 400 at the API, naming the field), and its other
         children (n > 1) are aborted. The outputs then find no request left to update."""
         to_abort = []
         for output in outputs:
             child = self.output_processor.children.get(output.request_id)
             if child is None:
                 continue
-            to_abort += [c for c in self._fail_request(child.parent.request_id, GrammarError(output.error))
+            to_abort += [c for c in self._fail_request(child.parent.request_id, engine_refusal(output))
                          if c != output.request_id]
         if to_abort:
             await self.client.abort_requests(to_abort)

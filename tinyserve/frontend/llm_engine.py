@@ -23,7 +23,7 @@ from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.request_spans import NO_SPANS
 from tinyserve.outputs import RequestOutput
 from tinyserve.sampling_params import SamplingParams
-from tinyserve.structured_output import GrammarError
+from tinyserve.frontend.request_stream import engine_refusal
 from tinyserve.wire.messages import EngineCoreRequest
 
 
@@ -68,12 +68,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step; the RequestOutputs it produced (FINAL_ONLY: the requests it finished).
 
-        Raises GrammarError when the engine ended a request because its constraint could not be
-        compiled (or not within the compile deadline); LLM.generate then aborts the rest of its call."""
+        Raises the reason (request_stream.engine_refusal) when the engine ended a request itself: its
+        constraint could not be compiled (or not within the compile deadline), say; LLM.generate then
+        aborts the rest of its call."""
         engine_outputs = self.client.get_outputs()
         for output in engine_outputs.outputs:  # the engine ended a request itself, saying why
             if output.error is not None and output.request_id in self.output_processor.children:
-                raise GrammarError(output.error)
+                raise engine_refusal(output)
         processed = self.output_processor.process_outputs(engine_outputs.outputs)
         if processed.reqs_to_abort:  # stop strings found while detokenizing
             self.client.abort_requests(processed.reqs_to_abort)

@@ -7,8 +7,17 @@ aborts the request in the engine if it has not finished (the reader left).
 
 import asyncio
 
+from tinyserve.errors import InvalidInputError
 from tinyserve.outputs import RequestOutput
 from tinyserve.structured_output import GrammarError
+
+def engine_refusal(output) -> InvalidInputError:
+    """The error of a request the engine ended itself, saying why (EngineCoreOutput.error): a GrammarError for
+    a constraint (its field named by the stream, constraint_field), else the field the engine names."""
+    if output.error_param == "structured_outputs":
+        return GrammarError(output.error)
+    return InvalidInputError(output.error, output.error_param)
+
 
 # Put on a stream's queue by AsyncLLM.abort: the iterator ends there, without a final output.
 ABORTED = object()

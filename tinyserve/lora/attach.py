@@ -4,6 +4,7 @@
     recorder       the adapters on the request and step spans (attach_lora_recorder)
     model runner   an input hook: the batch's adapters made resident, its rows grouped (manager.py)
     scheduler      an admission gate: at most max_loras adapters running (scheduling.py)
+    engine         a request check: a request's adapter is read as it arrives, or the request refused
 
 The step itself does not change: EngineCore calls this once, while it builds the engine.
 """
@@ -12,9 +13,10 @@ from tinyserve.lora.manager import LoRAManager
 from tinyserve.lora.scheduling import LoRAAdmissionGate, running_and_waiting_adapters
 
 
-def attach_lora(args, model, scheduler, model_runner) -> LoRAManager:
+def attach_lora(args, model, scheduler, model_runner, request_checks: list) -> LoRAManager:
     manager = LoRAManager(model, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                           max_cpu_loras=args.max_cpu_loras)
+    request_checks.append(manager.check_request)  # EngineCore.check_request: the adapter read before queueing
     model_runner.input_hooks.append(manager.prepare_batch)
     scheduler.admission_gates.append(LoRAAdmissionGate(args.max_loras))
     return manager

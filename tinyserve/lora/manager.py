@@ -18,6 +18,7 @@ from collections import OrderedDict
 
 import torch
 
+from tinyserve.errors import InvalidInputError
 from tinyserve.lora.layers import LoRABatch, wrap_model
 from tinyserve.lora.peft_format import PeftAdapter, load_peft_adapter
 from tinyserve.lora.request import LoRARequest
@@ -63,6 +64,20 @@ class LoRAManager:
             for slot, rows in slot_rows.items()
         ]
         self.batch_adapters = names
+
+    # ---- the engine's request check ---------------------------------------------------------
+
+    def check_request(self, request) -> None:
+        """Read a request's adapter as the request arrives (then kept loaded, LRU): one whose folder is gone or
+        broken since the front end checked it refuses that request with a 400, instead of failing a step."""
+        lora_request = request.lora_request
+        if lora_request is None:
+            return
+        try:
+            self._load(lora_request)
+        except Exception as error:  # an OSError, a bad safetensors file, a config that changed: all refuse it
+            raise InvalidInputError(f"LoRA adapter {lora_request.lora_name!r} cannot be loaded from "
+                                    f"{lora_request.lora_path}: {error}", "model") from None
 
     # ---- residency ----------------------------------------------------------------------------
 

@@ -123,9 +123,10 @@ class MessageDecoder:
             raise ValueError(f"malformed {kind.name} message: {error}") from None
 
 
-def error_output(request_id: str, error: str) -> EngineCoreOutput:
-    """A finished output for a request the engine refused to queue."""
-    return EngineCoreOutput(request_id, new_token_ids=[], finish_reason=FINISH_REASON_ERROR, stop_reason=error)
+def error_output(request_id: str, error: str, param: str | None = None) -> EngineCoreOutput:
+    """A finished output for a request the engine refused to queue; the front end raises `error` on its stream."""
+    return EngineCoreOutput(request_id, new_token_ids=[], finish_reason=FINISH_REASON_ERROR, stop_reason=error,
+                            error=error, error_param=param)
 
 
 def outputs_message(engine_index: int, outputs: list[EngineCoreOutput], stats: SchedulerStats) -> EngineCoreOutputs:

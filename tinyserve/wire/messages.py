@@ -70,6 +70,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Why the engine ended the request itself, for its client (finish_reason "abort"): a grammar that could
     # not be compiled, or not within the compile deadline. The front end raises it as the request's error.
     error: str | None = None
+    # The request field at fault, for the 400 the front end answers: "structured_outputs" for a grammar,
+    # "model" for a LoRA adapter that cannot be loaded, ...; None: the request as a whole.
+    error_param: str | None = None
     # A pooling request's vector (float32 values), on its one and only output.
     pooling_output: list[float] | None = None
 

@@ -206,6 +206,8 @@ async def add_constrained_request(engine: AsyncLLM, constrained_field: str | Non
     except InvalidInputError as error:
         if error.param == "structured_outputs" and constrained_field is not None:
             raise APIError(400, str(error), constrained_field) from error
+        if error.param == "lora_request":  # over HTTP, the adapter is named by the request's model
+            raise APIError(400, str(error), "model") from error
         raise
 
 
