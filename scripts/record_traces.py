@@ -82,6 +82,8 @@ class Recording:
     headless_flags: list[str] | None = None  # flags of a headless node serving some of the head's ranks
     routed_ranks: int = 0  # > 0: that many --data-parallel-rank servers with these flags, nginx in front
     kill_node_at_s: float | None = None  # the headless node is killed (SIGKILL) this long into the workload
+    # LoRA adapters for the built-in model, made when recording (make_adapter) and served with --lora-modules
+    adapters: tuple[str, ...] = ()
 
 
 def zen_text(rng: random.Random, num_chars: int) -> str:
@@ -248,9 +250,42 @@ def pooling() -> Recording:
                      ["--runner", "pooling", "--max-num-batched-tokens", "64"], workload)
 
 
+def lora() -> Recording:
+    """Completions under two adapters and the base model, arriving together: steps that mix them."""
+    rng = random.Random(13)
+    workload = [Request(0.02 * i, "/v1/completions", {
+        "model": model, "prompt": zen_text(rng, rng.choice((60, 200, 400))), "max_tokens": rng.choice((8, 16, 24)),
+        "temperature": 0.0, "ignore_eos": True}) for i, model in enumerate([MODEL, "sql", "chat"] * 3)]
+    return Recording("lora", "9 completions, 3 each under the base model and two LoRA adapters (random, rank 8, "
+                     "made for the built-in model by PEFT), arriving within 0.2 s: steps mix the adapters",
+                     ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--max-num-batched-tokens", "128"],
+                     workload, adapters=("sql", "chat"))
+
+
+def make_adapter(folder: Path, seed: int) -> Path:
+    """A rank-8 LoRA adapter of the built-in model on every projection, made by PEFT (random A and B from `seed`;
+    PEFT starts B at zero, which would change nothing), saved in PEFT's format into `folder`."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tinyserve.models.default_model import default_model_path
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                param.copy_(0.05 * torch.randn(param.shape, generator=generator))
+    peft_model.save_pretrained(folder)
+    return folder
+
+
 RECORDINGS = {r.name: r for r in (lifecycle(), mixed(), kv_tight(), kv_roomy(), kv_no_prefix_cache(), load(5), load(25),
                                   load(75), load_dp(), load_tp(), multi_node(), external_lb(), cases(), node_lost(),
-                                  pooling())}
+                                  pooling(), lora())}
 
 
 # ---- the server and the client ------------------------------------------------------------
@@ -373,8 +408,10 @@ def record(name: str, out_dir: str | Path) -> Path:
     recording = RECORDINGS[name]
     target = Path(out_dir) / f"recorded-{name}"
     with tempfile.TemporaryDirectory(prefix="tinyserve-record-") as scratch:
-        with deployment(Path(scratch), recording.flags, recording.headless_flags, recording.routed_ranks) as (url,
-                                                                                                          kill_node):
+        adapters = [f"{name}={make_adapter(Path(scratch) / 'adapters' / name, seed)}"
+                    for seed, name in enumerate(recording.adapters, start=1)]
+        flags = [*recording.flags, *(["--lora-modules", *adapters] if adapters else [])]
+        with deployment(Path(scratch), flags, recording.headless_flags, recording.routed_ranks) as (url, kill_node):
             warm_up_ids = warm_up(url, engines=max(recording.routed_ranks, engine_count(recording.flags)),
                                   pooling="pooling" in recording.flags)
             if recording.single_chat is not None:
@@ -392,7 +429,9 @@ def record(name: str, out_dir: str | Path) -> Path:
     env = [f"{key}={value}" for key, value in SERVER_ENV.items()]
     hosts = recording.headless_flags is not None  # one machine plays two hosts: their spans say which
     command = [*env, *([f"OTEL_RESOURCE_ATTRIBUTES=host.name={HEAD_HOST}"] if hosts else []),
-               "tinyserve", "serve", "--trace", "--trace-dir", "traces", *recording.flags]
+               "tinyserve", "serve", "--trace", "--trace-dir", "traces", *recording.flags,
+               *(["--lora-modules", *(f"{name}=ADAPTERS/{name}" for name in recording.adapters)]
+                 if recording.adapters else [])]
     if recording.routed_ranks:
         command = [part for rank in range(recording.routed_ranks) for part in
                    (*command, "--data-parallel-size", str(recording.routed_ranks), "--data-parallel-rank", str(rank),
@@ -402,6 +441,8 @@ def record(name: str, out_dir: str | Path) -> Path:
                     "--trace", "--trace-dir", "traces", *recording.headless_flags]
         if recording.kill_node_at_s is not None:
             command += [f"# the node killed with SIGKILL {recording.kill_node_at_s} s into the workload"]
+    if recording.adapters:
+        command += ["# ADAPTERS/<name>: random PEFT adapters, seeded (scripts/record_traces.py: make_adapter)"]
     about = {
         "name": name, "description": recording.description, "command": " ".join(command),
         "model_fingerprint": model_fingerprint(), "python": sys.version.split()[0],
