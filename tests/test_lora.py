@@ -206,3 +206,11 @@ def test_traces_carry_the_adapter_and_replay_runs_each_request_under_it(tmp_path
     # Replayed on an engine without LoRA, the adapter's request is refused, and says why.
     [refused, base] = replay_run(run, LLM(str(folder)))
     assert refused.skipped and "LoRA is not enabled" in refused.skipped_reason and base.matched
+
+
+def test_each_request_output_names_the_adapter_it_ran_under(lora_llm):
+    path = str(peft_adapter(tiny_model_with_tokenizer("llama"), "sql"))
+    sql = LoRARequest("sql", 41, path)
+    outputs = lora_llm.generate([{"prompt_token_ids": p} for p in prompts(2)], GREEDY, use_tqdm=False,
+                                lora_request=[sql, None])
+    assert [output.lora_request for output in outputs] == [sql, None]  # as vLLM's RequestOutput.lora_request

@@ -46,6 +46,7 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
     # (nothing predicts it); each holds the prompt token itself plus the top ones.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    lora_request: object = None  # the LoRARequest it ran under (tinyserve.lora.request); None: the base model
 
 
 @dataclass(slots=True)

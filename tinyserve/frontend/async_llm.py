@@ -248,8 +248,8 @@ class AsyncLLM:
                 log_inputs(request_id, prompt, sampling_params)
             with spans.stage(schema.ENQUEUE, {schema.REQUEST_ID: request_id}) as enqueue_span:
                 self.output_processor.add_request(
-                    request_id, prompt.prompt, prompt.prompt_token_ids, sampling_params, output_kind, spans
-                )
+                    request_id, prompt.prompt, prompt.prompt_token_ids, sampling_params, output_kind, spans,
+                    lora_request=lora_request)
                 # Registered from here on: a failure must abort what was sent.
                 stream = RequestStream(self, request_id, spans)
                 self.queues[request_id] = stream.queue

@@ -51,7 +51,7 @@ class LLMEngine:
         """Register a request made by make_requests and send its engine requests."""
         with spans.stage(schema.ENQUEUE, {schema.REQUEST_ID: request_id}):
             self.output_processor.add_request(request_id, prompt.prompt, prompt.prompt_token_ids, params,
-                                              output_kind, spans)
+                                              output_kind, spans, lora_request=requests[0].lora_request)
             for request in requests:
                 self.client.add_request(request)
 

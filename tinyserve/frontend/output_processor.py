@@ -49,6 +49,7 @@ class ParentRequest:
     metrics: RequestTimes | None = None
     spans: object = NO_SPANS  # lifecycle.request_spans: they clock the detokenizer, end when it finishes
     final: dict[int, CompletionOutput] = field(default_factory=dict)  # cumulative, per finished child
+    lora_request: object = None  # the adapter it runs under, handed back on each RequestOutput as vLLM's
 
     @property
     def finished(self) -> bool:
@@ -89,6 +90,7 @@ class OutputProcessor:
         params: SamplingParams,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
         spans=NO_SPANS,
+        lora_request=None,
     ) -> list[str]:
         """Register a request; returns the engine request ids of its children.
 
@@ -102,7 +104,8 @@ class OutputProcessor:
             raise InvalidInputError(f"request_id {request_id!r} is already in use" if request_id in clashes else
                                     f"request_id {request_id!r} (n={params.n}) clashes with running request ids "
                                     f"{clashes}", "request_id")
-        parent = ParentRequest(request_id, prompt, prompt_token_ids, params.n, output_kind, spans=spans)
+        parent = ParentRequest(request_id, prompt, prompt_token_ids, params.n, output_kind, spans=spans,
+                               lora_request=lora_request)
         self.parents[request_id] = parent
         for index, child_id in enumerate(child_ids):
             detokenizer = IncrementalDetokenizer(
@@ -224,6 +227,7 @@ class OutputProcessor:
             num_cached_tokens=parent.num_cached_tokens,
             metrics=parent.metrics if parent.finished else None,
             prompt_logprobs=parent.prompt_logprobs,
+            lora_request=parent.lora_request,
         )
 
     def _convert_logprobs(self, token_logprobs: TokenLogprobs) -> PositionLogprobs:

@@ -44,7 +44,7 @@ class PoolingOutputProcessor:
         return len(self.parents)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params,
-                    output_kind=None, spans=NO_SPANS) -> list[str]:
+                    output_kind=None, spans=NO_SPANS, lora_request=None) -> list[str]:
         if request_id in self.parents:
             raise InvalidInputError(f"request_id {request_id!r} is already in use", "request_id")
         self.parents[request_id] = PoolingRequest(request_id, prompt, prompt_token_ids, spans)
