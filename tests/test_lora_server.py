@@ -157,3 +157,9 @@ def test_runtime_updating_needs_its_switch(server):
     assert runtime_lora_updating_allowed({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
     assert runtime_lora_updating_allowed({"TINYSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1"})
     assert not runtime_lora_updating_allowed({"TINYSERVE_ALLOW_RUNTIME_LORA_UPDATING": "false"})
+
+
+def test_the_openapi_document_does_not_bound_model_names_while_adapters_may_be_loaded(lora_server):
+    document = httpx.get(f"{lora_server.url}/openapi.json", timeout=30).json()
+    [model_id] = document["paths"]["/v1/models/{model_id}"]["get"]["parameters"]
+    assert "enum" not in model_id["schema"]  # a name loaded at run time is served too

@@ -60,9 +60,10 @@ BODY_ERRORS = {  # what any request with a body may be answered
 }
 
 
-def make_truthful(app: FastAPI, *, model_names: list[str], api_key: bool, field_limits: FieldLimits,
+def make_truthful(app: FastAPI, *, model_names: list[str] | None, api_key: bool, field_limits: FieldLimits,
                   vocab_size: int | None = None, auto_tool_choice: bool = True) -> None:
-    """Replace the app's OpenAPI document by FastAPI's own, completed."""
+    """Replace the app's OpenAPI document by FastAPI's own, completed. model_names: every name a request's model
+    may take (the served names and LoRA adapters); None: not known in advance (adapters loaded at run time)."""
     generate = app.openapi
 
     def openapi() -> dict:
@@ -101,7 +102,7 @@ def _text(description: str, schema: dict) -> dict:
     return {"description": description, "content": {"text/plain": {"schema": schema}}}
 
 
-def _complete(document: dict, *, model_names: list[str], api_key: bool, field_limits: FieldLimits,
+def _complete(document: dict, *, model_names: list[str] | None, api_key: bool, field_limits: FieldLimits,
               auto_tool_choice: bool = True) -> None:
     components = document.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
@@ -142,10 +143,12 @@ def _complete(document: dict, *, model_names: list[str], api_key: bool, field_li
         document["paths"][path]["get"]["responses"]["404"] = _error(what, path)
     document["paths"]["/v1/responses/{response_id}"]["get"]["responses"]["400"] = _error(
         "the id is not of the form this server gives (resp_ and 32 hexadecimal digits)", "/v1/responses/{response_id}")
-    [model_id] = document["paths"]["/v1/models/{model_id}"]["get"]["parameters"]
-    model_id["schema"]["enum"] = list(model_names)  # any other name is a 404
     _write_limits(schemas, field_limits)
     _write_rules(schemas, auto_tool_choice)
+    if model_names is None:  # adapters may be loaded at run time: any name may be served later
+        return
+    [model_id] = document["paths"]["/v1/models/{model_id}"]["get"]["parameters"]
+    model_id["schema"]["enum"] = list(model_names)  # any other name is a 404
     for name in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest", "MessagesRequest",
                  "MessagesCountTokensRequest", "TokenizeRequest", "DetokenizeRequest", "EmbeddingRequest",
                  "PoolingRequest"):

@@ -61,6 +61,7 @@ from tinyserve.entrypoints.api.other_apis.responses_protocol import RESPONSE_ID_
 from tinyserve.entrypoints.api.other_apis.responses_serving import create_response
 from tinyserve.entrypoints.api.other_apis.lora_serving import add_lora_routes, lora_model_cards
 from tinyserve.lifecycle.http_spans import TracingMiddleware
+from tinyserve.lora.registry import runtime_lora_updating_allowed
 from tinyserve.lifecycle.tracing import shutdown_tracing
 
 logger = logging.getLogger("tinyserve.api")
@@ -233,7 +234,10 @@ def build_app(
                            "['ChatCompletionRequest', 'CompletionRequest'] (a body with messages, or with prompt)")
         raise RequestValidationError(errors[shape].errors())
 
-    make_truthful(app, model_names=ctx.model_names + (list(ctx.loras.adapters) if ctx.loras else []), api_key=api_key is not None, field_limits=field_limits,
+    # The names a request's model may take; None when LoRA adapters may be loaded at run time (any name may come).
+    model_names = None if ctx.loras and runtime_lora_updating_allowed() else \
+        ctx.model_names + (list(ctx.loras.adapters) if ctx.loras else [])
+    make_truthful(app, model_names=model_names, api_key=api_key is not None, field_limits=field_limits,
                   vocab_size=getattr(getattr(ctx.engine, "model_info", None), "vocab_size", None),
                   auto_tool_choice=ctx.tool_call_parser is not None)
 
