@@ -214,3 +214,24 @@ def test_each_request_output_names_the_adapter_it_ran_under(lora_llm):
     outputs = lora_llm.generate([{"prompt_token_ids": p} for p in prompts(2)], GREEDY, use_tqdm=False,
                                 lora_request=[sql, None])
     assert [output.lora_request for output in outputs] == [sql, None]  # as vLLM's RequestOutput.lora_request
+
+
+def test_run_batch_serves_the_adapters_of_lora_modules(tmp_path):
+    import json
+
+    from tinyserve.cli.main import main
+
+    folder = tiny_model_with_tokenizer("llama")
+    sql = peft_adapter(folder, "sql")
+    prompt = prompts(1)[0]
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
+    lines = [{"custom_id": model, "method": "POST", "url": "/v1/completions", "body": {"model": model, **body}}
+             for model in ("tiny", "sql")]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), str(folder),
+                 "--served-model-name", "tiny", "--enable-lora", "--lora-modules", f"sql={sql}"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    tokens = {r["custom_id"]: [int(t.removeprefix("token_id:"))
+                               for t in r["response"]["body"]["choices"][0]["logprobs"]["tokens"]] for r in records}
+    assert tokens == {"tiny": peft_greedy(folder, None, prompt), "sql": peft_greedy(folder, sql, prompt)}

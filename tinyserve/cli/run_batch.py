@@ -35,6 +35,7 @@ import httpx
 from tqdm import tqdm
 
 from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from
+from tinyserve.cli.lora_flags import add_lora_modules_flag, lora_registry_from
 from tinyserve.entrypoints.api.errors import openai_error_body
 
 # As vLLM's run-batch; /v1/embeddings is answered by an engine started with --runner pooling (else a 400 per line).
@@ -50,6 +51,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="name(s) the bodies' 'model' may use (default: the model argument, or 'tinyserve-default')")
     add_engine_flags(parser)
+    add_lora_modules_flag(parser)  # a line's model may name one of them, as a server's request's may
     parser.set_defaults(handler=run)
 
 
@@ -202,15 +204,16 @@ def _run_with_engine(args: argparse.Namespace, lines: list[tuple[int, str]]) -> 
     from tinyserve.entrypoints.api.serving_engine import ServingContext
     from tinyserve.entrypoints.api.server import build_app
 
+    names = args.served_model_name or [args.model or "tinyserve-default"]
     try:
         engine_args = engine_args_from(args)
         engine = AsyncLLM(engine_args, in_process=True)
+        loras = lora_registry_from(args, engine_args, engine.model_info.path, names[0])
     except (ValueError, OSError) as error:
         print(f"error: cannot load the model: {error}", file=sys.stderr)
         return 1
-    names = args.served_model_name or [args.model or "tinyserve-default"]
     metrics = ServerMetrics(names[0], engine.engine_indices, engine.model_info.max_model_len)
-    app = build_app(ServingContext(engine, names), metrics)
+    app = build_app(ServingContext(engine, names, loras=loras), metrics)
     print(f"tinyserve: {len(lines)} requests from {args.input_file} to {names[0]} ({engine.model_info.path})",
           file=sys.stderr, flush=True)
 
