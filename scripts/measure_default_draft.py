@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tinyserve.models import corpus, default_model  # noqa: E402
+from tinyserve.models import corpus, default_model
 
 NEW_TOKENS = 64
 PROMPT_TOKENS = 16
@@ -57,16 +57,25 @@ def prompts(tokenizer) -> list[list[int]]:
     questions += [docs[i].splitlines()[0] for i in torch.randperm(len(docs), generator=generator)[:4].tolist()]
     for question in questions:
         messages = [{"role": "user", "content": question}]
-        result.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                         return_dict=True)["input_ids"]))
+        result.append(
+            list(
+                tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                    "input_ids"
+                ]
+            )
+        )
     return result
 
 
 def matches(draft, target, prompt: list[int]) -> list[bool]:
     """Whether the draft's greedy next token is the target's, at each position of the target's greedy generation."""
     input_ids = torch.tensor([prompt])
-    config = GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=target.generation_config.eos_token_id,
-                              pad_token_id=target.config.pad_token_id)
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=target.generation_config.eos_token_id,
+        pad_token_id=target.config.pad_token_id,
+    )
     with torch.no_grad():
         sequence = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
         generated = sequence[0, len(prompt) :]
@@ -76,8 +85,9 @@ def matches(draft, target, prompt: list[int]) -> list[bool]:
 
 def decode_seconds_per_token(model, steps: int = 64, repeats: int = 5) -> float:
     """Best-of-`repeats` seconds of a one-token forward with a KV cache, after a 32-token prefill."""
-    config = GenerationConfig(do_sample=False, max_new_tokens=steps, min_new_tokens=steps,
-                              pad_token_id=model.config.pad_token_id)
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=steps, min_new_tokens=steps, pad_token_id=model.config.pad_token_id
+    )
     input_ids = torch.arange(100, 132).unsqueeze(0)
     best = float("inf")
     with torch.no_grad():
@@ -126,8 +136,10 @@ def main() -> int:
 
     parameters = {name: sum(p.numel() for p in m.parameters()) for name, m in [("target", target), ("draft", draft)]}
     times = {"target": decode_seconds_per_token(target), "draft": decode_seconds_per_token(draft)}
-    for name in times:
-        print(f"{name}: {parameters[name]:,} parameters, {times[name] * 1e3:.2f} ms per decoded token ({args.threads} thread)")
+    for name, seconds in times.items():
+        print(
+            f"{name}: {parameters[name]:,} parameters, {seconds * 1e3:.2f} ms per decoded token ({args.threads} thread)"
+        )
     print(f"draft is {times['target'] / times['draft']:.1f}x cheaper per token")
     return 0
 
