@@ -37,7 +37,12 @@ def check_structured(lines: list[str]) -> None:
     assert json.loads(lines[-1]) in ({"answer": "yes"}, {"answer": "no"})
 
 
-CHECKS = {"AsyncLLM": check_streaming, "StructuredOutputsParams": check_structured, "llm.chat": check_offline}
+def check_embeddings(lines: list[str]) -> None:
+    assert lines[-1] == "256"  # the built-in model's hidden size
+
+
+CHECKS = {"AsyncLLM": check_streaming, "StructuredOutputsParams": check_structured, "llm.chat": check_offline,
+          "llm.embed": check_embeddings}
 
 
 def check_for(example: str):
