@@ -260,3 +260,45 @@ def test_structured_outputs_are_refused_under_speculation():
     params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     with pytest.raises(ValueError, match="structured outputs.*speculative"):
         llm.generate(["hello"], params, use_tqdm=False)
+
+
+def test_get_metrics_and_the_server_counters_report_vllms_spec_decode_counters():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tinyserve.entrypoints.api.metrics import ServerMetrics
+    from tinyserve.wire.messages import EngineCoreOutputs
+
+    folder = repeating_checkpoint()
+    llm = LLM(str(folder), speculative_config={**NGRAM, "num_speculative_tokens": 4})
+    assert LLM(str(folder)).get_metrics() == []
+    generate_ids(llm, [[9, 4, 7, 7, 7]], max_tokens=30)
+    metrics = {m.name: m for m in llm.get_metrics()}
+    stats = llm.engine_core.scheduler.spec_stats
+    assert metrics["tinyserve:spec_decode_num_drafts"].value == stats.num_drafts > 0
+    assert metrics["tinyserve:spec_decode_num_draft_tokens"].value == stats.num_draft_tokens
+    assert metrics["tinyserve:spec_decode_num_accepted_tokens"].value == stats.num_accepted_tokens == \
+        stats.num_draft_tokens  # every draft of this model is right
+    per_pos = metrics["tinyserve:spec_decode_num_accepted_tokens_per_pos"].values
+    assert len(per_pos) == 4 and sum(per_pos) == stats.num_accepted_tokens and per_pos[0] == stats.num_drafts
+    # The server's Prometheus counters add the engine's running totals' increments.
+    server = ServerMetrics("m", [0], 512, prefix="vllm")
+    for _ in range(2):  # the same totals twice: counted once
+        server.on_outputs(EngineCoreOutputs(engine_index=0, scheduler_stats=llm.engine_core.get_stats()))
+    samples = {(s.name, s.labels.get("position")): s.value
+               for family in text_string_to_metric_families(server.render().decode()) for s in family.samples}
+    assert samples[("vllm:spec_decode_num_drafts_total", None)] == stats.num_drafts
+    assert samples[("vllm:spec_decode_num_accepted_tokens_total", None)] == stats.num_accepted_tokens
+    assert samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", "3")] == per_pos[3]
+
+
+def test_the_speculative_config_flag_is_checked_when_parsed():
+    import argparse
+
+    from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    args = parser.parse_args(["m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert engine_args_from(args).speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["m", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'])

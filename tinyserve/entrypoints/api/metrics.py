@@ -161,6 +161,7 @@ class ServerMetrics:
                                      ["path"], registry=self.registry)
         self.http = HttpMetrics(self.registry)  # filled by http_metrics.HttpMetricsMiddleware
         self.cache_config_info = None  # set once the engines report their KV pools (record_cache_config)
+        self.spec_decode = None  # speculative decoding's counters, once an engine reports them (spec_decode/metrics.py)
         self._clocks: dict[str, _RequestClock] = {}
         self._parents: dict[str, _Parent] = {}
         self._awaiting_engine_times: dict[str, tuple] = {}  # finished here on a stop string: id → labels
@@ -174,6 +175,13 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def _spec_decode_counters(self):
+        if self.spec_decode is None:
+            from tinyserve.spec_decode.metrics import SpecDecodeCounters
+
+            self.spec_decode = SpecDecodeCounters(self.prefix, self.registry, ["model_name", "engine"])
+        return self.spec_decode
+
     def record_cache_config(self, engine_args, num_kv_blocks: list[int]) -> None:
         """vLLM's cache_config_info: a gauge at 1 whose labels are the KV cache's configuration, per engine."""
         info = {"block_size": engine_args.block_size, "enable_prefix_caching": engine_args.enable_prefix_caching,
@@ -184,6 +192,8 @@ class ServerMetrics:
         for engine, num_blocks in zip(self.engine_indices, num_kv_blocks, strict=True):
             values = {name: str(value) for name, value in info.items()}
             self.cache_config_info.labels(**values, num_gpu_blocks=str(num_blocks), engine=str(engine)).set(1)
+        if getattr(engine_args, "speculative_config", None) is not None:  # visible before the first draft
+            self._spec_decode_counters()
 
     def forget_engine_gauges(self, engine_index: int | None = None) -> None:
         """The engines are gone (or engine_index alone, a data-parallel rank that died while others serve):
@@ -233,6 +243,8 @@ class ServerMetrics:
             self.num_preemptions.labels(*labels).inc(stats.num_preemptions - seen.num_preemptions)
             seen.prefix_cache_queries, seen.prefix_cache_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
             seen.num_preemptions = stats.num_preemptions
+            if stats.spec_decoding_stats is not None:
+                self._spec_decode_counters().observe(labels, stats.spec_decoding_stats)
         iteration_tokens = 0
         for output in outputs.outputs:
             clock = self._clocks.get(output.request_id)
