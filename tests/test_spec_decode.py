@@ -302,3 +302,23 @@ def test_the_speculative_config_flag_is_checked_when_parsed():
     assert engine_args_from(args).speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
     with pytest.raises(SystemExit):
         parser.parse_args(["m", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'])
+
+
+def test_step_spans_carry_each_requests_drafts_and_the_time_proposing_and_verifying(tmp_path):
+    from tinyserve.lifecycle import schema
+    from tinyserve.lifecycle.run import load_run
+
+    folder = repeating_checkpoint()
+    llm = LLM(str(folder), speculative_config={**NGRAM, "num_speculative_tokens": 4}, trace_dir=str(tmp_path))
+    generate_ids(llm, [[9, 4, 7, 7, 7], [3, 5, 5, 5, 5, 5]], max_tokens=20)
+    run = load_run(llm.trace_run_dir)
+    steps = [step.span.attributes for step in run.steps]
+    verifying = [a for a in steps if a.get(schema.STEP_SPEC_REQUEST_IDS)]
+    assert verifying and all(a[schema.STEP_SPEC_VERIFY_TIME] > 0 and a[schema.STEP_SPEC_PROPOSE_TIME] > 0
+                             for a in verifying)
+    proposed = sum(sum(a[schema.STEP_SPEC_NUM_PROPOSED]) for a in verifying)
+    accepted = sum(sum(a[schema.STEP_SPEC_NUM_ACCEPTED]) for a in verifying)
+    rejected = sum(sum(a[schema.STEP_SPEC_NUM_REJECTED]) for a in verifying)
+    stats = llm.engine_core.scheduler.spec_stats
+    assert (proposed, accepted, rejected) == (stats.num_draft_tokens, stats.num_accepted_tokens, 0)
+    assert all(len(a[schema.STEP_SPEC_REQUEST_IDS]) == len(a[schema.STEP_SPEC_NUM_ACCEPTED]) for a in verifying)
