@@ -50,6 +50,13 @@ class InputProcessor(Renderer):
         self.lora_checker = lora_checker or LoRAChecker(model_info.path, enable_lora=False, max_lora_rank=0)
         self.speculative = speculative  # --speculative-config: structured outputs are refused (spec_decode/)
 
+    def check_structured_outputs(self, structured_outputs) -> None:
+        """A constraint the grammar library cannot compile is a 400; so is any under speculative decoding."""
+        if self.speculative:
+            raise InvalidInputError("structured outputs are not supported with speculative decoding "
+                                    "(--speculative-config)", "structured_outputs")
+        check_structured_outputs(structured_outputs, self.structured_outputs_backend)
+
     def make_requests(
         self,
         request_id: str,
@@ -89,11 +96,8 @@ class InputProcessor(Renderer):
                     raise InvalidInputError(
                         f"{name} contains {token_id}, outside the vocabulary [0, {self.model_info.vocab_size})", name)
         sampling_params = self.resolve_logprobs(sampling_params)
-        if sampling_params.structured_outputs is not None and self.speculative:
-            raise InvalidInputError("structured outputs are not supported with speculative decoding "
-                                    "(--speculative-config)", "structured_outputs")
-        if sampling_params.structured_outputs is not None:  # one the grammar library cannot compile: a 400
-            check_structured_outputs(sampling_params.structured_outputs, self.structured_outputs_backend)
+        if sampling_params.structured_outputs is not None:
+            self.check_structured_outputs(sampling_params.structured_outputs)
         check_kv_fit(len(prompt.prompt_token_ids), sampling_params.max_tokens, self.model_info.max_model_len,
                      self.block_size, num_kv_blocks)
         arrival_time = arrival_time if arrival_time is not None else time.time()

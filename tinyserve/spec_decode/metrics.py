@@ -19,17 +19,29 @@ from tinyserve.wire.messages import SpecDecodingStats
 
 class SpecDecodeCounters:
     def __init__(self, prefix: str, registry, labels: list[str]) -> None:
+        self.prefix, self.registry, self.labels = prefix, registry, list(labels)
+        self.registered = False  # only an engine that speculates has them (vLLM's rule)
+        self._seen: dict[tuple, SpecDecodingStats] = {}
+
+    def register(self) -> None:
+        if self.registered:
+            return
+        self.registered = True
+
         def counter(name, doc, extra=()):
-            return PrometheusCounter(f"{prefix}:{name}", doc, labels + list(extra), registry=registry)
+            return PrometheusCounter(f"{self.prefix}:{name}", doc, self.labels + list(extra), registry=self.registry)
 
         self.num_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
         self.num_accepted_tokens_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                                    "Accepted tokens per draft position.", ["position"])
-        self._seen: dict[tuple, SpecDecodingStats] = {}
 
-    def observe(self, labels: tuple, stats: SpecDecodingStats) -> None:
+    def observe(self, labels: tuple, stats: SpecDecodingStats | None) -> None:
+        """An engine's running totals (None: it does not speculate)."""
+        if stats is None:
+            return
+        self.register()
         seen = self._seen.get(labels) or SpecDecodingStats(num_accepted_tokens_per_pos=[0] * stats.num_spec_tokens)
         self.num_drafts.labels(*labels).inc(stats.num_drafts - seen.num_drafts)
         self.num_draft_tokens.labels(*labels).inc(stats.num_draft_tokens - seen.num_draft_tokens)
