@@ -322,3 +322,17 @@ def test_step_spans_carry_each_requests_drafts_and_the_time_proposing_and_verify
     stats = llm.engine_core.scheduler.spec_stats
     assert (proposed, accepted, rejected) == (stats.num_draft_tokens, stats.num_accepted_tokens, 0)
     assert all(len(a[schema.STEP_SPEC_REQUEST_IDS]) == len(a[schema.STEP_SPEC_NUM_ACCEPTED]) for a in verifying)
+
+
+def test_a_draft_model_without_model_takes_the_built_in_draft_or_says_it_needs_one(monkeypatch):
+    import tinyserve.models.default_model as default_model
+
+    folder = tiny_model_with_tokenizer("llama", False)
+    config = {"method": "draft_model", "num_speculative_tokens": 2}
+    monkeypatch.delattr(default_model, "default_draft_path", raising=False)
+    with pytest.raises(ValueError, match="method 'draft_model' needs 'model'"):
+        LLM(str(folder), speculative_config=config)
+    monkeypatch.setattr(default_model, "default_draft_path", lambda: folder, raising=False)
+    llm = LLM(str(folder), speculative_config=config)
+    assert generate_ids(llm, [[5, 6, 7, 8] * 3], max_tokens=8) == [hf_greedy(folder, [5, 6, 7, 8] * 3)[:8]]
+    assert llm.engine_core.scheduler.spec_stats.num_accepted_tokens > 0
