@@ -322,6 +322,12 @@ def test_step_spans_carry_each_requests_drafts_and_the_time_proposing_and_verify
     stats = llm.engine_core.scheduler.spec_stats
     assert (proposed, accepted, rejected) == (stats.num_draft_tokens, stats.num_accepted_tokens, 0)
     assert all(len(a[schema.STEP_SPEC_REQUEST_IDS]) == len(a[schema.STEP_SPEC_NUM_ACCEPTED]) for a in verifying)
+    # Each request's decode span: its own totals, which add up to the engine's
+    decodes = [s.stages[schema.DECODE].attributes for r in run.requests for s in r.sequences]
+    assert len(decodes) == 2 and all(d[schema.SPEC_NUM_ACCEPTED] > 0 == d[schema.SPEC_NUM_REJECTED] for d in decodes)
+    assert sum(d[schema.SPEC_NUM_PROPOSED] for d in decodes) == stats.num_draft_tokens
+    assert sum(d[schema.SPEC_NUM_ACCEPTED] for d in decodes) == stats.num_accepted_tokens
+    assert not llm.engine_core.scheduler.request_totals  # nothing kept for finished requests
 
 
 def test_a_draft_model_without_model_takes_the_built_in_draft_or_says_it_needs_one(monkeypatch):

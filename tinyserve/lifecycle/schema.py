@@ -206,6 +206,10 @@ STEP_SPEC_NUM_ACCEPTED = "tinyserve.step.spec_decode.num_accepted"
 STEP_SPEC_NUM_REJECTED = "tinyserve.step.spec_decode.num_rejected"
 STEP_SPEC_PROPOSE_TIME = "tinyserve.step.spec_decode.propose_time_s"
 STEP_SPEC_VERIFY_TIME = "tinyserve.step.spec_decode.verify_time_s"
+# ... and on a request's tinyserve.decode span: its drafts over its whole life, proposed, accepted, rejected
+SPEC_NUM_PROPOSED = "tinyserve.spec_decode.num_proposed"
+SPEC_NUM_ACCEPTED = "tinyserve.spec_decode.num_accepted"
+SPEC_NUM_REJECTED = "tinyserve.spec_decode.num_rejected"
 
 # ---- trace files -------------------------------------------------------------------
 MANIFEST_FILE = "manifest.json"

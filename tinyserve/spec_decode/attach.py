@@ -4,7 +4,8 @@
     model runner   SpecDecodeModelRunner: verify, roll back, propose (model_runner.py), with its proposer:
                    NgramProposer (ngram_proposer.py) or DraftModelProposer (draft_model_proposer.py)
     engine         a request check: structured outputs are refused (one grammar state per step)
-    recorder       a step hook: drafts, accepted tokens and the time proposing and verifying, on the step span
+    recorder       a step hook: drafts, accepted tokens and the time proposing and verifying, on the step span;
+                   a finish hook: a request's drafts proposed, accepted, rejected, on its decode span
 
 EngineCore picks the classes while it builds the engine, as it does for --runner pooling; the
 step itself does not change.
@@ -69,4 +70,10 @@ def attach_spec_decode(engine) -> None:
             schema.STEP_SPEC_VERIFY_TIME: runner.last_verify_s,
         }
 
+    def finished_attributes(request_id: str) -> dict:
+        proposed, accepted = scheduler.finished_totals.get(request_id, (0, 0))
+        return {schema.SPEC_NUM_PROPOSED: proposed, schema.SPEC_NUM_ACCEPTED: accepted,
+                schema.SPEC_NUM_REJECTED: proposed - accepted}
+
     engine.recorder.step_hooks.append(step_attributes)
+    engine.recorder.finish_hooks.append(finished_attributes)

@@ -29,6 +29,10 @@ class SpecDecodeScheduler(Scheduler):
         self._step_drafts: dict[str, list[int]] = {}
         # request id -> [proposed, accepted] in the last step (the step span's, spec_decode/attach.py)
         self.last_verified: dict[str, tuple[int, int]] = {}
+        # request id -> [proposed, accepted] over its life; moved to finished_totals as it finishes, where
+        # the decode span's hook reads it (kept until the next update or abort)
+        self.request_totals: dict[str, list[int]] = {}
+        self.finished_totals: dict[str, list[int]] = {}
 
     def schedule(self) -> SchedulerOutput:
         self._step_drafts = {}
@@ -53,8 +57,16 @@ class SpecDecodeScheduler(Scheduler):
         request.spec_token_ids = []
         super()._preempt(request)
 
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        self.finished_totals = {}
+        return super().abort_requests(request_ids)
+
+    def _finish(self, request: Request, status) -> None:
+        self.finished_totals[request.request_id] = self.request_totals.pop(request.request_id, [0, 0])
+        super()._finish(request, status)
+
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output) -> list[EngineCoreOutput]:
-        self.last_verified = {}
+        self.last_verified, self.finished_totals = {}, {}
         for request_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.is_finished:  # aborted while the step ran
@@ -63,6 +75,9 @@ class SpecDecodeScheduler(Scheduler):
             request.num_computed_tokens -= len(drafts) - num_accepted
             self.kv.free_tail(request)
             self._count(len(drafts), num_accepted)
+            totals = self.request_totals.setdefault(request_id, [0, 0])
+            totals[0] += len(drafts)
+            totals[1] += num_accepted
             self.last_verified[request_id] = (len(drafts), num_accepted)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         for scheduled in scheduler_output.scheduled:
