@@ -240,19 +240,16 @@ def speculative_config(seed: int, model: str) -> dict:
 
 @pytest.mark.parametrize("seed", SPEC_SEEDS, ids=lambda seed: f"seed={seed}")
 def test_llm_batch_with_speculation_matches_solo_runs_and_frees_everything(model, probe, seed):
-    """The same workloads with --speculative-config: greedy requests give, in the batch, what they give alone
-    (and what the plain engine gives); nothing leaks, the draft model's own blocks included. A seeded sampled
-    request is reproducible run to run but not batch-invariant here: how many of its drafts fit a step's
-    budget depends on the batch, and each draft position draws its own random numbers."""
+    """The same workloads with --speculative-config: greedy and seeded requests give, in the batch, what they
+    give alone, and what the plain engine gives; nothing leaks, the draft model's own blocks included."""
     case = draw_case(seed, probe)
     with replayable(case):
         llm = LLM(model, **case.engine_args, speculative_config=speculative_config(seed, model))
-        greedy = [r for r in case.requests if r.params.is_greedy]
-        solo = {}
-        for request in greedy:
-            [solo[request.request_id]] = llm.generate(request.prompt_input, request.params, use_tqdm=False)
-        plain = probe.generate([r.prompt_input for r in greedy], [r.params for r in greedy], use_tqdm=False)
-        for request, want in zip(greedy, plain):
+        solo = solo_outputs(llm, case)
+        reproducible = [r for r in case.requests if r.reproducible]
+        plain = probe.generate([r.prompt_input for r in reproducible], [r.params for r in reproducible],
+                               use_tqdm=False)
+        for request, want in zip(reproducible, plain):
             assert_same_output(solo[request.request_id], want, f"{request.request_id} alone vs without speculation")
         finished, aborted = run_llm_batch(llm, case)
         assert_llm_idle(llm, "after the batch")
@@ -262,7 +259,7 @@ def test_llm_batch_with_speculation_matches_solo_runs_and_frees_everything(model
         for request in case.requests:
             if request.request_id in aborted:
                 continue
-            if request.params.is_greedy:
+            if request.reproducible:
                 assert_same_output(finished[request.request_id], solo[request.request_id],
                                    f"{request.request_id} in the batch vs alone")
             else:

@@ -14,16 +14,20 @@ Greedy requests: accept d_j+1 while it equals the argmax of p_j; at the first mi
 that argmax instead; if all agree, emit one more token from the last row (the "bonus").
 The tokens equal those of decoding one token at a time, exactly.
 
-Sampled requests: rejection sampling (Leviathan et al., Chen et al.; vLLM's RejectionSampler).
-Drafts here are single tokens (q = 1 at the draft: n-gram drafts, and the draft model's
-argmax, as vLLM v1's drafters propose), so d is accepted with probability min(1, p(d)/q(d))
-= p(d); rejected, a token is drawn from the residual max(p - q, 0) normalized: p without d.
-The emitted token at each position is then distributed exactly as p, whatever the draft:
+Sampled requests: rejection sampling with one-token drafts (q = 1 at the draft: n-gram
+drafts, and the draft model's argmax, as vLLM v1's drafters propose). The target draws its
+own token t_j from p_j, by the sampler's exponential race, and d_j+1 is accepted if t_j is
+d_j+1; else t_j is emitted and the rest dropped. So d is accepted with probability p(d) =
+min(1, p(d)/q(d)), and when it is not, the token comes from p without d, renormalized: the
+residual max(p - q, 0) of rejection sampling (Leviathan et al.; vLLM's RejectionSampler). Each
+emitted token is distributed exactly as p:
 
     P(emit t) = p(d)·[t = d] + (1 - p(d))·p(t)/(1 - p(d))·[t ≠ d] = p(t)
 
-A seeded request draws its uniforms and residual samples from its own generator
-(reproducible run to run); others from the sampler's shared one.
+Drawn this way, the token at each position does not depend on the draft at all, only on the
+random numbers: a seeded request draws one exponential vector per position from its own
+generator, in order, and none for positions after a rejection. It gets the very tokens it gets
+without speculation, whatever was drafted, and whatever batch it ran in.
 """
 
 import dataclasses
@@ -43,20 +47,6 @@ def as_if_sampled(state: CachedRequestState, drafts: list[int]) -> CachedRequest
                                allowed_token_ids_mask=state.allowed_token_ids_mask)
 
 
-def accept_or_resample(probs: torch.Tensor, draft: int, generator: torch.Generator) -> int | None:
-    """One position of rejection sampling with a one-token draft: None if `draft` is accepted,
-    else a token from the residual distribution (p with the draft removed, renormalized)."""
-    u = torch.rand((), generator=generator, device=probs.device)
-    if u < probs[draft]:
-        return None
-    residual = probs.clone()
-    residual[draft] = 0.0
-    if residual.sum() <= 0:  # p was all on the draft: it is always accepted (u < 1)
-        return draft
-    q = torch.empty_like(residual).exponential_(generator=generator)
-    return int((residual / q).argmax())
-
-
 class RejectionSampler:
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
@@ -66,59 +56,43 @@ class RejectionSampler:
         """logits: for each request in turn, len(drafts[i]) + 1 rows (after its newest token, after each
         draft). Returns each request's emitted tokens (accepted drafts + one) and their logprobs."""
         sampler = self.sampler
-        for state in states:
+        row_states, first_rows = [], []
+        for state, request_drafts in zip(states, drafts):
             sampler._request_generator(state)  # made once, on the worker's own state, before copies share it
-        first_rows, row = [], 0
-        for request_drafts in drafts:
-            first_rows.append(row)
-            row += len(request_drafts) + 1
-        # The row after the last draft: sampled exactly as the plain sampler would (a request without
-        # drafts gets the very token it would get without speculation).
-        last_rows = [first + len(d) for first, d in zip(first_rows, drafts)]
-        last_states = [as_if_sampled(s, d) for s, d in zip(states, drafts)]
-        last_tokens, _ = sampler.sample(logits[last_rows], last_states)
-        # The draft rows, processed as the sampler would, each as if the drafts before it were sampled.
-        draft_rows, draft_states = [], []
+            first_rows.append(len(row_states))
+            row_states += [as_if_sampled(state, request_drafts[:j]) for j in range(len(request_drafts) + 1)]
+        processed = sampler.process_logits(logits, row_states)
+        emitted = []
         for state, first, request_drafts in zip(states, first_rows, drafts):
-            for j in range(len(request_drafts)):
-                draft_rows.append(first + j)
-                draft_states.append(as_if_sampled(state, request_drafts[:j]))
-        processed = sampler.process_logits(logits[draft_rows], draft_states) if draft_rows else None
-        emitted, position = [], 0
-        for state, request_drafts, last_token in zip(states, drafts, last_tokens):
-            params = state.sampling_params
-            tokens = None
-            if request_drafts:
-                rows = processed[position : position + len(request_drafts)]
-                position += len(request_drafts)
-                tokens = self._verify(rows, request_drafts, state)
-            emitted.append(tokens if tokens is not None else [*request_drafts, last_token])
-        raw_logprobs = None
-        logprobs = []
+            rows = processed[first : first + len(request_drafts) + 1]
+            emitted.append(self._verify(rows, request_drafts, state))
+        raw_logprobs, logprobs = None, []
         for state, first, tokens in zip(states, first_rows, emitted):
             num_top = state.sampling_params.logprobs
             if num_top is None:
                 logprobs.append(None)
                 continue
             if raw_logprobs is None:
-                raw_logprobs = torch.log_softmax(logits, dim=-1)
+                raw_logprobs = torch.log_softmax(logits, dim=-1)  # reported before any processing, as sample's
             logprobs.append([top_logprobs(raw_logprobs[first + j], token, num_top) for j, token in enumerate(tokens)])
         return emitted, logprobs
 
-    def _verify(self, rows: torch.Tensor, drafts: list[int], state: CachedRequestState) -> list[int] | None:
-        """The emitted tokens if a draft is rejected (the accepted ones, then the replacement); None if all
-        are accepted (the caller adds the bonus token)."""
+    def _verify(self, rows: torch.Tensor, drafts: list[int], state: CachedRequestState) -> list[int]:
+        """The accepted drafts, then the target's own token at the first position it disagrees (or after
+        the last draft). rows: the processed logits after the newest token and after each draft."""
         params = state.sampling_params
         if params.is_greedy:
             targets = rows.argmax(dim=-1).tolist()
-            for j, (draft, target) in enumerate(zip(drafts, targets)):
-                if draft != target:
-                    return [*drafts[:j], target]
-            return None
-        probs = self.sampler._probs(rows, [params] * len(drafts))
-        generator = state.generator or self.sampler.generator
+        else:
+            probs = self.sampler._probs(rows, [params] * len(rows))
+            generator = state.generator or self.sampler.generator
+            targets = []
+            for j in range(len(rows)):  # one draw per position, in order, none after a rejection
+                q = torch.empty_like(probs[j]).exponential_(generator=generator)
+                targets.append(int((probs[j] / q).argmax()))
+                if j == len(drafts) or targets[j] != drafts[j]:
+                    break
         for j, draft in enumerate(drafts):
-            replacement = accept_or_resample(probs[j], draft, generator)
-            if replacement is not None:
-                return [*drafts[:j], replacement]
-        return None
+            if targets[j] != draft:
+                return [*drafts[:j], targets[j]]
+        return [*drafts, targets[len(drafts)]]
