@@ -344,3 +344,15 @@ def test_a_draft_model_without_model_takes_the_built_in_draft_or_says_it_needs_o
     llm = LLM(str(folder), speculative_config=config)
     assert generate_ids(llm, [[5, 6, 7, 8] * 3], max_tokens=8) == [hf_greedy(folder, [5, 6, 7, 8] * 3)[:8]]
     assert llm.engine_core.scheduler.spec_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("other, message", [
+    ({"tensor_parallel_size": 2}, "tensor parallelism"),
+    ({"enable_lora": True}, "enable_lora"),
+    ({"runner": "pooling"}, "runner='generate'"),
+])
+def test_speculation_is_refused_with_what_it_does_not_support(other, message):
+    from tinyserve.config import EngineArgs
+
+    with pytest.raises(ValueError, match=message):
+        EngineArgs.from_kwargs(model="m", speculative_config=NGRAM, **other)
