@@ -49,11 +49,11 @@ def test_a_request_scheduled_then_preempted_in_the_same_step_leaves_no_unwritten
     low = make_request("low", [11, 12, 13, 14, 15, 16], priority=5)
     scheduler.add_request(low)
     first = scheduler.schedule()  # low's prompt: blocks 0 (full) and 1 (two tokens)
-    scheduler.update_from_output(first, ModelRunnerOutput({"low": 17}, {}))
+    scheduler.update_from_output(first, ModelRunnerOutput({"low": [17]}, {}))
     high = make_request("high", [21, 22, 23, 24], priority=0)
     scheduler.add_request(high)
     second = scheduler.schedule()  # low decodes position 6; high is admitted into the last free block
-    scheduler.update_from_output(second, ModelRunnerOutput({"low": 18, "high": 25}, {}))
+    scheduler.update_from_output(second, ModelRunnerOutput({"low": [18], "high": [25]}, {}))
 
     # Running in admission order: low gets position 7, which fills its block 1 (registered),
     # then high needs a new block, none is free, and the victim is low, already scheduled.

@@ -228,6 +228,45 @@ def test_llm_batch_with_random_aborts_matches_solo_runs_and_frees_everything(mod
         assert_llm_idle(llm, "after generate()")
 
 
+SPEC_SEEDS = SEEDS[:8]
+
+
+def speculative_config(seed: int, model: str) -> dict:
+    """n-gram drafts for even seeds, a draft model (the target itself) for odd ones."""
+    if seed % 2 == 0:
+        return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": 2}
+
+
+@pytest.mark.parametrize("seed", SPEC_SEEDS, ids=lambda seed: f"seed={seed}")
+def test_llm_batch_with_speculation_matches_solo_runs_and_frees_everything(model, probe, seed):
+    """The same workloads with --speculative-config: greedy and seeded requests give, in the batch, what they
+    give alone, and what the plain engine gives; nothing leaks, the draft model's own blocks included."""
+    case = draw_case(seed, probe)
+    with replayable(case):
+        llm = LLM(model, **case.engine_args, speculative_config=speculative_config(seed, model))
+        solo = solo_outputs(llm, case)
+        reproducible = [r for r in case.requests if r.reproducible]
+        plain = probe.generate([r.prompt_input for r in reproducible], [r.params for r in reproducible],
+                               use_tqdm=False)
+        for request, want in zip(reproducible, plain):
+            assert_same_output(solo[request.request_id], want, f"{request.request_id} alone vs without speculation")
+        finished, aborted = run_llm_batch(llm, case)
+        assert_llm_idle(llm, "after the batch")
+        proposer = llm.engine_core.model_runner.proposer
+        if hasattr(proposer, "block_ids"):
+            assert not proposer.block_ids and proposer.num_free_blocks == proposer.kv_caches[0].shape[1]
+        for request in case.requests:
+            if request.request_id in aborted:
+                continue
+            if request.reproducible:
+                assert_same_output(finished[request.request_id], solo[request.request_id],
+                                   f"{request.request_id} in the batch vs alone")
+            else:
+                assert_sane(finished[request.request_id], request)
+        assert llm.engine_core.scheduler.spec_stats.num_drafts > 0
+
+
 def test_the_workloads_stop_strings_and_stop_tokens_really_fire(probe):
     finish = set()
     for seed in SEEDS[:10]:

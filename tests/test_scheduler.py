@@ -23,7 +23,7 @@ def make_request(request_id, prompt_len=5, priority=0, first_token=1, **params):
 
 def step(scheduler, token=7):
     out = scheduler.schedule()
-    sampled = {s.request_id: token for s in out.scheduled if s.samples_token}
+    sampled = {s.request_id: [token] for s in out.scheduled if s.samples_token}
     return out, scheduler.update_from_output(out, ModelRunnerOutput(sampled, {}))
 
 
@@ -108,7 +108,7 @@ def test_preempted_request_is_recomputed_with_its_output_tokens():
         resumed = [s for s in out.scheduled if s.request_id == victim.request_id]
         if resumed:
             break
-        scheduler.update_from_output(out, ModelRunnerOutput({s.request_id: 7 for s in out.scheduled if s.samples_token}, {}))
+        scheduler.update_from_output(out, ModelRunnerOutput({s.request_id: [7] for s in out.scheduled if s.samples_token}, {}))
     # It comes back as a prefill of prompt + everything it had generated (its first
     # full block is still in the prefix cache, so that part is not recomputed).
     start, count = resumed[0].num_computed_tokens, resumed[0].num_new_tokens
@@ -229,9 +229,9 @@ def test_scheduler_outputs_alone_rebuild_every_block_table_and_token_list():
             block_tables[cached.request_id] += cached.new_block_ids
         for request in scheduler.running:
             assert block_tables[request.request_id] == scheduler.kv.get_block_ids(request.request_id)
-        sampled = {s.request_id: token for s in out.scheduled if s.samples_token}
-        for request_id, token_id in sampled.items():
-            tokens[request_id].append(token_id)
+        sampled = {s.request_id: [token] for s in out.scheduled if s.samples_token}
+        for request_id, token_ids in sampled.items():
+            tokens[request_id] += token_ids
         scheduler.update_from_output(out, ModelRunnerOutput(sampled, {}))
         for request_id, request in scheduler.requests.items():
             assert tokens.get(request_id, request.all_token_ids) == request.all_token_ids

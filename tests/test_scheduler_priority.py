@@ -28,7 +28,7 @@ def make_request(request_id: str, prompt_len: int, priority: int, first_token: i
 
 def step(scheduler: Scheduler):
     out = scheduler.schedule()
-    scheduler.update_from_output(out, ModelRunnerOutput({s.request_id: 7 for s in out.scheduled if s.samples_token}, {}))
+    scheduler.update_from_output(out, ModelRunnerOutput({s.request_id: [7] for s in out.scheduled if s.samples_token}, {}))
     return out
 
 
@@ -103,7 +103,7 @@ def test_a_preempted_low_priority_request_comes_back_and_finishes_after_the_high
         if not scheduler.has_unfinished_requests:
             break
         out = scheduler.schedule()
-        outputs = scheduler.update_from_output(out, ModelRunnerOutput({s.request_id: 7 for s in out.scheduled if s.samples_token}, {}))
+        outputs = scheduler.update_from_output(out, ModelRunnerOutput({s.request_id: [7] for s in out.scheduled if s.samples_token}, {}))
         finished_order += [o.request_id for o in outputs if o.finished]
     assert finished_order == ["high", "low"]
     assert scheduler.num_preemptions == 1

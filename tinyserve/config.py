@@ -80,6 +80,10 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Speculative decoding (tinyserve/spec_decode/), vLLM's --speculative-config: {"method": "ngram",
+    # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method":
+    # "draft_model", "model": PATH, "num_speculative_tokens": 3}. None: one token per step.
+    speculative_config: dict | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -106,6 +110,7 @@ class EngineArgs:
             raise ValueError(f"max_logprobs must be non-negative, or -1 for the whole vocabulary, "
                              f"got {self.max_logprobs}")
         self._validate_lora()
+        self._validate_speculative()
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "cpu_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -157,6 +162,20 @@ class EngineArgs:
             # MEAN and CLS read every position's hidden state: a cached prefix has none to read.
             logger.info("pooling_type %s pools every position: prefix caching is turned off", config["pooling_type"])
             self.enable_prefix_caching = False
+    def _validate_speculative(self) -> None:
+        """--speculative-config's fields (spec_decode/config.py), and what it cannot be combined with."""
+        if self.speculative_config is None:
+            return
+        from tinyserve.spec_decode.config import SpeculativeConfig
+
+        SpeculativeConfig.from_dict(self.speculative_config)
+        if self.runner == "pooling" or self.convert == "embed":
+            raise ValueError("speculative_config is for runner='generate': a pooling engine samples no tokens")
+        if self.tensor_parallel_size > 1 or self.force_tensor_parallel:
+            raise ValueError("speculative_config is not supported with tensor parallelism (tensor_parallel_size > 1)")
+        if self.enable_lora:
+            raise ValueError("speculative_config is not supported with enable_lora")
+
     def _validate_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:

@@ -72,7 +72,22 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     pooling.add_argument("--pooler-config", type=json_object, default=None, metavar="JSON",
                          help='how a pooling model makes its vector: {"pooling_type": "LAST" | "MEAN" | "CLS", '
                               '"normalize": true | false} (default: LAST, L2-normalised)')
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                      help='propose several tokens a step and verify them in one pass (vLLM\'s): {"method": '
+                           '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} '
+                           'or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}')
     add_lora_flags(parser)
+
+
+def speculative_config(text: str) -> dict:
+    """--speculative-config's JSON, its fields checked (a usage error names the bad one)."""
+    from tinyserve.spec_decode.config import parse_speculative_config
+
+    try:
+        return parse_speculative_config(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def json_object(text: str) -> dict:
@@ -123,6 +138,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         runner=args.runner,
         convert=args.convert,
         pooler_config=args.pooler_config,
+        speculative_config=getattr(args, "speculative_config", None),
         **lora_engine_kwargs(args),
     )
     engine_args.validate()

@@ -27,6 +27,7 @@ from tinyserve.kernels.backend import default_attention_backend, get_attention_b
 from tinyserve.lifecycle.engine_spans import EngineSpanBuilder
 from tinyserve.lifecycle.tracing import tracing_enabled
 from tinyserve.lora.attach import attach_lora, attach_lora_recorder
+from tinyserve.spec_decode.attach import attach_spec_decode, speculative_classes
 from tinyserve.utils import cdiv
 from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
@@ -59,6 +60,8 @@ class EngineCore:
         self.recorder = self._make_recorder(spans_inline)
         if self.lora_manager is not None:  # the adapters on the request's and the step's spans
             attach_lora_recorder(self.recorder, self.lora_manager, self.scheduler)
+        if args.speculative_config is not None:  # its request check and step span attributes
+            attach_spec_decode(self)
         # Everything allocated so far (model, tokenizer, libraries) lives as long as the
         # engine: move it out of the garbage collector's sight, as vLLM does after start-up.
         # Otherwise every full collection walks those millions of objects again: a
@@ -92,6 +95,9 @@ class EngineCore:
         if args.runner == "pooling":
             scheduler_class = PoolingScheduler
             runner_class = functools.partial(PoolingModelRunner, pooler=Pooler(**args.pooler_config))
+        # --speculative-config: drafts proposed, verified in one pass, rolled back (tinyserve/spec_decode/).
+        if args.speculative_config is not None:
+            scheduler_class, runner_class = speculative_classes(args, info, backend)
         self.scheduler = scheduler_class(self.kv_cache_manager, max_num_batched_tokens=args.max_num_batched_tokens,
                                    max_num_seqs=args.max_num_seqs, max_model_len=info.max_model_len,
                                    policy=args.scheduling_policy)

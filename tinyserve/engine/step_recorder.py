@@ -66,6 +66,9 @@ class StepRecorder:
         # for the step span.
         self.request_hooks: list = []
         self.step_hooks: list = []
+        # finish_hooks(request_id) -> dict for the decode span of a request that finished (speculative
+        # decoding: spec_decode/attach.py)
+        self.finish_hooks: list = []
 
     @contextlib.contextmanager
     def step(self):
@@ -81,7 +84,7 @@ class StepRecorder:
         if self.span_builder is not None:
             attributes = {k: v for hook in self.step_hooks for k, v in hook(record.scheduler_output).items()}
             self.span_builder.record_step(record.scheduler_output, self.last_step_times, stats, record.outputs,
-                                          attributes)
+                                          attributes, self._finished_attributes(record.outputs))
         record.engine_core_outputs = EngineCoreOutputs(engine_index=self.engine_index, timestamp=end,
                                                        outputs=record.outputs, scheduler_stats=stats)
 
@@ -99,7 +102,13 @@ class StepRecorder:
     def on_finished(self, outputs: list[EngineCoreOutput]) -> None:
         """Requests that finished outside a step (aborted): their spans end."""
         if self.span_builder is not None and outputs:
-            self.span_builder.record_finished(outputs)
+            self.span_builder.record_finished(outputs, self._finished_attributes(outputs))
+
+    def _finished_attributes(self, outputs: list[EngineCoreOutput]) -> dict[str, dict]:
+        if not self.finish_hooks:
+            return {}
+        return {output.request_id: {k: v for hook in self.finish_hooks for k, v in hook(output.request_id).items()}
+                for output in outputs if output.finished}
 
     def flush(self) -> None:
         if self.span_builder is not None:

@@ -65,6 +65,18 @@ class LLM:
         Only a tensor-parallel LLM holds anything an interpreter's exit would not free."""
         self.llm_engine.shutdown()
 
+    def get_metrics(self) -> list:
+        """vLLM's LLM.get_metrics(): metric objects, each with a `name` and labels and a `value` (counters)
+        or `values` (vectors); here speculative decoding's counters (spec_decode/metrics.py), under the
+        `tinyserve:` prefix. Empty for an engine without --speculative-config."""
+        from tinyserve.entrypoints.api.metrics import DEFAULT_METRICS_PREFIX
+        from tinyserve.spec_decode.metrics import spec_decode_metrics
+
+        stats = self.engine_core.get_stats().spec_decoding_stats
+        if stats is None:
+            return []
+        return spec_decode_metrics(DEFAULT_METRICS_PREFIX, stats, {"model_name": self.model_name, "engine": "0"})
+
     def get_tokenizer(self):
         return self.tokenizer
 

@@ -30,11 +30,12 @@ class InputProcessor(Renderer):
     @classmethod
     def from_engine_args(cls, model_info: ModelInfo, tokenizer, args) -> "InputProcessor":
         return cls(model_info, tokenizer, args.block_size, args.max_logprobs, args.scheduling_policy,
-                   args.structured_outputs_backend, args.runner, LoRAChecker.from_engine_args(model_info.path, args))
+                   args.structured_outputs_backend, args.runner, LoRAChecker.from_engine_args(model_info.path, args),
+                   speculative=args.speculative_config is not None)
 
     def __init__(self, model_info: ModelInfo, tokenizer, block_size: int, max_logprobs: int = 20,
                  scheduling_policy: str = "fcfs", structured_outputs_backend: str = "xgrammar",
-                 runner: str = "generate", lora_checker: LoRAChecker | None = None) -> None:
+                 runner: str = "generate", lora_checker: LoRAChecker | None = None, speculative: bool = False) -> None:
         """max_logprobs: the most logprobs or prompt_logprobs a request may ask for (vLLM's flag, default 20).
         scheduling_policy: the engine's; a request's priority means something only under "priority".
         structured_outputs_backend: the engine's grammar library (it must compile a request's constraint).
@@ -47,6 +48,14 @@ class InputProcessor(Renderer):
         self.max_logprobs = max_logprobs
         # A request's LoRA adapter, checked against the engine's settings (tinyserve/lora/registry.py).
         self.lora_checker = lora_checker or LoRAChecker(model_info.path, enable_lora=False, max_lora_rank=0)
+        self.speculative = speculative  # --speculative-config: structured outputs are refused (spec_decode/)
+
+    def check_structured_outputs(self, structured_outputs) -> None:
+        """A constraint the grammar library cannot compile is a 400; so is any under speculative decoding."""
+        if self.speculative:
+            raise InvalidInputError("structured outputs are not supported with speculative decoding "
+                                    "(--speculative-config)", "structured_outputs")
+        check_structured_outputs(structured_outputs, self.structured_outputs_backend)
 
     def make_requests(
         self,
@@ -87,8 +96,8 @@ class InputProcessor(Renderer):
                     raise InvalidInputError(
                         f"{name} contains {token_id}, outside the vocabulary [0, {self.model_info.vocab_size})", name)
         sampling_params = self.resolve_logprobs(sampling_params)
-        if sampling_params.structured_outputs is not None:  # one the grammar library cannot compile: a 400
-            check_structured_outputs(sampling_params.structured_outputs, self.structured_outputs_backend)
+        if sampling_params.structured_outputs is not None:
+            self.check_structured_outputs(sampling_params.structured_outputs)
         check_kv_fit(len(prompt.prompt_token_ids), sampling_params.max_tokens, self.model_info.max_model_len,
                      self.block_size, num_kv_blocks)
         arrival_time = arrival_time if arrival_time is not None else time.time()

@@ -157,6 +157,11 @@ class OutputProcessor:
         if output.finish_reason is None:
             processed.reqs_to_abort.append(output.request_id)
         processed.stop_string_finishes[output.request_id] = "stop"
+        # Several new tokens in one output (speculative decoding): none after the one that completed the string.
+        num_kept = child.detokenizer.num_output_tokens - len(child.token_ids)
+        if num_kept < len(output.new_token_ids):
+            output.new_token_ids = output.new_token_ids[:num_kept]
+            output.new_logprobs = output.new_logprobs[:num_kept] if output.new_logprobs else output.new_logprobs
         return "stop", stop_string
 
     def _fold(self, child: ChildState, output: EngineCoreOutput, delta_text: str, finish_reason, stop_reason):

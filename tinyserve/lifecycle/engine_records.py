@@ -71,6 +71,7 @@ class FinishedRequest:
     structured_output_kind: str | None = None
     seed: int | None = None
     attributes: dict = field(default_factory=dict)
+    decode_attributes: dict = field(default_factory=dict)  # from layers beside the engine, for its decode span
 
 
 def block_changes(scheduled: list) -> dict:

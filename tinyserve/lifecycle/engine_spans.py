@@ -80,11 +80,12 @@ class EngineSpanBuilder:
                                                  seed, attributes or {})
 
     def record_step(self, scheduler_output, times: StepTimes, stats, outputs: list,
-                    attributes: dict | None = None) -> None:
+                    attributes: dict | None = None, finished_attributes: dict | None = None) -> None:
         """After a step: its SchedulerOutput, clock, SchedulerStats and EngineCoreOutputs' outputs (attributes:
-        more for its span, from layers beside the engine)."""
+        more for its span, from layers beside the engine; finished_attributes: request id -> more for the
+        decode span of a request that finished)."""
         hits, self._prefix_cache_hits = stats.prefix_cache_hits - self._prefix_cache_hits, stats.prefix_cache_hits
-        finished = self._finished(outputs)
+        finished = self._finished(outputs, finished_attributes)
         # Released blocks are told with the step that tells the worker. An empty step has a span only
         # when it does that: the engine ran it for no other reason (a client left, and nothing else runs),
         # and without it the release would be in no span at all while the engine stays idle.
@@ -101,13 +102,13 @@ class EngineSpanBuilder:
                   for s in scheduler_output.scheduled if s.request_id in self._traced}
         self._submit(record, served, finished)
 
-    def record_finished(self, outputs: list) -> None:
+    def record_finished(self, outputs: list, finished_attributes: dict | None = None) -> None:
         """Requests that finished outside a step (aborted): their spans."""
-        finished = self._finished(outputs)
+        finished = self._finished(outputs, finished_attributes)
         if finished:
             self._submit(None, {}, finished)
 
-    def _finished(self, outputs: list) -> list[FinishedRequest]:
+    def _finished(self, outputs: list, finished_attributes: dict | None = None) -> list[FinishedRequest]:
         finished = []
         for output in outputs:
             traced = self._traced.pop(output.request_id, None) if output.finished else None
@@ -116,6 +117,7 @@ class EngineSpanBuilder:
                     output.request_id, traced.trace_context, output.times, output.finish_reason,
                     output.num_cached_tokens, traced.num_prompt_tokens, len(output.times.token_times),
                     traced.queue_depth_at_arrival, traced.structured_output_kind, traced.seed, traced.attributes,
+                    (finished_attributes or {}).get(output.request_id, {}),
                 ))
         return finished
 
@@ -215,6 +217,7 @@ class EngineSpanBuilder:
             schema.TOKEN_TIMES: [_ns(t) for t in times.token_times],
             schema.NUM_PREEMPTIONS: len(times.preemption_times),
             schema.FINISH_REASON: request.finish_reason,
+            **request.decode_attributes,
         }, links=timelines)
         for preempted in decode_preemptions:
             decode.add_event(schema.EVENT_PREEMPTED, timestamp=_ns(preempted))

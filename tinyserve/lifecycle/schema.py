@@ -197,6 +197,19 @@ LORA_REQUEST = "tinyserve.lora.request"
 STEP_LORA_ADAPTERS = "tinyserve.step.lora_adapters"
 STEP_RUNNING_LORA_ADAPTERS = "tinyserve.step.running_lora_adapters"
 STEP_WAITING_LORA_ADAPTERS = "tinyserve.step.waiting_lora_adapters"
+# Speculative decoding (tinyserve/spec_decode/), on the step span: the requests whose drafts this step
+# verified, and for each (aligned) the drafts proposed, accepted and rejected; the seconds the worker
+# spent verifying them and proposing the next ones (both inside tinyserve.execute).
+STEP_SPEC_REQUEST_IDS = "tinyserve.step.spec_decode.request_ids"
+STEP_SPEC_NUM_PROPOSED = "tinyserve.step.spec_decode.num_proposed"
+STEP_SPEC_NUM_ACCEPTED = "tinyserve.step.spec_decode.num_accepted"
+STEP_SPEC_NUM_REJECTED = "tinyserve.step.spec_decode.num_rejected"
+STEP_SPEC_PROPOSE_TIME = "tinyserve.step.spec_decode.propose_time_s"
+STEP_SPEC_VERIFY_TIME = "tinyserve.step.spec_decode.verify_time_s"
+# ... and on a request's tinyserve.decode span: its drafts over its whole life, proposed, accepted, rejected
+SPEC_NUM_PROPOSED = "tinyserve.spec_decode.num_proposed"
+SPEC_NUM_ACCEPTED = "tinyserve.spec_decode.num_accepted"
+SPEC_NUM_REJECTED = "tinyserve.spec_decode.num_rejected"
 
 # ---- trace files -------------------------------------------------------------------
 MANIFEST_FILE = "manifest.json"

@@ -81,6 +81,16 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         return self.finish_reason is not None
 
 
+class SpecDecodingStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Speculative decoding's counters, cumulative (vLLM's SpecDecodingStats; tinyserve/spec_decode/)."""
+
+    num_spec_tokens: int = 0  # num_speculative_tokens: the positions of num_accepted_tokens_per_pos
+    num_drafts: int = 0  # verifications: one per request per step that had drafts
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # drafts accepted
+    num_accepted_tokens_per_pos: list[int] = []  # accepted drafts by position in their draft (0-based)
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -94,6 +104,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # Of the waiting: those that cannot be scheduled yet whatever the room (their grammar is still being
     # compiled), vLLM's "deferred" waiting requests; the rest wait for room ("capacity").
     num_waiting_deferred_reqs: int = 0
+    spec_decoding_stats: SpecDecodingStats | None = None  # an engine with --speculative-config
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

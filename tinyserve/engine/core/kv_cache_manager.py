@@ -108,6 +108,17 @@ class KVCacheManager:
         self.req_to_hashes.pop(request.request_id, None)
         self.req_num_cached_blocks.pop(request.request_id, None)
 
+    def free_tail(self, request: Request) -> None:
+        """Free the blocks past the request's computed tokens: those that only rejected speculative
+        drafts reached (spec_decode/). Never prefix-cached: only blocks full of known tokens are."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = self.blocks_needed(request.num_computed_tokens)
+        if blocks is None or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free_blocks(list(reversed(tail)))
+
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 

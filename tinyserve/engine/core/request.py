@@ -65,6 +65,9 @@ class Request:
     # Structured outputs: a Future of the request's grammar, compiled by the StructuredOutputManager
     # (engine/structured_output.py) in its threads. The scheduler admits the request once it is done.
     grammar: Future | None = None
+    # Speculative decoding (tinyserve/spec_decode/): drafts of its next tokens, proposed by the worker
+    # in the previous step, verified by the next one (vLLM's spec_token_ids). Empty without speculation.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -86,6 +89,11 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus output tokens: everything whose K/V must eventually be computed."""
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """The known tokens and the drafts: what the next step may compute K/V for."""
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

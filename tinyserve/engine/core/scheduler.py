@@ -142,7 +142,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, step.token_budget)
+            # num_tokens_with_spec: the known tokens and any speculative drafts to verify (spec_decode/)
+            num_new_tokens = min(request.num_tokens_with_spec - request.num_computed_tokens, step.token_budget)
             num_blocks_held = len(self.kv.get_block_ids(request.request_id))  # the worker's block table
             if self._preempt_for(request, num_new_tokens, step):
                 step.cached[request.request_id] = self._schedule_cached(request, num_new_tokens, num_blocks_held)
@@ -197,7 +198,7 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: "ModelRunnerOutput") -> list[EngineCoreOutput]:
-        """Append each sampled token, check stop conditions, and report what changed."""
+        """Append each request's new tokens, check stop conditions, and report what changed."""
         sampled_token_ids = model_runner_output.sampled_token_ids
         logprobs, prompt_logprobs = model_runner_output.logprobs, model_runner_output.prompt_logprobs
         now = time.time()
@@ -212,14 +213,20 @@ class Scheduler:
                 request.prompt_logprobs += prompt_logprobs[request.request_id]
             if not scheduled.samples_token:
                 continue
-            token_id = sampled_token_ids[request.request_id]
-            request.append_output_token(token_id, now)
-            status = self._check_stop(request)
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
-            new_logprobs = [logprobs[request.request_id]] if logprobs and request.request_id in logprobs else None
-            output = self._output(request, [token_id], new_logprobs)
+            # One token; or, verifying speculative drafts, the accepted drafts and one more. A stop
+            # (token, max_tokens, max_model_len) may come before the last of them: nothing after it is kept.
+            new_token_ids = []
+            for token_id in sampled_token_ids[request.request_id]:
+                request.append_output_token(token_id, now)
+                new_token_ids.append(token_id)
+                status = self._check_stop(request)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    break
+            new_logprobs = logprobs[request.request_id][: len(new_token_ids)] \
+                if logprobs and request.request_id in logprobs else None
+            output = self._output(request, new_token_ids, new_logprobs)
             if request.sampling_params.prompt_logprobs is not None and request.num_output_tokens == 1:
                 output.prompt_logprobs = request.prompt_logprobs  # complete once the first token is sampled
             outputs.append(output)

@@ -16,7 +16,9 @@ is what crosses the seam to keep that copy current:
     │                    output_token_ids=[] — or, resumed after a preemption,
     │                    every token it had generated: they are recomputed too)
     ├── preempted_request_ids       their blocks were freed: the worker drops its block tables
-    └── finished_request_ids        finished or aborted since the previous step: the worker forgets them
+    ├── finished_request_ids        finished or aborted since the previous step: the worker forgets them
+    └── scheduled_spec_decode_tokens  speculative decoding only: {a: [d1, d2, d3]}, drafts fed after
+                                    a's newest token (its new=4), verified in this one pass
 
 The batch runs the cached requests first, then the new ones: the order the
 scheduler's two loops chose them in (running requests, then waiting ones). The
@@ -96,6 +98,9 @@ class SchedulerOutput:
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: bytes | None = None
     grammar_bitmask_time: float = 0.0  # seconds spent filling it
+    # Speculative decoding (tinyserve/spec_decode/, vLLM's name): the drafts each decoding request feeds
+    # after its newest token; its num_new_tokens counts them. Empty without speculation.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def scheduled(self) -> list[ScheduledRequest]:

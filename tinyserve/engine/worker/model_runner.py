@@ -35,11 +35,15 @@ from tinyserve.wire.messages import TokenLogprobs
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]
-    logprobs: dict[str, TokenLogprobs]
+    # Each sampling request's new tokens: one; or, verifying speculative drafts (spec_decode/), the
+    # accepted drafts and one more. logprobs: one TokenLogprobs per new token, for requests that asked.
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]]
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # --runner pooling: the vector of each request whose prompt this step finished (pooling_runner.py)
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    # Speculative decoding: each request's drafts for the next step (vLLM's spec_token_ids)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -187,8 +191,8 @@ class ModelRunner:
                                                             scheduler_output.grammar_bitmask, grammar_rows)
             for state, token_id in zip(sampling_states, token_ids):
                 state.output_token_ids.append(token_id)  # the scheduler appends the same token to its Request
-            sampled = dict(zip(inputs.sampling_request_ids, token_ids))
-            logprobs = {rid: lp for rid, lp in zip(inputs.sampling_request_ids, token_logprobs) if lp is not None}
+            sampled = {rid: [token_id] for rid, token_id in zip(inputs.sampling_request_ids, token_ids)}
+            logprobs = {rid: [lp] for rid, lp in zip(inputs.sampling_request_ids, token_logprobs) if lp is not None}
         prompt_logprobs = self._prompt_logprobs(hidden, scheduler_output)
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
 

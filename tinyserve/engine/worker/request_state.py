@@ -36,6 +36,8 @@ class CachedRequestState:
     # allowed_token_ids as a mask over the vocabulary (True: forbidden), made at its first step (token_filters.py)
     allowed_token_ids_mask: torch.Tensor | None = None
     lora_request: LoRARequest | None = None  # its adapter (tinyserve/lora/manager.py reads it)
+    # Speculative decoding: this step's drafts, fed after the known tokens (SchedulerOutput.scheduled_spec_decode_tokens)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:
@@ -47,7 +49,11 @@ class CachedRequestState:
         return set(self.sampling_params.stop_token_ids or ()).union(self.eos_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """The token ids at positions [start, end) of prompt + output."""
+        """The token ids at positions [start, end) of prompt + output (+ this step's drafts)."""
         num_prompt = len(self.prompt_token_ids)
         output_start, output_end = max(start - num_prompt, 0), max(end - num_prompt, 0)
-        return self.prompt_token_ids[start:end] + self.output_token_ids[output_start:output_end]
+        token_ids = self.prompt_token_ids[start:end] + self.output_token_ids[output_start:output_end]
+        if self.spec_token_ids:
+            num_known = num_prompt + len(self.output_token_ids)
+            token_ids += self.spec_token_ids[max(start - num_known, 0):max(end - num_known, 0)]
+        return token_ids

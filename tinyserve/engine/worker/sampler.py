@@ -44,17 +44,7 @@ class Sampler:
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
-        logits = logits.clone()
-        for row, (request, p) in enumerate(zip(requests, params)):
-            apply_token_filters(logits[row], request)
-            if request.num_output_tokens < p.min_tokens:
-                logits[row, list(request.min_tokens_stop_ids)] = float("-inf")
-            if p.logit_bias:
-                bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
-                logits[row, list(p.logit_bias)] += bias
-            if p.has_penalties:
-                apply_penalties(logits[row], request)
-
+        logits = self.process_logits(logits, requests)
         sampled = logits.argmax(dim=-1)
         random_rows = [row for row, p in enumerate(params) if not p.is_greedy]
         if random_rows:
@@ -73,6 +63,22 @@ class Sampler:
             for row, p in enumerate(params)
         ]
         return token_ids, logprobs
+
+    @staticmethod
+    def process_logits(logits: torch.Tensor, requests: list[CachedRequestState]) -> torch.Tensor:
+        """A copy of the logits with each request's filters, min_tokens, logit_bias and penalties applied."""
+        logits = logits.clone()
+        for row, request in enumerate(requests):
+            p = request.sampling_params
+            apply_token_filters(logits[row], request)
+            if request.num_output_tokens < p.min_tokens:
+                logits[row, list(request.min_tokens_stop_ids)] = float("-inf")
+            if p.logit_bias:
+                bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+                logits[row, list(p.logit_bias)] += bias
+            if p.has_penalties:
+                apply_penalties(logits[row], request)
+        return logits
 
     def _probs(self, logits: torch.Tensor, params) -> torch.Tensor:
         temperature = torch.tensor([p.temperature for p in params], device=logits.device)

@@ -20,6 +20,9 @@ output "stop"); the engine then reports it aborted, with its timestamps, and onl
 timestamps are taken from that report. An `n > 1` request is one parent of n engine
 requests: `request_params_n` and `request_max_num_generation_tokens` are observed once
 its last child finishes, the per-request token histograms once per child, as in vLLM.
+
+The module is over 300 lines because vLLM's metric set, each metric with its help text and
+labels, reads best in one place (speculative decoding's own counters: spec_decode/metrics.py).
 """
 
 import contextlib
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from tinyserve.entrypoints.api.http_metrics import HttpMetrics
+from tinyserve.spec_decode.metrics import SpecDecodeCounters
 from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, RequestTimes
 from tinyserve.sampling_params import SamplingParams
 
@@ -161,6 +165,7 @@ class ServerMetrics:
                                      ["path"], registry=self.registry)
         self.http = HttpMetrics(self.registry)  # filled by http_metrics.HttpMetricsMiddleware
         self.cache_config_info = None  # set once the engines report their KV pools (record_cache_config)
+        self.spec_decode = SpecDecodeCounters(prefix, self.registry, labels)  # registered once used (spec_decode/)
         self._clocks: dict[str, _RequestClock] = {}
         self._parents: dict[str, _Parent] = {}
         self._awaiting_engine_times: dict[str, tuple] = {}  # finished here on a stop string: id → labels
@@ -184,6 +189,8 @@ class ServerMetrics:
         for engine, num_blocks in zip(self.engine_indices, num_kv_blocks, strict=True):
             values = {name: str(value) for name, value in info.items()}
             self.cache_config_info.labels(**values, num_gpu_blocks=str(num_blocks), engine=str(engine)).set(1)
+        if getattr(engine_args, "speculative_config", None) is not None:  # visible before the first draft
+            self.spec_decode.register()
 
     def forget_engine_gauges(self, engine_index: int | None = None) -> None:
         """The engines are gone (or engine_index alone, a data-parallel rank that died while others serve):
@@ -233,6 +240,7 @@ class ServerMetrics:
             self.num_preemptions.labels(*labels).inc(stats.num_preemptions - seen.num_preemptions)
             seen.prefix_cache_queries, seen.prefix_cache_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
             seen.num_preemptions = stats.num_preemptions
+            self.spec_decode.observe(labels, stats.spec_decoding_stats)
         iteration_tokens = 0
         for output in outputs.outputs:
             clock = self._clocks.get(output.request_id)
