@@ -24,6 +24,7 @@ import concurrent.futures
 import json
 import os
 import random
+import shlex
 import shutil
 import sys
 import tempfile
@@ -262,6 +263,22 @@ def lora() -> Recording:
                      workload, adapters=("sql", "chat"))
 
 
+SPECULATIVE_CONFIG = {"method": "draft_model", "num_speculative_tokens": 3}  # the built-in draft
+
+
+def spec_decode() -> Recording:
+    """Chat requests one after the other on the built-in model with its built-in draft: each request alone in its steps,
+    so every step's drafts are its own."""
+    questions = ["Which is better, flat or nested?", "What counts?", "Is explicit better than implicit?",
+                 "What about errors?"]
+    workload = [Request(1.0 * i, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": 32, "temperature": 0.0})
+        for i, question in enumerate(questions)]
+    return Recording("spec-decode", "4 chat requests one after the other, greedy, on the built-in model with "
+                     "speculative decoding by its built-in draft (3 tokens a step)",
+                     ["--speculative-config", json.dumps(SPECULATIVE_CONFIG, separators=(",", ":"))], workload)
+
+
 def make_adapter(folder: Path, seed: int) -> Path:
     """A rank-8 LoRA adapter of the built-in model on every projection, made by PEFT (random A and B from `seed`;
     PEFT starts B at zero, which would change nothing), saved in PEFT's format into `folder`."""
@@ -285,7 +302,7 @@ def make_adapter(folder: Path, seed: int) -> Path:
 
 RECORDINGS = {r.name: r for r in (lifecycle(), mixed(), kv_tight(), kv_roomy(), kv_no_prefix_cache(), load(5), load(25),
                                   load(75), load_dp(), load_tp(), multi_node(), external_lb(), cases(), node_lost(),
-                                  pooling(), lora())}
+                                  pooling(), lora(), spec_decode())}
 
 
 # ---- the server and the client ------------------------------------------------------------
@@ -429,7 +446,7 @@ def record(name: str, out_dir: str | Path) -> Path:
     env = [f"{key}={value}" for key, value in SERVER_ENV.items()]
     hosts = recording.headless_flags is not None  # one machine plays two hosts: their spans say which
     command = [*env, *([f"OTEL_RESOURCE_ATTRIBUTES=host.name={HEAD_HOST}"] if hosts else []),
-               "tinyserve", "serve", "--trace", "--trace-dir", "traces", *recording.flags,
+               "tinyserve", "serve", "--trace", "--trace-dir", "traces", *map(shlex.quote, recording.flags),
                *(["--lora-modules", *(f"{name}=ADAPTERS/{name}" for name in recording.adapters)]
                  if recording.adapters else [])]
     if recording.routed_ranks:
