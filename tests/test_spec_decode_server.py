@@ -32,3 +32,29 @@ def test_a_server_with_a_speculative_config_answers_as_without_and_counts_its_dr
         assert metric(server.url, "spec_decode_num_accepted_tokens_per_pos_total") == drafted
     finally:
         server.stop()
+
+
+def test_the_built_in_draft_over_http_gives_transformers_tokens_under_concurrent_requests():
+    """draft_model without a model: the built-in draft. Greedy token ids equal transformers' own generate."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.hf_reference import MAX_TOKENS, hf_greedy
+    from tinyserve.models.default_model import default_model_path
+
+    config = {"method": "draft_model", "num_speculative_tokens": 3}
+    server = ServerProcess(None, "--speculative-config", json.dumps(config))
+    try:
+        prompts = [[9, 120, 33, 41, 7], [250, 3, 18, 77, 140, 201, 9], [5, 6, 7, 8], [1000, 2000, 3000]]
+
+        def token_ids(prompt):
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 0,
+                    "return_tokens_as_token_ids": True}
+            answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()
+            return [int(t.removeprefix("token_id:")) for t in answer["choices"][0]["logprobs"]["tokens"]]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(token_ids, prompts))
+        assert got == [hf_greedy(str(default_model_path()), p) for p in prompts]
+        wait_until(lambda: metric(server.url, "spec_decode_num_drafts_total") > 0, 10, "drafts are counted")
+    finally:
+        server.stop()
