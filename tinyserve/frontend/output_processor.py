@@ -8,7 +8,8 @@
     shape         the RequestOutput its OutputKind asks for
 
 and returns vLLM's OutputProcessorOutput: the RequestOutputs, the engine requests to abort,
-and the finishes the stop strings decided (the engine's own message is left as it came).
+and the finishes the stop strings decided (the engine's own message is left as it came, but for
+tokens after a stop string, cut from it: with speculative decoding one output may bring several).
 
 How much each RequestOutput carries depends on its OutputKind, as in vLLM:
 CUMULATIVE (everything so far), DELTA (only what is new: streaming) or
