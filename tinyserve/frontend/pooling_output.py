@@ -35,7 +35,7 @@ class PoolingRequest:
 
 
 class PoolingOutputProcessor:
-    def __init__(self, tokenizer=None) -> None:
+    def __init__(self) -> None:
         self.parents: dict[str, PoolingRequest] = {}
         self.children = self.parents  # one engine request per request, under the same id
 

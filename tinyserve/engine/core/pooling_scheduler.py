@@ -24,13 +24,8 @@ from tinyserve.wire.messages import EngineCoreOutput
 class PoolingScheduler(Scheduler):
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output) -> list[EngineCoreOutput]:
         """Finish each request whose prompt this step completed, with the vector the runner pooled."""
-        now = time.time()
         outputs = []
-        for scheduled in scheduler_output.scheduled:
-            request = self.requests.get(scheduled.request_id)
-            if request is None or request.is_finished:  # aborted while the step ran
-                continue
-            request.times.prefill_chunks.append((now, scheduled.num_new_tokens))
+        for scheduled, request in self._served(scheduler_output, time.time()):  # every one a prefill
             if not scheduled.samples_token:  # a chunk of a longer prompt: more to come
                 continue
             self.running.remove(request)

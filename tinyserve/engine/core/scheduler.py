@@ -203,12 +203,7 @@ class Scheduler:
         logprobs, prompt_logprobs = model_runner_output.logprobs, model_runner_output.prompt_logprobs
         now = time.time()
         outputs = []
-        for scheduled in scheduler_output.scheduled:
-            request = self.requests.get(scheduled.request_id)
-            if request is None or request.is_finished:  # aborted while the step ran
-                continue
-            if scheduled.is_prefill:
-                request.times.prefill_chunks.append((now, scheduled.num_new_tokens))
+        for scheduled, request in self._served(scheduler_output, now):
             if prompt_logprobs and request.request_id in prompt_logprobs:
                 request.prompt_logprobs += prompt_logprobs[request.request_id]
             if not scheduled.samples_token:
@@ -231,6 +226,17 @@ class Scheduler:
                 output.prompt_logprobs = request.prompt_logprobs  # complete once the first token is sampled
             outputs.append(output)
         return outputs
+
+    def _served(self, scheduler_output: SchedulerOutput, now: float):
+        """(scheduled, request) for each request the step served that is still live (one aborted while the step
+        ran is not), its prefill chunk's time recorded."""
+        for scheduled in scheduler_output.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            if request is None or request.is_finished:
+                continue
+            if scheduled.is_prefill:
+                request.times.prefill_chunks.append((now, scheduled.num_new_tokens))
+            yield scheduled, request
 
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(
