@@ -145,7 +145,7 @@ class VllmServer:
 
 # The offline driver, run by the venv's Python: one LLM, then a workload per line of stdin, an answer per line.
 _DRIVER = r"""
-import json, sys, time
+import json, sys
 from vllm import LLM, SamplingParams
 config = json.loads(sys.argv[1])
 llm = LLM(config["folder"], dtype=config["dtype"], enable_prefix_caching=False,
@@ -154,15 +154,13 @@ print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     workload = json.loads(line)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload["output_lens"]]
-    start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in workload["prompts"]], params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    print(json.dumps({"seconds": seconds, "outputs": [list(o.outputs[0].token_ids) for o in outputs]}), flush=True)
+    print(json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outputs]}), flush=True)
 """
 
 
 class OfflineVllm:
-    """vllm.LLM in a process of the venv; a compare.py runner: workload -> generated ids (`last_seconds`: its time)."""
+    """vllm.LLM in a process of the venv; a compare.py runner: workload -> generated ids (compare.py times the call)."""
 
     def __init__(self, folder: str, dtype: str, log_file: Path, max_num_batched_tokens: int = 2048,
                  cores: str | None = None):
@@ -170,7 +168,6 @@ class OfflineVllm:
         self.log = open(log_file, "w")
         self.process = subprocess.Popen([str(python()), "-c", _DRIVER, config], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=self.log, text=True, env=environment(cores))
-        self.last_seconds = None
         self._read()
 
     def _read(self) -> dict:
@@ -182,9 +179,7 @@ class OfflineVllm:
     def __call__(self, workload) -> list[list[int]]:
         self.process.stdin.write(json.dumps({"prompts": workload.prompts, "output_lens": workload.output_lens}) + "\n")
         self.process.stdin.flush()
-        answer = self._read()
-        self.last_seconds = answer["seconds"]
-        return answer["outputs"]
+        return self._read()["outputs"]
 
     def close(self) -> None:
         self.process.stdin.close()
