@@ -7,6 +7,8 @@
     router = NginxRouter("/usr/sbin/nginx", [server_a.port, server_b.port], folder)  # least_conn in front
     router.url, router.stop()
 
+    router = RouterProcess([server_a.url, server_b.url], "--policy", "least_load")  # `tinyserve router`
+
 The test suite, benchmarks/soak.py and scripts/record_traces.py start their servers
 (and the nginx in front of several) with these helpers. It lives in the package rather than in tests/ so that all three
 import it the same way, wherever tinyserve is installed: a script in benchmarks/ or
@@ -104,6 +106,23 @@ class ServerProcess:
         except ProcessLookupError:
             return True
         return False
+
+
+class RouterProcess(ServerProcess):
+    """`python -m tinyserve.cli.main router --backend URL... --port <free port> FLAGS...`, healthy once
+    constructed (its /health answers 200 once a backend does)."""
+
+    def __init__(self, backends: list[str], *flags: str, startup_timeout: float = 60.0,
+                 log_path: str | Path | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.killed = False
+        command = [sys.executable, "-m", "tinyserve.cli.main", "router", "--port", str(self.port),
+                   "--backend", *backends, *flags]
+        self.log = open(log_path, "w+b") if log_path is not None else tempfile.TemporaryFile()
+        self.process = subprocess.Popen(command, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                        stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._wait_healthy(startup_timeout)
 
 
 # The temporary files nginx may write, all under one folder: it need not run as root.

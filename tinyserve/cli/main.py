@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from tinyserve.cli import bench, clients, run_batch, serve, trace
+from tinyserve.cli import bench, clients, router, run_batch, serve, trace
 from tinyserve.cli.engine_flags import settle_model
 
 
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_batch.add_parser(commands)
     bench.add_parser(commands)
     trace.add_parser(commands)
+    router.add_parser(commands)
     return parser
 
 

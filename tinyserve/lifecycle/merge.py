@@ -10,6 +10,11 @@ Merging is therefore a copy: every span file of every folder into one, and one
 manifest, the head's, that lists each node under "nodes". load_run then joins the
 spans by trace id as for any run.
 
+A `tinyserve router` in front of --data-parallel-rank servers traces into a folder of its
+own too, router.jsonl beside a manifest whose node says "router": its spans are the
+parents of the backends' HTTP spans (the router sends traceparent), so the same copy
+joins them. Its manifest is never the merged one: a backend's says what was served.
+
 TTFT is the one metric that subtracts a remote engine's clock from the head's
 (run.py): on two machines it is as good as their clock sync (NTP: a millisecond or so).
 """
@@ -31,9 +36,10 @@ def merge_runs(folders: list[str | Path], output: str | Path) -> Path:
     runs = [Path(folder) for folder in folders]
     manifests = [_manifest(run) for run in runs]
     nodes = [manifest.get(schema.MANIFEST_NODE, {}) for manifest in manifests]
-    with_api = [run for run, node in zip(runs, nodes) if not node.get("headless")]
+    with_api = [run for run, node in zip(runs, nodes) if not node.get("headless") and not node.get("router")]
     if not with_api:
-        raise ValueError("merging needs the run of a node that served the API (all of these are --headless)")
+        raise ValueError("merging needs the run of a node that served the API (all of these are --headless "
+                         "or routers)")
     owner: dict[str, Path] = {}
     for run, node in zip(runs, nodes):
         for file in sorted(run.glob("*.jsonl")):

@@ -26,6 +26,7 @@ Each engine also writes one trace per step:
 # ---- services (resource attribute service.name) ------------------------------
 SERVICE_API = "tinyserve-api"
 SERVICE_OFFLINE = "tinyserve-offline"
+SERVICE_ROUTER = "tinyserve-router"  # `tinyserve router`, in front of several servers
 
 
 def engine_service_name(engine_index: int) -> str:
@@ -211,9 +212,24 @@ SPEC_NUM_PROPOSED = "tinyserve.spec_decode.num_proposed"
 SPEC_NUM_ACCEPTED = "tinyserve.spec_decode.num_accepted"
 SPEC_NUM_REJECTED = "tinyserve.spec_decode.num_rejected"
 
+# The router (tinyserve/router/): its span from the choice of a backend to the answer's last byte,
+# the parent of the backend's HTTP span (the router sends its context as traceparent).
+ROUTE = "tinyserve.route"
+ROUTER_POLICY = "tinyserve.router.policy"  # round_robin, least_load, prefix-aware
+ROUTER_BACKEND = "tinyserve.router.backend"  # the chosen backend's URL
+ROUTER_BACKEND_INDEX = "tinyserve.router.backend_index"  # its place in --backend
+ROUTER_REASON = "tinyserve.router.reason"  # the policy's one line on why
+ROUTER_BACKEND_IN_FLIGHT = "tinyserve.router.backend_in_flight"  # the router's requests there, before this one
+# prefix-aware: the request's full prompt blocks, and how many leading ones the chosen backend held
+# (from its KV events) or was sent already (pending, their events not yet in)
+ROUTER_PROMPT_BLOCKS = "tinyserve.router.prompt_blocks"
+ROUTER_CACHED_BLOCKS = "tinyserve.router.cached_blocks"
+ROUTER_PENDING_BLOCKS = "tinyserve.router.pending_blocks"
+
 # ---- trace files -------------------------------------------------------------------
 MANIFEST_FILE = "manifest.json"
 API_TRACE_FILE = "api.jsonl"
+ROUTER_TRACE_FILE = "router.jsonl"
 
 
 def api_trace_file(rank: int | None) -> str:

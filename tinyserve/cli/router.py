@@ -1,0 +1,143 @@
+"""`tinyserve router --backend URL [URL ...]`: one OpenAI endpoint in front of several servers.
+
+    tinyserve serve MODEL --data-parallel-size 2 --data-parallel-rank 0 --port 8001 --kv-events-config '{...}'
+    tinyserve serve MODEL --data-parallel-size 2 --data-parallel-rank 1 --port 8002 --kv-events-config '{...}'
+    tinyserve router --backend http://127.0.0.1:8001 http://127.0.0.1:8002 --policy prefix-aware \\
+        --kv-events tcp://127.0.0.1:5557 tcp://127.0.0.1:5558 --tokenizer MODEL --port 8000
+
+Policies: round_robin (each in turn), least_load (the fewest requests waiting there, from the
+backends' ORCA reports, plus the router's own in flight), prefix-aware (the backend whose KV
+cache already holds the longest prefix of the prompt, from the backends' KV cache events;
+ties to the least loaded). With --trace the router writes router.jsonl in a run folder of its
+own; `tinyserve trace merge` joins it with the backends' folders into one run.
+"""
+
+import argparse
+import logging
+import sys
+from urllib.parse import urlsplit
+
+import uvicorn
+
+from tinyserve.cli.listener import bind_listener
+from tinyserve.router.policies import POLICIES
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("router", help="route OpenAI requests over several tinyserve servers",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
+    parser.add_argument("--backend", nargs="+", default=None, metavar="URL",
+                        help="the servers to route to, e.g. http://127.0.0.1:8001 (required)")
+    parser.add_argument("--policy", choices=POLICIES, default="round_robin",
+                        help="how a backend is chosen (default %(default)s)")
+    prefix = parser.add_argument_group("prefix-aware")
+    prefix.add_argument("--kv-events", nargs="+", default=None, metavar="ENDPOINT",
+                        help="each backend's KV cache events endpoint (ZeroMQ, e.g. tcp://127.0.0.1:5557), "
+                             "one per --backend, in the same order")
+    prefix.add_argument("--tokenizer", default=None, metavar="MODEL",
+                        help="the backends' model (folder or name), whose tokenizer and chat template turn a "
+                             "request into the tokens the backends will cache")
+    prefix.add_argument("--block-size", type=int, default=16,
+                        help="the backends' KV block size, in tokens (default %(default)s, the engine's)")
+    tracing = parser.add_argument_group("tracing")
+    tracing.add_argument("--trace", action="store_true",
+                         help="write the router's spans to router.jsonl in a run folder under --trace-dir")
+    tracing.add_argument("--trace-dir", default="traces", help="where --trace writes run folders (default traces)")
+    tracing.add_argument("--otlp-endpoint", "--otlp-traces-endpoint", dest="otlp_endpoint", default=None,
+                         help="also export spans over OTLP/HTTP")
+    parser.set_defaults(handler=run)
+
+
+def check_router_flags(args: argparse.Namespace) -> str | None:
+    """The first problem with the flags, naming them; None if they fit."""
+    if not args.backend:
+        return "--backend needs at least one URL (e.g. --backend http://127.0.0.1:8001)"
+    for url in args.backend:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            return f"--backend {url!r} is not an http(s) URL with a host (e.g. http://127.0.0.1:8001)"
+    if len(set(args.backend)) != len(args.backend):
+        return "--backend lists the same URL twice"
+    if not 0 <= args.port <= 65535:
+        return f"--port must be in [0, 65535], got {args.port}"
+    if args.block_size < 1:
+        return f"--block-size must be at least 1, got {args.block_size}"
+    if args.policy == "prefix-aware":
+        if not args.kv_events:
+            return "--policy prefix-aware needs --kv-events, one endpoint per --backend"
+        if args.tokenizer is None:
+            return "--policy prefix-aware needs --tokenizer (the backends' model), to hash prompts as they do"
+    if args.kv_events and len(args.kv_events) != len(args.backend):
+        return (f"--kv-events needs one endpoint per --backend, in the same order: got {len(args.kv_events)} "
+                f"for {len(args.backend)} backends")
+    if args.kv_events and args.policy != "prefix-aware":
+        return f"--kv-events is read by --policy prefix-aware only (the policy is {args.policy})"
+    return None
+
+
+def build_router(args: argparse.Namespace):
+    """The Router the app serves. Another dispatch mode (prefill/decode, router/pd.py) is built here
+    from its own flags, and serves the same app."""
+    from tinyserve.router.app import Router
+    from tinyserve.router.backends import Backend
+
+    backends = [Backend(url.rstrip("/"), index) for index, url in enumerate(args.backend)]
+    return Router(backends, make_policy(args, backends))
+
+
+def make_policy(args: argparse.Namespace, backends):
+    from tinyserve.router.policies import LeastLoad, RoundRobin
+
+    if args.policy == "round_robin":
+        return RoundRobin()
+    return LeastLoad()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line for every forwarded request otherwise
+    problem = check_router_flags(args)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        listener = bind_listener(args.host, args.port)
+    except OSError as error:
+        print(f"error: cannot listen on {args.host}:{args.port}: {error.strerror or error}", file=sys.stderr)
+        return 2
+    try:
+        router = build_router(args)
+    except ValueError as error:
+        listener.close()
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    from tinyserve.router.app import build_app
+
+    run_dir = start_tracing(args)
+    if run_dir is not None:
+        print(f"tinyserve: tracing to {run_dir}", flush=True)
+    port = listener.getsockname()[1]
+    print(f"tinyserve: routing ({args.policy}) over {', '.join(args.backend)} on http://{args.host}:{port}/v1",
+          flush=True)
+    config = uvicorn.Config(build_app(router), host=args.host, port=port, log_level="info", access_log=False)
+    uvicorn.Server(config).run(sockets=[listener])
+    return 0
+
+
+def start_tracing(args: argparse.Namespace):
+    """The router's tracer, and its run folder (a manifest that says it is a router's); None without --trace."""
+    from tinyserve.lifecycle import schema
+    from tinyserve.lifecycle.tracing import host_name, new_run_dir, setup_tracing, write_manifest
+
+    if not args.trace and args.otlp_endpoint is None:
+        return None
+    run_dir = new_run_dir(args.trace_dir) if args.trace else None
+    if run_dir is not None:
+        write_manifest(run_dir, model=args.tokenizer, served_model_name="", engine_args={},
+                       data_parallel_size=len(args.backend),
+                       node={"host": host_name(), "headless": False, "router": True, "ranks": [],
+                             "policy": args.policy, "backends": args.backend})
+    setup_tracing(schema.SERVICE_ROUTER, run_dir / schema.ROUTER_TRACE_FILE if run_dir else None, args.otlp_endpoint)
+    return run_dir
