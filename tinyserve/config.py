@@ -4,6 +4,10 @@
 --flag`. `ModelInfo` is what both processes need to know about the model without
 loading its weights: where it lives, its vocabulary, its context length, its
 end-of-sequence tokens. Prompts are validated against it at the boundary.
+
+The module is over 300 lines because every engine argument is checked here, beside its
+field, so that a bad value fails before any process starts; the checks of a layer's own
+arguments live in that layer (spec_decode/config.py, pipeline_parallel/config.py).
 """
 
 import json
@@ -60,6 +64,9 @@ class EngineArgs:
     force_tensor_parallel: bool = False
     # A rank that does not reach a collective in this many seconds fails the engine, named (tp_watchdog.py); 0: off
     tensor_parallel_watchdog_s: float = 30.0
+    # Stages each engine's layers are split over, one process (group) each, up to this many batches in
+    # flight (tinyserve/pipeline_parallel/); vLLM's pipeline_parallel_size.
+    pipeline_parallel_size: int = 1
     structured_outputs_backend: str = "xgrammar"  # the grammar library: xgrammar or llguidance
     # Seconds a constrained request may wait for its grammar to compile; past them it fails with a 400 (0: no limit)
     structured_outputs_compile_timeout: float = 30.0
@@ -111,6 +118,9 @@ class EngineArgs:
                              f"got {self.max_logprobs}")
         self._validate_lora()
         self._validate_speculative()
+        from tinyserve.pipeline_parallel.config import check_pipeline_args
+
+        check_pipeline_args(self)
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "cpu_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -208,6 +218,7 @@ class ModelInfo:
     @classmethod
     def from_args(cls, args: EngineArgs) -> "ModelInfo":
         from tinyserve.models.default_model import default_model_path
+        from tinyserve.models.pipeline_parallel import PipelineStage
         from tinyserve.models.loader import resolve_model_path
 
         path = default_model_path() if args.model is None else resolve_model_path(args.model)
@@ -218,6 +229,8 @@ class ModelInfo:
         max_model_len = args.max_model_len or max_position
         if max_model_len > max_position:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {max_position}")
+        if args.pipeline_parallel_size > 1:  # more stages than layers, refused before any process starts
+            PipelineStage.of(0, args.pipeline_parallel_size, config["num_hidden_layers"])
         torch_dtype = _resolve_dtype(args, config)
         generation_defaults = _generation_defaults(generation_config)
         if generation_defaults:

@@ -47,6 +47,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tensor-parallel-watchdog-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="a rank that does not reach a collective within this many seconds (stopped, stuck) "
                             "fails the engine, named in the error (default 30; 0: never)")
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                       help="split each engine's layers into this many stages, one process each (x the tensor-"
+                            "parallel size), with up to this many batches in flight (default 1)")
     group.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests (default 0)")
     group.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     group.add_argument("--max-logprobs", type=int, default=20,
@@ -133,6 +136,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_logprobs=args.max_logprobs,
         tensor_parallel_size=args.tensor_parallel_size,
         tensor_parallel_watchdog_s=args.tensor_parallel_watchdog_timeout,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         structured_outputs_backend=args.structured_outputs_backend,
         structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
         runner=args.runner,

@@ -27,6 +27,7 @@ from tinyserve.kernels.backend import default_attention_backend, get_attention_b
 from tinyserve.lifecycle.engine_spans import EngineSpanBuilder
 from tinyserve.lifecycle.tracing import tracing_enabled
 from tinyserve.lora.attach import attach_lora, attach_lora_recorder
+from tinyserve.pipeline_parallel.attach import attach_pipeline, pipeline_classes, start_workers
 from tinyserve.spec_decode.attach import attach_spec_decode, speculative_classes
 from tinyserve.utils import cdiv
 from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
@@ -43,8 +44,14 @@ class EngineCore:
         # Tensor parallelism: ranks 1..N-1 start now and load their shards while this one
         # loads rank 0's (worker/tensor_parallel_workers.py); force_tensor_parallel takes
         # that path with one rank too.
-        self.tp_workers = TensorParallelWorkers(args, self.model_info, engine_index) \
-            if args.tensor_parallel_size > 1 or args.force_tensor_parallel else None
+        # Pipeline parallelism: every other rank, of every stage, starts now (tinyserve/pipeline_parallel/).
+        self.tp_workers = None
+        if args.pipeline_parallel_size > 1:
+            self.tp_workers = start_workers(args, self.model_info, engine_index)
+        elif args.tensor_parallel_size > 1 or args.force_tensor_parallel:
+            self.tp_workers = TensorParallelWorkers(args, self.model_info, engine_index)
+        # The loop's step (vLLM's step_fn): this class's step, or the batch queue's under pipeline parallelism.
+        self.step_fn = self.step
         # Until the engine is whole, a failure must also end the process group: the other
         # ranks would wait for this one for ever, and this process could not form another.
         try:
@@ -78,8 +85,10 @@ class EngineCore:
         backend = get_attention_backend(args.attention_backend or default_attention_backend(device), device,
                                         info.max_model_len)
         gpu_at_start = MemorySnapshot.take(device) if device.type == "cuda" else None
+        pipeline = args.pipeline_parallel_size > 1
         model, _ = load_model(info.path, info.torch_dtype, device, backend, max_model_len=info.max_model_len,
-                              tp=self.tp_workers.tp if self.tp_workers else None)
+                              tp=self.tp_workers.tp if self.tp_workers else None,
+                              pp=self.tp_workers.stage if pipeline else None)
         # The Triton kernels read every shape from tensors, so a decode step can be
         # recorded once per batch-size bucket and replayed (CUDA graphs); not yet with
         # the collectives of tensor parallelism inside.
@@ -98,6 +107,8 @@ class EngineCore:
         # --speculative-config: drafts proposed, verified in one pass, rolled back (tinyserve/spec_decode/).
         if args.speculative_config is not None:
             scheduler_class, runner_class = speculative_classes(args, info, backend)
+        if pipeline:  # the scheduler skips requests in flight; each stage runs its layers (pipeline_parallel/)
+            scheduler_class, runner_class = pipeline_classes(self.tp_workers)
         self.scheduler = scheduler_class(self.kv_cache_manager, max_num_batched_tokens=args.max_num_batched_tokens,
                                    max_num_seqs=args.max_num_seqs, max_model_len=info.max_model_len,
                                    policy=args.scheduling_policy)
@@ -105,7 +116,9 @@ class EngineCore:
                                         dtype=info.kv_cache_dtype, device=device, seed=args.seed,
                                         decode_graphs=decode_graphs, max_num_seqs=args.max_num_seqs,
                                         max_model_len=info.max_model_len)
-        if self.tp_workers is not None:
+        if pipeline:  # stage 0 submits batches; the engine steps through the batch queue
+            attach_pipeline(self)
+        elif self.tp_workers is not None:
             self.model_runner = TensorParallelRunner(self.model_runner, self.tp_workers)
         self.lora_manager = attach_lora(args, model, self.scheduler, self.model_runner,
                                         self.request_checks) if args.enable_lora else None

@@ -197,9 +197,9 @@ class EngineCoreProc:
         while True:
             self._process_input_queue()
             if self.engine_core.has_requests:
-                outputs = self.engine_core.step()
+                outputs = self.engine_core.step_fn()  # None: a batch sent down the pipeline, no outputs yet
                 # An empty step only told the worker, unless it ended requests (a grammar not compiled in time)
-                if outputs.outputs or not self.engine_core.last_scheduler_output.is_empty:
+                if outputs is not None and (outputs.outputs or not self.engine_core.last_scheduler_output.is_empty):
                     self._send(EngineOutputKind.OUTPUTS, outputs)
 
     def _process_input_queue(self) -> None:

@@ -72,8 +72,16 @@ class StepRecorder:
 
     @contextlib.contextmanager
     def step(self):
-        record = StepRecord(self, start=time.time())
+        record = self.begin()
         yield record
+        self.finish(record)
+
+    # A step in two halves, for a step whose batch returns later (the batch queue of pipeline parallelism,
+    # pipeline_parallel/batch_queue.py): begun when it is scheduled, finished when its batch is back.
+    def begin(self) -> StepRecord:
+        return StepRecord(self, start=time.time())
+
+    def finish(self, record: StepRecord) -> EngineCoreOutputs:
         end = time.time()
         stats = self.scheduler.make_stats()
         ranks = getattr(self.model_runner, "last_rank_times", None)  # tensor parallelism: every rank's execute
@@ -87,6 +95,7 @@ class StepRecorder:
                                           attributes, self._finished_attributes(record.outputs))
         record.engine_core_outputs = EngineCoreOutputs(engine_index=self.engine_index, timestamp=end,
                                                        outputs=record.outputs, scheduler_stats=stats)
+        return record.engine_core_outputs
 
     # ---- hooks outside the step --------------------------------------------------
 

@@ -49,7 +49,9 @@ class InprocClient:
             outputs, self._pending = self._pending, []
             result = outputs_message(0, outputs, self.engine_core.get_stats())
         else:
-            result = self.engine_core.step()
+            result = self.engine_core.step_fn()
+            if result is None:  # a batch sent down the pipeline (pipeline parallelism): no outputs yet
+                result = outputs_message(0, [], self.engine_core.get_stats())
         for output in result.outputs:
             if output.finished:
                 self.in_flight.pop(output.request_id, None)

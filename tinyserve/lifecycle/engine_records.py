@@ -12,13 +12,29 @@ from tinyserve.lifecycle import schema
 
 @dataclass(slots=True)
 class RankTimes:
-    """One tensor-parallel rank's share of a step: its forward pass and the time it waited in all-reduces."""
+    """One tensor-parallel rank's share of a step: its forward pass and the time it waited in all-reduces.
+
+    Under pipeline parallelism, one rank of one stage: `stage` is its stage, and recv_wait_s the part of
+    [start, end) it spent waiting for the previous stage's hidden states (the first part)."""
 
     rank: int
     device: str
     start: float  # time.time()
     end: float
     all_reduce_s: float
+    stage: int | None = None
+    recv_wait_s: float = 0.0
+
+    def attributes(self, ranks: list["RankTimes"]) -> dict:
+        """Its execute span's: tensor parallelism's, and its pipeline stage's where it has one."""
+        if self.stage is None:
+            return {schema.TP_RANK: self.rank, schema.TP_SIZE: len(ranks), schema.TP_DEVICE: self.device,
+                    schema.TP_ALL_REDUCE_TIME: self.all_reduce_s}
+        stages = 1 + max(r.stage for r in ranks)
+        tp_size = len(ranks) // stages
+        return {schema.TP_RANK: self.rank % tp_size, schema.TP_SIZE: tp_size, schema.TP_DEVICE: self.device,
+                schema.TP_ALL_REDUCE_TIME: self.all_reduce_s, schema.PP_STAGE: self.stage, schema.PP_SIZE: stages,
+                schema.PP_RECV_WAIT_TIME: self.recv_wait_s}
 
 
 @dataclass(slots=True)

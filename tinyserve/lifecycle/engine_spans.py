@@ -285,9 +285,7 @@ class EngineSpanBuilder:
                       schema.EXECUTE_CPU_THREADS: times.cpu_threads, schema.EXECUTE_CPU_TIME: times.execute_cpu_s}),
                   (schema.UPDATE, times.executed, times.end, None)]
         if times.ranks:  # one execute per rank, each with its own clock
-            phases[1:2] = [(schema.EXECUTE, r.start, r.end, {
-                schema.TP_RANK: r.rank, schema.TP_SIZE: len(times.ranks), schema.TP_DEVICE: r.device,
-                schema.TP_ALL_REDUCE_TIME: r.all_reduce_s}) for r in times.ranks]
+            phases[1:2] = [(schema.EXECUTE, r.start, r.end, r.attributes(times.ranks)) for r in times.ranks]
         for name, start, end, phase_attributes in phases:
             self.tracer.start_span(name, context=step_context, start_time=_ns(start),
                                    attributes=phase_attributes).end(end_time=_ns(end))

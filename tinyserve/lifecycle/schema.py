@@ -19,7 +19,8 @@ Each engine also writes one trace per step:
 
     tinyserve.step  (links → the `chat {model}` span of every request it served)
     ├── tinyserve.schedule
-    ├── tinyserve.execute            one per tensor-parallel rank (tinyserve.tp.*), if any
+    ├── tinyserve.execute            one per tensor-parallel rank (tinyserve.tp.*), if any;
+    │                                one per rank of each pipeline stage (tinyserve.pp.*)
     └── tinyserve.update
 """
 
@@ -182,6 +183,13 @@ TP_RANK = "tinyserve.tp.rank"
 TP_SIZE = "tinyserve.tp.size"
 TP_DEVICE = "tinyserve.tp.device"
 TP_ALL_REDUCE_TIME = "tinyserve.tp.all_reduce_time_s"
+# on tinyserve.execute, under pipeline parallelism (tinyserve/pipeline_parallel/): the rank's stage, how
+# many there are, and how long it waited for the previous stage's hidden states (the span's first part;
+# the rest is its layers). The step span then runs from scheduling its batch to the batch's return, so
+# the steps of batches in flight together overlap.
+PP_STAGE = "tinyserve.pp.stage"
+PP_SIZE = "tinyserve.pp.size"
+PP_RECV_WAIT_TIME = "tinyserve.pp.recv_wait_time_s"
 KV_BLOCKS_USED = "tinyserve.kv.blocks_used"
 KV_BLOCKS_FREE = "tinyserve.kv.blocks_free"
 KV_BLOCKS_TOTAL = "tinyserve.kv.blocks_total"

@@ -38,7 +38,8 @@ class StepRecord:
     execute_s: float | None  # rank 0's, under tensor parallelism
     update_s: float | None
     span: Span = field(repr=False)
-    # Under tensor parallelism, per rank: {"rank", "device", "execute_s", "all_reduce_s"}, by rank.
+    # Under tensor parallelism, per rank: {"rank", "device", "execute_s", "all_reduce_s"}, by rank; under
+    # pipeline parallelism also "stage", "start_ns", "end_ns" and "recv_wait_s", by stage then rank.
     ranks: list[dict] = field(default_factory=list)
 
     @property
@@ -55,15 +56,25 @@ class StepRecord:
         return record
 
 
+def _stage_of(execute: Span) -> dict:
+    """Under pipeline parallelism, a rank's stage, its clock and its wait for the previous stage."""
+    a = execute.attributes
+    if schema.PP_STAGE not in a:
+        return {}
+    return {"stage": a[schema.PP_STAGE], "start_ns": execute.start_ns, "end_ns": execute.end_ns,
+            "recv_wait_s": a.get(schema.PP_RECV_WAIT_TIME, 0.0)}
+
+
 def step_record_from_span(span: Span, children: list[Span]) -> StepRecord:
     a = span.attributes
     tokens = [int(t) for t in a.get(schema.STEP_TOKENS_PER_REQUEST, [])]
     ranks = sorted(({"rank": c.attributes[schema.TP_RANK], "device": c.attributes.get(schema.TP_DEVICE),
-                     "execute_s": c.duration_s, "all_reduce_s": c.attributes.get(schema.TP_ALL_REDUCE_TIME)}
+                     "execute_s": c.duration_s, "all_reduce_s": c.attributes.get(schema.TP_ALL_REDUCE_TIME),
+                     **_stage_of(c)}
                     for c in children if c.name == schema.EXECUTE and schema.TP_RANK in c.attributes),
-                   key=lambda r: r["rank"])
+                   key=lambda r: (r.get("stage", 0), r["rank"]))
     phases = {child.name: child.duration_s for child in children
-              if child.attributes.get(schema.TP_RANK, 0) == 0}
+              if child.attributes.get(schema.TP_RANK, 0) == 0 and child.attributes.get(schema.PP_STAGE, 0) == 0}
     return StepRecord(
         engine_index=engine_index_of(span),
         step_id=a.get(schema.STEP_ID),

@@ -34,6 +34,7 @@ from tinyserve.kernels import cpu_elementwise
 from tinyserve.kernels.backend import AttentionBackend
 from tinyserve.kernels.metadata import AttentionMetadata
 from tinyserve.models.packed_linear import Linear
+from tinyserve.models.pipeline_parallel import PipelineStage, PPMissingLayer
 from tinyserve.models.rope import RotaryEmbedding, get_rope_parameters
 from tinyserve.models.tensor_parallel import RowParallelLinear, TensorParallel, split_heads, split_width
 
@@ -195,13 +196,19 @@ class LlamaForCausalLM(nn.Module):
 
     With `tp`, this rank's shard of it (tensor_parallel.py): num_heads and num_kv_heads
     are then the rank's own, and so is the KV cache the runner allocates from them.
+    With `pp`, this stage's layers only (pipeline_parallel.py): the others, and the embedding
+    or the norm and LM head where another stage holds them, are PPMissingLayers; num_layers
+    (and so the KV cache) counts the stage's own.
     """
 
-    def __init__(self, config, attention_backend: AttentionBackend, tp: TensorParallel | None = None):
+    def __init__(self, config, attention_backend: AttentionBackend, tp: TensorParallel | None = None,
+                 pp: PipelineStage | None = None):
         super().__init__()
         self.config = config
         self.tp = tp
-        self.num_layers = config.num_hidden_layers
+        self.pp = pp
+        start, end = (pp.start_layer, pp.end_layer) if pp else (0, config.num_hidden_layers)
+        self.num_layers = end - start
         self.head_dim = head_dim_of(config)
         self.vocab_size = config.vocab_size
         if config.num_attention_heads % config.num_key_value_heads != 0:
@@ -215,18 +222,22 @@ class LlamaForCausalLM(nn.Module):
         )
         # The CPU backend brings its elementwise kernels too (kernels/cpu_elementwise.py); the others, PyTorch's ops.
         self.fused = attention_backend.name == "cpu"
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        first, last = pp is None or pp.is_first, pp is None or pp.is_last
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if first else PPMissingLayer()
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, self.rotary_emb, attention_backend, tp, self.fused)
+            if start <= i < end else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.num_heads = self.layers[0].self_attn.num_heads  # this rank's, under tensor parallelism
-        self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        self.stage_layers = list(self.layers[start:end])  # the ones forward runs: all, or this stage's
+        self.num_heads = self.stage_layers[0].self_attn.num_heads  # this rank's, under tensor parallelism
+        self.num_kv_heads = self.stage_layers[0].self_attn.num_kv_heads
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else PPMissingLayer()
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False) if last else PPMissingLayer()
+        if config.tie_word_embeddings and first and last:
             # Small models reuse the input embedding matrix as the output projection;
-            # the checkpoint then stores it once, as model.embed_tokens.weight.
+            # the checkpoint then stores it once, as model.embed_tokens.weight. (A last pipeline
+            # stage without the embedding loads that matrix into its own lm_head: loader.py.)
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
@@ -235,11 +246,16 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int64
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states; or, on a pipeline stage before the last, (hidden, residual) for the next
+        stage, which hands them back here as `intermediate` in place of the embedding."""
+        hidden, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
         rope = self.rotary_emb.lookup(positions, hidden.dtype)  # the same rotation in every layer
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.stage_layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rope, kv_cache, metadata)
+        if isinstance(self.norm, PPMissingLayer):  # a stage before the last: the stream goes on
+            return hidden, residual
         return self.norm.add_and_norm(hidden, residual, self.fused)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

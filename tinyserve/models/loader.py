@@ -33,6 +33,7 @@ from tinyserve.kernels.backend import AttentionBackend
 from tinyserve.kernels.cpu_bf16 import computes_bf16_in_fp32
 from tinyserve.models.llama import LlamaForCausalLM
 from tinyserve.models.packed_linear import pack_linear_weights, packs_weights, widen_linear_weights
+from tinyserve.models.pipeline_parallel import PipelineStage
 from tinyserve.models.tensor_parallel import TensorParallel, checkpoint_slice
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -67,13 +68,15 @@ def load_model(
     attention_backend: AttentionBackend,
     max_model_len: int | None = None,
     tp: TensorParallel | None = None,
+    pp: PipelineStage | None = None,
 ) -> tuple[LlamaForCausalLM, PretrainedConfig]:
     """Build the model described by path/config.json and load its weights.
 
     max_model_len is the longest sequence the engine will run (default: the config's
     max_position_embeddings); it is only used to reject sliding-window attention
     whose window would actually cut a sequence short. With `tp`, this rank's shard of
-    every weight is loaded (tensor_parallel.checkpoint_slice).
+    every weight is loaded (tensor_parallel.checkpoint_slice); with `pp`, this pipeline stage's
+    weights only (pipeline_parallel.PipelineStage.owns).
     """
     path = pathlib.Path(path)
     config = AutoConfig.from_pretrained(path)
@@ -84,7 +87,7 @@ def load_model(
     # are all overwritten below (load_weights checks that every parameter is). Tensors
     # made with an explicit dtype keep it (RoPE's fp32 tables, rounded at use).
     with torch.device(device), default_dtype(dtype):
-        model = LlamaForCausalLM(config, attention_backend, tp)
+        model = LlamaForCausalLM(config, attention_backend, tp, pp)
     load_weights(model, path)
     weights_dtype = dtype
     if computes_bf16_in_fp32(torch.device(device), dtype):  # a CPU without bf16 matmuls: fp32 weights
@@ -178,7 +181,7 @@ def load_weights(model: LlamaForCausalLM, path: pathlib.Path) -> None:
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for hf_name in f.keys():
-                name = hf_name.removeprefix("model.")
+                name = tied_head_name(hf_name.removeprefix("model."), model)
                 if name not in expected:
                     if not is_ignorable(name, model):
                         unexpected.append(hf_name)
@@ -204,8 +207,19 @@ def load_weights(model: LlamaForCausalLM, path: pathlib.Path) -> None:
         )
 
 
+def tied_head_name(name: str, model: LlamaForCausalLM) -> str:
+    """A tied embedding is the LM head too: a last pipeline stage that does not hold the embedding
+    takes that matrix as its lm_head.weight."""
+    pp = model.pp
+    if name == "embed_tokens.weight" and model.config.tie_word_embeddings and pp and pp.is_last and not pp.is_first:
+        return "lm_head.weight"
+    return name
+
+
 def is_ignorable(name: str, model: LlamaForCausalLM) -> bool:
     """Tensors some checkpoints carry that the model rightly has no parameter for."""
+    if model.pp is not None and not model.pp.owns(name):  # another pipeline stage's
+        return True
     # Old Llama checkpoints saved RoPE's inv_freq; ours is recomputed from the config.
     if name.endswith("rotary_emb.inv_freq"):
         return True

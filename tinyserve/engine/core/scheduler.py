@@ -137,7 +137,7 @@ class Scheduler:
 
     def _schedule_running(self, step: "StepDraft") -> None:
         """1. Running requests, in order: the next token (decode) or the next prompt chunk."""
-        for request in list(self.running):
+        for request in self._running_candidates():
             if step.token_budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
@@ -148,6 +148,11 @@ class Scheduler:
             if self._preempt_for(request, num_new_tokens, step):
                 step.cached[request.request_id] = self._schedule_cached(request, num_new_tokens, num_blocks_held)
                 step.token_budget -= num_new_tokens
+
+    def _running_candidates(self) -> list[Request]:
+        """The running requests the first loop may schedule: all of them, except under pipeline parallelism
+        those whose previous batch is still in flight (pipeline_parallel/scheduler.py)."""
+        return list(self.running)
 
     def _preempt_for(self, request: Request, num_new_tokens: int, step: "StepDraft") -> bool:
         """Slots for the request's new tokens, preempting the least important running request until

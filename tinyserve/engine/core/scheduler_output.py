@@ -78,6 +78,9 @@ class CachedRequestData(ScheduledRequest):
     """Already held by the worker (scheduled in an earlier step, not preempted since): only what changed."""
 
     new_block_ids: list[int]  # appended to its block table since the worker last saw it
+    # Pipeline parallelism only (vLLM's name): the token ids this step feeds. The stages before the last
+    # sample nothing, so they learn the tokens the last stage sampled from here (pipeline_parallel/).
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

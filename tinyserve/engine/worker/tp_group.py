@@ -21,14 +21,15 @@ class GroupTimer:
     """The process group's all_reduce, timed: how long this rank waited in collectives, and since when it
     has been waiting in the current one (tp_watchdog.py's clue that a rank is not coming)."""
 
-    def __init__(self) -> None:
+    def __init__(self, group=None) -> None:
+        self.group = group  # None: the default group (all ranks); a stage's own under pipeline parallelism
         self.seconds = 0.0
         self.waiting_since: float | None = None  # time.monotonic() on entering all_reduce; None outside it
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
         self.waiting_since = time.monotonic()
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=self.group)
         self.waiting_since = None
         self.seconds += time.perf_counter() - started
         return tensor
