@@ -171,3 +171,44 @@ def test_two_stages_of_two_tensor_parallel_ranks_give_transformers_greedy_tokens
     finally:
         llm.shutdown()
     assert all(process.exitcode is not None for process in processes)  # no rank left behind
+
+
+def test_serve_help_shows_the_flag_and_a_bad_value_is_an_error_naming_it(capsys):
+    from tinyserve.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--pipeline-parallel-size" in capsys.readouterr().out
+    folder = tiny_checkpoint("llama")  # 2 layers
+    assert main(["serve", str(folder), "--port", "0", "--pipeline-parallel-size", "3"]) == 2
+    assert "pipeline_parallel_size (--pipeline-parallel-size) 3 is more than the model's 2 layers" \
+        in capsys.readouterr().err
+
+
+@pytest.mark.server
+def test_a_two_stage_server_gives_transformers_greedy_tokens_to_concurrent_requests_and_frees_its_blocks():
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.server_checks import metric, wait_until
+    from tinyserve.testing import ServerProcess
+
+    folder = tiny_model_with_tokenizer("llama", num_hidden_layers=3)
+    server = ServerProcess(str(folder), "--served-model-name", "tiny", "--pipeline-parallel-size", "2",
+                           "--num-kv-blocks", "64", "--max-num-batched-tokens", "16")
+    try:
+        prompts = prompts_for(384)
+
+        def token_ids(prompt):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 0,
+                    "return_tokens_as_token_ids": True}
+            answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()
+            return [int(t.removeprefix("token_id:")) for t in answer["choices"][0]["logprobs"]["tokens"]]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(token_ids, prompts))
+        assert got == [hf_greedy(folder, p) for p in prompts]
+        wait_until(lambda: metric(server.url, "kv_cache_usage_perc") == 0, 10, "every KV block is free")
+    finally:
+        server.stop()
