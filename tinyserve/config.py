@@ -7,7 +7,8 @@ end-of-sequence tokens. Prompts are validated against it at the boundary.
 
 The module is over 300 lines because every engine argument is checked here, beside its
 field, so that a bad value fails before any process starts; the checks of a layer's own
-arguments live in that layer (spec_decode/config.py, pipeline_parallel/config.py).
+arguments live in that layer (spec_decode/config.py, pipeline_parallel/config.py,
+kv_events/config.py).
 """
 
 import json
@@ -91,6 +92,9 @@ class EngineArgs:
     # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method":
     # "draft_model", "model": PATH, "num_speculative_tokens": 3}. None: one token per step.
     speculative_config: dict | None = None
+    # KV cache events (tinyserve/kv_events/), vLLM's --kv-events-config: {"enable_kv_cache_events": true,
+    # "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": ""}. None: no events.
+    kv_events_config: dict | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -121,6 +125,10 @@ class EngineArgs:
         from tinyserve.pipeline_parallel.config import check_pipeline_args
 
         check_pipeline_args(self)
+        if self.kv_events_config is not None:  # a dict, JSON text, or vLLM's KVEventsConfig: kept as a dict
+            from tinyserve.kv_events.config import KVEventsConfig
+
+            self.kv_events_config = KVEventsConfig.from_any(self.kv_events_config).to_dict()
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "cpu_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -308,4 +316,3 @@ def _resolve_dtype(args: EngineArgs, config: dict) -> torch.dtype:
         return torch.float32  # CPU default: exact parity with transformers' fp32 reference
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
     return DTYPES.get(name, torch.float32) or torch.float32
-

@@ -80,7 +80,22 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                       help='propose several tokens a step and verify them in one pass (vLLM\'s): {"method": '
                            '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} '
                            'or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}')
+    events = parser.add_argument_group("KV cache events")
+    events.add_argument("--kv-events-config", type=kv_events_config, default=None, metavar="JSON",
+                        help='publish which KV blocks the engine holds, as vLLM does: {"enable_kv_cache_events": '
+                             'true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": ""} (ZeroMQ PUB of '
+                             'msgpack KVEventBatches; with data parallelism rank R publishes on port + R)')
     add_lora_flags(parser)
+
+
+def kv_events_config(text: str) -> dict:
+    """--kv-events-config's JSON, its fields checked (a usage error names the bad one)."""
+    from tinyserve.kv_events.config import parse_kv_events_config
+
+    try:
+        return parse_kv_events_config(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def speculative_config(text: str) -> dict:
@@ -143,6 +158,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         convert=args.convert,
         pooler_config=args.pooler_config,
         speculative_config=getattr(args, "speculative_config", None),
+        kv_events_config=getattr(args, "kv_events_config", None),
         **lora_engine_kwargs(args),
     )
     engine_args.validate()

@@ -92,7 +92,11 @@ def make_policy(args: argparse.Namespace, backends):
 
     if args.policy == "round_robin":
         return RoundRobin()
-    return LeastLoad()
+    if args.policy == "least_load":
+        return LeastLoad()
+    from tinyserve.router.prefix_aware import PrefixAware
+
+    return PrefixAware.from_flags(backends, args.kv_events, args.tokenizer, args.block_size)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ from tinyserve.engine.worker.tensor_parallel_workers import TensorParallelRunner
 from tinyserve.kernels.backend import default_attention_backend, get_attention_backend
 from tinyserve.lifecycle.engine_spans import EngineSpanBuilder
 from tinyserve.lifecycle.tracing import tracing_enabled
+from tinyserve.kv_events.attach import attach_kv_events
 from tinyserve.lora.attach import attach_lora, attach_lora_recorder
 from tinyserve.pipeline_parallel.attach import attach_pipeline, pipeline_classes, start_workers
 from tinyserve.spec_decode.attach import attach_spec_decode, speculative_classes
@@ -69,6 +70,8 @@ class EngineCore:
             attach_lora_recorder(self.recorder, self.lora_manager, self.scheduler)
         if args.speculative_config is not None:  # its request check and step span attributes
             attach_spec_decode(self)
+        if args.kv_events_config is not None:  # the block pool's event sink, published after each step
+            attach_kv_events(self)
         # Everything allocated so far (model, tokenizer, libraries) lives as long as the
         # engine: move it out of the garbage collector's sight, as vLLM does after start-up.
         # Otherwise every full collection walks those millions of objects again: a

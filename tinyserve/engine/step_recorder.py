@@ -69,6 +69,10 @@ class StepRecorder:
         # finish_hooks(request_id) -> dict for the decode span of a request that finished (speculative
         # decoding: spec_decode/attach.py)
         self.finish_hooks: list = []
+        # end_hooks(StepRecord) -> dict for the step span: run after every step, traced or not, once the
+        # step is over (KV cache events drain and publish here: kv_events/attach.py); close_hooks() at close.
+        self.end_hooks: list = []
+        self.close_hooks: list = []
 
     @contextlib.contextmanager
     def step(self):
@@ -83,6 +87,7 @@ class StepRecorder:
 
     def finish(self, record: StepRecord) -> EngineCoreOutputs:
         end = time.time()
+        ended = {k: v for hook in self.end_hooks for k, v in hook(record).items()}
         stats = self.scheduler.make_stats()
         ranks = getattr(self.model_runner, "last_rank_times", None)  # tensor parallelism: every rank's execute
         threads = record.threads
@@ -90,7 +95,7 @@ class StepRecorder:
         self.last_step_times = StepTimes(record.start, record.scheduled_at, record.executed_at, end, ranks,
                                          threads.threads, threads.cpu_s)
         if self.span_builder is not None:
-            attributes = {k: v for hook in self.step_hooks for k, v in hook(record.scheduler_output).items()}
+            attributes = {k: v for hook in self.step_hooks for k, v in hook(record.scheduler_output).items()} | ended
             self.span_builder.record_step(record.scheduler_output, self.last_step_times, stats, record.outputs,
                                           attributes, self._finished_attributes(record.outputs))
         record.engine_core_outputs = EngineCoreOutputs(engine_index=self.engine_index, timestamp=end,
@@ -124,6 +129,9 @@ class StepRecorder:
             self.span_builder.flush()
 
     def close(self) -> None:
+        for hook in self.close_hooks:
+            hook()
+        self.close_hooks = []
         if self.span_builder is not None:
             self.span_builder.close()
             self.span_builder = None

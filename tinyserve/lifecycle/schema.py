@@ -234,6 +234,10 @@ ROUTER_PROMPT_BLOCKS = "tinyserve.router.prompt_blocks"
 ROUTER_CACHED_BLOCKS = "tinyserve.router.cached_blocks"
 ROUTER_PENDING_BLOCKS = "tinyserve.router.pending_blocks"
 
+# KV cache events (tinyserve/kv_events/), on the step span: the events published after the step
+# (BlockStored, BlockRemoved, AllBlocksCleared; a BlockStored may hold several blocks)
+STEP_KV_EVENTS = "tinyserve.step.kv_events"
+
 # ---- trace files -------------------------------------------------------------------
 MANIFEST_FILE = "manifest.json"
 API_TRACE_FILE = "api.jsonl"

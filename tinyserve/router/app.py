@@ -69,6 +69,7 @@ class Router:
             span = _route_span(self.policy.name, choice)
             headers = forwarded_headers(request.headers, inject_context(trace.set_span_in_context(span)))
             choice.backend.in_flight += 1
+            choice.backend.routed += 1
             try:
                 response = await open_response(self.client, choice.backend, "POST", request.url.path, body, headers)
             except (BackendUnreachable, BackendFailed) as error:

@@ -17,6 +17,7 @@ class Backend:
     url: str  # http://host:port, no trailing slash
     index: int  # its place in --backend: the order --kv-events follows
     in_flight: int = 0  # requests the router forwarded that have not finished answering
+    routed: int = 0  # requests the router forwarded here, ever: the last tie-break, to spread new prefixes
     num_requests_waiting: float = 0.0  # the latest ORCA report's, or 0
     kv_cache_usage_perc: float = 0.0
     down_until: float = 0.0  # time.monotonic() before which it is not chosen
@@ -30,9 +31,10 @@ class Backend:
         self.down_until = time.monotonic() + DOWN_FOR_S
         self.last_error = error
 
-    def load(self) -> tuple[float, float, int]:
-        """What least_load compares, smallest first: requests queued there, then in flight, then KV usage."""
-        return (self.num_requests_waiting + self.in_flight, self.kv_cache_usage_perc, self.index)
+    def load(self) -> tuple[float, float, int, int]:
+        """What least_load compares, smallest first: requests waiting or in flight there, KV usage, then
+        how many the router sent there so far (so an idle pair takes turns), then its place."""
+        return (self.num_requests_waiting + self.in_flight, self.kv_cache_usage_perc, self.routed, self.index)
 
     def read_orca(self, header: str | None) -> None:
         """Take an `endpoint-load-metrics` header (TEXT or JSON form) as the backend's latest load."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from tinyserve.router.backends import Backend
 
-POLICIES = ("round_robin", "least_load")
+POLICIES = ("round_robin", "least_load", "prefix-aware")
 
 
 @dataclass
@@ -59,5 +59,5 @@ class LeastLoad:
 
 def least_loaded(backends: list[Backend], why: str = "") -> Choice:
     backend = min(backends, key=Backend.load)
-    waiting, usage, _ = backend.load()
+    waiting, usage, _, _ = backend.load()
     return Choice(backend, f"{why}least loaded: {waiting:g} waiting or in flight, KV usage {usage:.2f}")

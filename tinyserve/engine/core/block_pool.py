@@ -12,6 +12,9 @@ only does the bookkeeping of block ids:
     free queue (LRU):  front ─► [oldest freed] ... [most recently freed] ◄─ back
     New blocks are taken from the front, so the cached blocks freed longest ago are
     the first to lose their hash (evicted) and be overwritten.
+
+An event sink (`event_sink`, None unless KV cache events are on: tinyserve/kv_events/)
+hears of each block that gets a hash, each that loses it, and a reset that clears them all.
 """
 
 import hashlib
@@ -57,6 +60,8 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached_blocks: dict[BlockHash, KVBlock] = {}
+        # Told block_stored(hash), block_removed(hash), all_cleared(): kv_events/recorder.py's recorder.
+        self.event_sink = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,6 +112,8 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
+        if self.event_sink is not None:
+            self.event_sink.block_stored(block_hash)
 
     def uncache(self, block: KVBlock) -> None:
         """Forget what `block` was registered as holding (its K/V was never written)."""
@@ -117,11 +124,15 @@ class BlockPool:
         if self.num_used_blocks:
             return False
         for block in self.blocks:
-            self._evict(block)
+            self._evict(block, announce=False)
+        if self.event_sink is not None:
+            self.event_sink.all_cleared()
         return True
 
-    def _evict(self, block: KVBlock) -> None:
+    def _evict(self, block: KVBlock, announce: bool = True) -> None:
         if block.block_hash is not None:
+            if announce and self.event_sink is not None:
+                self.event_sink.block_removed(block.block_hash)
             del self.cached_blocks[block.block_hash]
             block.block_hash = None
 

@@ -1,0 +1,104 @@
+"""KV cache events from the block pool, without a process: what vLLM's subscribers are told, and when.
+
+The pool's event sink is the recorder (kv_events/recorder.py); each drain is what one step
+publishes. The wire format and a real publisher are checked end to end in tests/test_router.py.
+"""
+
+import hashlib
+
+import msgspec
+import pytest
+
+from tinyserve.engine.core.kv_cache_manager import KVCacheManager
+from tinyserve.engine.core.request import Request
+from tinyserve.kv_events.config import KVEventsConfig, offset_endpoint_port
+from tinyserve.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from tinyserve.kv_events.recorder import KVEventRecorder
+from tinyserve.lora.request import LoRARequest
+from tinyserve.sampling_params import SamplingParams
+
+BLOCK = 4
+
+
+def chained(token_ids: list[int], root: bytes = b"") -> list[int]:
+    """SHA-256 over the parent's digest and each block's ids as little-endian int64s; the low 64 bits, big-endian."""
+    out, parent = [], root
+    for start in range(0, len(token_ids) - BLOCK + 1, BLOCK):
+        block = token_ids[start:start + BLOCK]
+        parent = hashlib.sha256(parent + b"".join(t.to_bytes(8, "little", signed=True) for t in block)).digest()
+        out.append(int.from_bytes(parent, "big") & ((1 << 64) - 1))
+    return out
+
+
+def make(num_blocks: int) -> tuple[KVCacheManager, KVEventRecorder]:
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=BLOCK)
+    kv.pool.event_sink = recorder = KVEventRecorder(BLOCK, "CPU")
+    return kv, recorder
+
+
+def run(kv: KVCacheManager, request_id: str, prompt: list[int], lora=None) -> Request:
+    request = Request(request_id, prompt, SamplingParams(max_tokens=1), eos_token_ids=[], arrival_time=0.0,
+                      lora_request=lora)
+    blocks, cached = kv.get_computed_blocks(request)
+    assert kv.allocate_slots(request, request.num_tokens - cached, blocks)
+    request.num_computed_tokens = request.num_tokens
+    kv.free(request)
+    return request
+
+
+def test_a_prompts_full_blocks_are_one_stored_event_chained_from_none():
+    kv, recorder = make(8)
+    prompt = list(range(100, 110))  # two full blocks and two tokens more
+    run(kv, "a", prompt)
+    assert recorder.drain() == [BlockStored(chained(prompt), None, prompt[:8], BLOCK, None, "CPU")]
+    assert recorder.drain() == []  # drained once
+    run(kv, "b", prompt + [7, 7])  # the same two blocks (a hit, nothing new), then a third
+    [third] = recorder.drain()
+    assert third.block_hashes == chained(prompt + [7, 7])[2:] and third.parent_block_hash == chained(prompt)[1]
+    assert third.token_ids == (prompt + [7, 7])[8:12]
+
+
+def test_eviction_is_a_removed_event_and_a_reset_clears_all_without_one_per_block():
+    kv, recorder = make(3)
+    first = list(range(8))
+    run(kv, "a", first)
+    recorder.drain()
+    run(kv, "b", list(range(50, 62)))  # three blocks: the pool's every block, so both of first's go
+    events = recorder.drain()
+    removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert sorted(removed) == sorted(chained(first))
+    assert isinstance(events[0], BlockRemoved) and isinstance(events[-1], BlockStored)  # in the order they happened
+    assert kv.reset_prefix_cache()
+    assert recorder.drain() == [AllBlocksCleared()]
+
+
+def test_an_adapters_first_block_names_it_and_chains_from_its_own_root():
+    kv, recorder = make(4)
+    lora = LoRARequest("sql", 3, "/adapters/sql")
+    prompt = list(range(20, 28))
+    run(kv, "a", prompt, lora)
+    [event] = recorder.drain()
+    root = b"lora\x003\x00sql\x00/adapters/sql"
+    assert event.lora_id == 3 and event.parent_block_hash is None
+    assert event.block_hashes == chained(prompt, root) != chained(prompt)
+
+
+def test_the_batch_encodes_as_arrays_tagged_by_class_name_as_vllm_sends_it():
+    batch = KVEventBatch(ts=1.5, events=[BlockStored([1, 2], None, [5] * 8, BLOCK, None, "CPU"),
+                                         BlockRemoved([1], "CPU"), AllBlocksCleared()], data_parallel_rank=1)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(batch)) == [
+        1.5, [["BlockStored", [1, 2], None, [5] * 8, BLOCK, None, "CPU"], ["BlockRemoved", [1], "CPU"],
+              ["AllBlocksCleared"]], 1]
+
+
+def test_the_config_takes_vllms_fields_and_names_a_bad_one():
+    config = KVEventsConfig.from_any('{"enable_kv_cache_events": true, "publisher": "zmq", "topic": "kv"}')
+    assert config.publishes and config.endpoint == "tcp://*:5557"
+    for bad, named in [({"enable_kv_cache_events": True, "endpoint_url": "x"}, "endpoint_url"),
+                       ({"publisher": "kafka"}, "publisher"), ({"hwm": 0}, "hwm"),
+                       ({"endpoint": "http://x:1"}, "endpoint")]:
+        with pytest.raises(ValueError, match=named):
+            KVEventsConfig.from_dict(bad)
+    assert offset_endpoint_port("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint_port("inproc://cache", 1) == "inproc://cache_dp1"
+    assert offset_endpoint_port("tcp://*:5557", 0) == "tcp://*:5557"

@@ -1,0 +1,86 @@
+"""prefix-aware: send a request where the longest prefix of its prompt is already in the KV cache.
+
+For each live backend, the policy counts how many leading blocks of the request's prompt
+(prefix_hashes.py) the backend holds, by its KV cache events (kv_index.py), or was sent by
+this router a moment ago (pending): the backend with the most takes the request, ties to the
+least loaded. Pending hashes matter for a new prefix: its first request's blocks reach the
+index only once that request's prefill has run, and until then the requests that share the
+prefix would scatter over the backends, each computing it again. A pending hash leaves when
+the backend's BlockStored for it arrives, or after PENDING_S (a request that failed, or whose
+blocks were evicted before the events said so).
+"""
+
+import asyncio
+import time
+
+from tinyserve.lifecycle import schema
+from tinyserve.router.backends import Backend
+from tinyserve.router.kv_index import KVIndex
+from tinyserve.router.policies import Choice, RoutedRequest, least_loaded
+from tinyserve.router.prefix_hashes import PromptHasher
+
+PENDING_S = 30.0
+
+
+class PrefixAware:
+    name = "prefix-aware"
+
+    def __init__(self, backends: list[Backend], index: KVIndex, hasher: PromptHasher) -> None:
+        self.index = index
+        self.hasher = hasher
+        self.pending: list[dict[int, float]] = [{} for _ in backends]  # per backend: hash → when it expires
+        index.listeners.append(self._stored)
+
+    @classmethod
+    def from_flags(cls, backends: list[Backend], endpoints: list[str], model: str, block_size: int) -> "PrefixAware":
+        return cls(backends, KVIndex(endpoints), PromptHasher(model, block_size))
+
+    async def start(self) -> None:
+        await self.index.start()
+
+    async def stop(self) -> None:
+        await self.index.stop()
+
+    async def choose(self, request: RoutedRequest, backends: list[Backend]) -> Choice:
+        token_ids = await asyncio.to_thread(self.hasher.token_ids, request.path, request.body)  # off the loop
+        hashes = self.hasher.block_hashes(token_ids) if token_ids else []
+        request.facts["hashes"] = hashes
+        now = time.monotonic()
+        matched = {b.index: self._leading(b.index, hashes, now) for b in backends}
+        best = max(matched.values(), key=lambda m: m[1])[1] if matched else 0
+        if best == 0:
+            choice = least_loaded(backends, "no backend holds its first block: ")
+        else:
+            choice = least_loaded([b for b in backends if matched[b.index][1] == best],
+                                  f"holds {best} of {len(hashes)} prompt blocks; ")
+        cached, held_or_pending = matched[choice.backend.index]
+        choice.attributes = {schema.ROUTER_PROMPT_BLOCKS: len(hashes), schema.ROUTER_CACHED_BLOCKS: cached,
+                             schema.ROUTER_PENDING_BLOCKS: held_or_pending - cached}
+        return choice
+
+    def forwarded(self, request: RoutedRequest, choice: Choice) -> None:
+        expires = time.monotonic() + PENDING_S
+        pending = self.pending[choice.backend.index]
+        held = self.index.held[choice.backend.index]
+        pending.update((h, expires) for h in request.facts.get("hashes", ()) if h not in held)
+
+    def _leading(self, backend: int, hashes: list[int], now: float) -> tuple[int, int]:
+        """(leading blocks the backend holds by its events, leading blocks it holds or was sent)."""
+        held, pending = self.index.held[backend], self.pending[backend]
+        cached = 0
+        while cached < len(hashes) and hashes[cached] in held:
+            cached += 1
+        both = cached
+        while both < len(hashes) and (hashes[both] in held or pending.get(hashes[both], 0.0) > now):
+            both += 1
+        return cached, both
+
+    def _stored(self, backend: int, event) -> None:
+        """The index applied a BlockStored: its blocks are held now, no longer pending."""
+        pending = self.pending[backend]
+        for block_hash in event.block_hashes:
+            pending.pop(block_hash, None)
+        if len(pending) > 10_000:  # expired ones pile up only where events never come; drop them
+            now = time.monotonic()
+            for block_hash in [h for h, expires in pending.items() if expires <= now]:
+                del pending[block_hash]
