@@ -61,4 +61,4 @@ if [ "$(uname -sm)" = "Linux x86_64" ]; then
     "${pip[@]}" "triton==$triton_pin"
   fi
 fi
-"${pip[@]}" -e ".[dev]"
+"${pip[@]}" -e ".[dev,ray]"  # ray: the Ray backends' tests (tinyserve/distributed/)

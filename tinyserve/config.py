@@ -8,7 +8,7 @@ end-of-sequence tokens. Prompts are validated against it at the boundary.
 The module is over 300 lines because every engine argument is checked here, beside its
 field, so that a bad value fails before any process starts; the checks of a layer's own
 arguments live in that layer (spec_decode/config.py, pipeline_parallel/config.py,
-kv_events/config.py).
+kv_events/config.py, distributed/ray_cluster.py).
 """
 
 import json
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from tinyserve.distributed.ray_cluster import check_distributed_args
 from tinyserve.errors import InvalidInputError
 from tinyserve.utils import cdiv
 
@@ -68,6 +69,8 @@ class EngineArgs:
     # Stages each engine's layers are split over, one process (group) each, up to this many batches in
     # flight (tinyserve/pipeline_parallel/); vLLM's pipeline_parallel_size.
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # ranks 1..N-1 as "mp" processes or "ray" actors (distributed/)
+    ray_resources: dict | None = None  # custom Ray resources each actor's bundle asks for, e.g. {"node_b": 1}
     structured_outputs_backend: str = "xgrammar"  # the grammar library: xgrammar or llguidance
     # Seconds a constrained request may wait for its grammar to compile; past them it fails with a 400 (0: no limit)
     structured_outputs_compile_timeout: float = 30.0
@@ -121,6 +124,7 @@ class EngineArgs:
             raise ValueError(f"max_logprobs must be non-negative, or -1 for the whole vocabulary, "
                              f"got {self.max_logprobs}")
         self._validate_lora()
+        check_distributed_args(self)
         self._validate_speculative()
         from tinyserve.pipeline_parallel.config import check_pipeline_args
 

@@ -13,6 +13,8 @@ them keeps other hosts from joining (frontend/remote_engines.py).
 import argparse
 import os
 
+from tinyserve.cli.ray_flags import add_data_parallel_backend_flag
+
 DEFAULT_ADDRESS = "127.0.0.1"  # vLLM's data_parallel_master_ip default
 DEFAULT_RPC_PORT = 29550  # vLLM's data_parallel_rpc_port default
 
@@ -34,6 +36,7 @@ def add_data_parallel_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--headless", action="store_true",
                        help="run engines only, for the head at --data-parallel-address: no API server")
     add_node_secret_flag(group)
+    add_data_parallel_backend_flag(group)  # mp or ray (cli/ray_flags.py)
 
 
 # ---- the node secret ---------------------------------------------------------------------

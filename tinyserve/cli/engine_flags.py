@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from tinyserve.cli.lora_flags import add_lora_flags, lora_engine_kwargs
+from tinyserve.cli.ray_flags import add_ray_engine_flags, ray_engine_kwargs
 from tinyserve.config import CONVERTS, DTYPES, KV_CACHE_DTYPES, RUNNERS, EngineArgs
 from tinyserve.kernels.backend import ATTENTION_BACKENDS
 from tinyserve.structured_output import STRUCTURED_OUTPUT_BACKENDS
@@ -50,6 +51,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                        help="split each engine's layers into this many stages, one process each (x the tensor-"
                             "parallel size), with up to this many batches in flight (default 1)")
+    add_ray_engine_flags(group)
     group.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests (default 0)")
     group.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     group.add_argument("--max-logprobs", type=int, default=20,
@@ -160,6 +162,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         speculative_config=getattr(args, "speculative_config", None),
         kv_events_config=getattr(args, "kv_events_config", None),
         **lora_engine_kwargs(args),
+        **ray_engine_kwargs(args),
     )
     engine_args.validate()
     return engine_args

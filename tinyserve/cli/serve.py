@@ -28,6 +28,7 @@ from tinyserve.cli.lora_flags import add_lora_modules_flag, lora_registry_from
 from tinyserve.cli.load_balancing_flags import add_load_balancing_flags, check_load_balancing_flags
 from tinyserve.cli.listener import bind_listener
 from tinyserve.cli.metrics_flags import add_metrics_flags
+from tinyserve.cli.ray_flags import check_ray_flags, ray_engine_client
 from tinyserve.cli.vllm_flags import add_vllm_flags, check_vllm_flags
 from tinyserve.entrypoints.api.guards.field_limits import (
     DEFAULT_MAX_LOGIT_BIAS_ENTRIES,
@@ -125,7 +126,8 @@ def add_parser(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    problem = _check_server_flags(args) or check_load_balancing_flags(args) or check_vllm_flags(args)
+    problem = (_check_server_flags(args) or check_load_balancing_flags(args) or check_vllm_flags(args)
+               or check_ray_flags(args))
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -190,8 +192,10 @@ def launch_engines(args: argparse.Namespace, engine_args):
     from tinyserve.config import ModelInfo
     from tinyserve.frontend.core_client import MPClient
 
-    client = MPClient.for_engines(engine_args, ModelInfo.from_args(engine_args), args.data_parallel_size,
-                                  args.data_parallel_rank, _multi_node(args))
+    model_info = ModelInfo.from_args(engine_args)
+    client = ray_engine_client(args, engine_args, model_info) if args.data_parallel_backend == "ray" else \
+        MPClient.for_engines(engine_args, model_info, args.data_parallel_size, args.data_parallel_rank,
+                             _multi_node(args))
     client.launch()
     return client
 

@@ -63,6 +63,7 @@ INPUT_CONNECT_TIMEOUT_S = 30.0  # the client binds before it starts us: over TCP
 OUTPUT_LINGER_MS = 2000  # on exit, how long queued messages may still take to leave
 _STOP = object()  # put on the output queue to end the output thread
 _WAKE = object()  # put on the input queue when a signal arrives
+_EXIT = object()  # put on the input queue by request_stop(): the engine exits as on SIGTERM
 
 
 def run_engine_core(
@@ -79,18 +80,25 @@ def run_engine_core(
     num_threads caps torch's CPU threads, so that engines sharing a machine's
     cores do not fight over them.
     """
-    setproctitle.setproctitle(f"tinyserve-engine-{engine_index}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s engine-{engine_index} %(levelname)s %(name)s: %(message)s"
-    )
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
-    _start_tracing(args, engine_index)
     proc = EngineCoreProc(engine_index, input_address, output_address)
     proc.wake_on_signals()
+    serve_engine(proc, args, model_info, num_threads)
+
+
+def serve_engine(proc: "EngineCoreProc", args: EngineArgs, model_info: ModelInfo | None = None,
+                 num_threads: int | None = None) -> None:
+    """The engine's life, in a process of its own or in a Ray actor (distributed/ray_engines.py, which
+    stops it with proc.request_stop() where a process gets SIGTERM)."""
+    setproctitle.setproctitle(f"tinyserve-engine-{proc.engine_index}")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s engine-{proc.engine_index} %(levelname)s %(name)s: %(message)s"
+    )
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    _start_tracing(args, proc.engine_index)
     try:
         proc.run(args, model_info)
     finally:
@@ -165,6 +173,10 @@ class EngineCoreProc:
 
         threading.Thread(target=forward, name="signal-wakeup", daemon=True).start()
 
+    def request_stop(self) -> None:
+        """From another thread: exit after the current step, as on SIGTERM (spans flushed, sockets closed)."""
+        self.input_queue.put((_EXIT, None))
+
     def run(self, args: EngineArgs, model_info: ModelInfo | None) -> None:
         try:
             self.engine_core = EngineCore(args, engine_index=self.engine_index, model_info=model_info)
@@ -216,6 +228,8 @@ class EngineCoreProc:
     def _handle(self, kind: EngineInputKind, message) -> None:
         if kind is _WAKE:
             return  # the signal handler runs now, in this thread
+        if kind is _EXIT:
+            raise SystemExit(0)
         if kind is EngineInputKind.ADD:
             self._add_request(message)
         elif kind is EngineInputKind.ABORT:

@@ -94,6 +94,7 @@ class MPClient(ClientLiveness):
                                  f"got {multi_node.size_local}")
             transport = "tcp"  # the other nodes must reach every socket
         self.multi_node = multi_node
+        self.bind_host = None if multi_node is None else multi_node.address  # TCP: where engines reach us
         self.remote: RemoteEngines | None = None
         self.model_info = model_info
         self.data_parallel_size = data_parallel_size
@@ -151,13 +152,12 @@ class MPClient(ClientLiveness):
             if self.transport == "ipc":
                 self._ipc_dir = make_ipc_dir(self._ipc_parent)
             self._output_socket = self._context.socket(zmq.PULL)
-            host = None if self.multi_node is None else self.multi_node.address
-            self._output_socket.bind(bind_address(self.transport, self._ipc_dir, "output", host))
+            self._output_socket.bind(bind_address(self.transport, self._ipc_dir, "output", self.bind_host))
             for index in range(self.data_parallel_size):
                 # A plain socket, not an asyncio one: a NOBLOCK send succeeds or fails at once (see _send).
                 socket = zmq.Socket(self._context, zmq.PUSH)
                 socket.setsockopt(zmq.SNDHWM, 0)
-                socket.bind(bind_address(self.transport, self._ipc_dir, f"input-{index}", host))
+                socket.bind(bind_address(self.transport, self._ipc_dir, f"input-{index}", self.bind_host))
                 self._input_sockets.append(socket)
             input_addresses = [bound_endpoint(s) for s in self._input_sockets]
             self._engines.start(input_addresses[:self.num_local_engines], bound_endpoint(self._output_socket))

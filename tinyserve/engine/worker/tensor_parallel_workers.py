@@ -44,14 +44,13 @@ import torch.distributed as dist
 import zmq
 
 from tinyserve.config import EngineArgs, ModelInfo
-from tinyserve.engine.child_process import ChildProcess
+from tinyserve.engine.worker.rank_launchers import rank_launcher
 from tinyserve.engine.worker.tp_group import RENDEZVOUS_TIMEOUT_S, host_store, join_group, join_store, rank_device
 from tinyserve.engine.worker.tp_watchdog import CollectiveWatchdog
 from tinyserve.engine.core.scheduler_output import SchedulerOutput
 from tinyserve.lifecycle.engine_records import RankTimes
 from tinyserve.lifecycle.tracing import tracing_enabled
 from tinyserve.models.tensor_parallel import split_heads, split_width
-from tinyserve.utils import sigint_ignored
 
 STARTUP_POLL_S = 0.05  # how often rank 0 looks for the others, and for one that died, before it joins
 _STOP = b"stop"
@@ -81,7 +80,8 @@ class TensorParallelWorkers:
                              "(LLM.shutdown())")
         check_split(model_info.path, args.tensor_parallel_size)  # before any process starts
         self.size = args.tensor_parallel_size
-        host = "127.0.0.1"
+        launcher = self._launcher = rank_launcher(args, engine_index)  # processes, or Ray actors
+        host = launcher.host
         store = self._store = host_store(host, self.size)
         self._context = zmq.Context()
         self._sockets, addresses = [], []
@@ -104,12 +104,10 @@ class TensorParallelWorkers:
             num_threads = args.cpu_threads or max(1, (os.cpu_count() or 1) // self.size)
         self.processes = []
         for rank, address in zip(range(1, self.size), addresses):
-            process = ChildProcess(run_worker, name=f"tinyserve-engine-{engine_index}-tp{rank}", kwargs=dict(
+            self.processes.append(launcher.start(rank, f"tinyserve-engine-{engine_index}-tp{rank}", run_worker, dict(
                 args=args, model_info=model_info, engine_index=engine_index, rank=rank, host=host, port=store.port,
-                address=address, times_address=times_address, parent_pid=os.getpid(), num_threads=num_threads))
-            with sigint_ignored():
-                process.start()
-            self.processes.append(process)
+                address=address, times_address=times_address, parent_pid=launcher.parent_pid,
+                num_threads=num_threads)))
         self._threads_before = torch.get_num_threads()
         if num_threads is not None:
             torch.set_num_threads(num_threads)  # rank 0 shares the cores with the others (until shutdown)
@@ -179,6 +177,7 @@ class TensorParallelWorkers:
                 process.kill()
                 process.join()
         self._context.destroy(linger=0)
+        self._launcher.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
         self._store = None  # closes rank 0's store and frees its port
@@ -215,15 +214,17 @@ class TensorParallelRunner:
 
 
 def run_worker(args: EngineArgs, model_info: ModelInfo, engine_index: int, rank: int, host: str, port: int,
-               address: str, times_address: str, parent_pid: int, num_threads: int | None) -> None:
+               address: str, times_address: str, parent_pid: int | None, num_threads: int | None) -> None:
     """Entry point of rank `rank`: join the group, load this rank's shard, run every step it is sent."""
     from tinyserve.engine.worker.model_runner import ModelRunner
     from tinyserve.kernels.backend import default_attention_backend, get_attention_backend
     from tinyserve.models.loader import load_model
 
     setproctitle.setproctitle(f"tinyserve-engine-{engine_index}-tp{rank}")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0's engine decides when this stops
-    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
+    if threading.current_thread() is threading.main_thread():  # a process; a Ray actor's calls run in threads
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0's engine decides when this stops
+    if parent_pid is not None:  # a Ray actor dies with its owner, the engine process, without one
+        threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     context = zmq.Context()

@@ -1,0 +1,42 @@
+"""What starts tensor-parallel ranks 1..N-1 for tensor_parallel_workers.py, by --distributed-executor-backend.
+
+    mp   (the default) each rank a child process of the engine process, on its machine
+    ray  each rank a Ray actor, in a placement group, on any node (distributed/ray_ranks.py)
+
+Either way a rank runs the same `run_worker`, joins the same torch.distributed group through
+rank 0's store at `host`, and comes back as something with a child process's face
+(`exitcode`, `join`, `kill`, `pid`), which is all the start-up checks and the watchdog read.
+"""
+
+import os
+
+from tinyserve.config import EngineArgs
+from tinyserve.engine.child_process import ChildProcess
+from tinyserve.utils import sigint_ignored
+
+
+class ProcessRanks:
+    """--distributed-executor-backend mp: each rank a child process of the engine, on this machine."""
+
+    host = "127.0.0.1"
+
+    def __init__(self) -> None:
+        self.parent_pid = os.getpid()  # each rank exits when this process is gone
+
+    def start(self, rank: int, name: str, target, kwargs: dict) -> ChildProcess:
+        process = ChildProcess(target, name=name, kwargs=kwargs)
+        with sigint_ignored():
+            process.start()
+        return process
+
+    def shutdown(self) -> None:
+        pass
+
+
+def rank_launcher(args: EngineArgs, engine_index: int):
+    """What starts ranks 1..N-1: ProcessRanks, or Ray actors (distributed/ray_ranks.py)."""
+    if args.distributed_executor_backend == "ray" and args.tensor_parallel_size > 1:
+        from tinyserve.distributed.ray_ranks import RayRanks
+
+        return RayRanks(args, engine_index)
+    return ProcessRanks()
