@@ -30,8 +30,7 @@ NODE_B = {"node_b": 4}  # the second node's custom resource: room for every acto
 @pytest.fixture(scope="module")
 def cluster():
     """Two Ray nodes on loopback; RAY_ADDRESS names the cluster for this process and the servers it starts."""
-    pytest.importorskip("ray", reason="the Ray extra: pip install 'tinyserve[ray]'")
-    import ray
+    import ray  # the ray extra, which scripts/setup.sh installs
     from ray.cluster_utils import Cluster
 
     saved = {name: os.environ.get(name) for name in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}

@@ -9,6 +9,10 @@ sockets the client bound, over TCP at --data-parallel-address, as a headless nod
 connect. Its tensor-parallel ranks, under --distributed-executor-backend ray, take the other
 bundles (ray_ranks.py); under mp they are the actor's child processes.
 
+With --trace, an engine on another machine writes into the same path there, with a
+manifest of its own saying which node and rank it is, so `tinyserve trace merge` joins
+that folder with the head's as it joins a headless node's.
+
 Each actor is handed back as an ActorProcess (actor_process.py): its sentinel tells the
 client's event loop the moment it dies, and the client fails its requests as for a process
 (the server exits 1 unless --keep-alive-on-engine-death). On a CPU an engine takes
@@ -16,11 +20,16 @@ client's event loop the moment it dies, and the client fails its requests as for
 """
 
 import logging
+from dataclasses import asdict
+from pathlib import Path
 
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.distributed.actor_process import ActorProcess
 from tinyserve.distributed.actors import CONCURRENCY_GROUPS, EngineActor
 from tinyserve.engine.engine_core_proc import EngineCoreProc, serve_engine
+from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.tracing import host_name, write_manifest
+from tinyserve.models.fingerprint import manifest_fingerprint
 from tinyserve.distributed.ray_cluster import connect, device_bundle, placement_group, runtime_env
 
 logger = logging.getLogger(__name__)
@@ -55,7 +64,7 @@ class RayEngineActors:
                     group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True),
             ).remote(name)
             where = actor.where.remote()  # before `run`, in its group: the two run one after the other
-            run = actor.run.options(name=name).remote(EngineCoreProc, serve_engine, (engine_index, input_address, output_address),
+            run = actor.run.options(name=name).remote(EngineCoreProc, serve_engine_on_node, (engine_index, input_address, output_address),
                                    dict(args=args, model_info=self.model_info, num_threads=args.cpu_threads))
             self.processes.append(ActorProcess(actor, name, where, run))
         logger.info("%d engine(s) placed on the Ray cluster at %s", self.num_engines,
@@ -88,3 +97,14 @@ class RayEngineActors:
             for group in self.groups:
                 ray.util.remove_placement_group(group)
             self.groups = []
+
+
+def serve_engine_on_node(proc: EngineCoreProc, args: EngineArgs, model_info: ModelInfo, num_threads: int | None) -> None:
+    """serve_engine in the actor; where the run folder is not there (another machine), it is made, with a manifest."""
+    if args.trace_run_dir is not None and not (Path(args.trace_run_dir) / schema.MANIFEST_FILE).exists():
+        run_dir = Path(args.trace_run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_manifest(run_dir, model=args.model, served_model_name=args.model or "", engine_args=asdict(args),
+                       data_parallel_size=1, model_fingerprint=manifest_fingerprint(model_info.path),
+                       node={"host": host_name(), "headless": True, "ranks": [proc.engine_index]})
+    serve_engine(proc, args, model_info, num_threads)
