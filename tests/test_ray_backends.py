@@ -173,5 +173,8 @@ def test_without_ray_installed_either_ray_backend_says_how_to_install_it(tmp_pat
     with pytest.raises(ValueError, match=r"--distributed-executor-backend ray needs Ray, which is not installed: "
                                          r"pip install 'tinyserve\[ray\]'"):
         EngineArgs(distributed_executor_backend="ray").validate()
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"with --pipeline-parallel-size the stages run as processes: use mp"):
+        EngineArgs(distributed_executor_backend="ray", tensor_parallel_size=2, pipeline_parallel_size=2).validate()
     with pytest.raises(ValueError, match=r"ray_resources \(--ray-resources\) names \['CPU'\]"):
         EngineArgs(ray_resources={"CPU": 2}).validate()

@@ -47,6 +47,9 @@ def check_distributed_args(args) -> None:
                          f"got {args.distributed_executor_backend!r}")
     if args.distributed_executor_backend == "ray":
         check_ray("--distributed-executor-backend")
+        if getattr(args, "pipeline_parallel_size", 1) > 1:
+            raise ValueError("--distributed-executor-backend ray places tensor-parallel ranks; with "
+                             "--pipeline-parallel-size the stages run as processes: use mp")
         if args.tensor_parallel_size == 1:
             logger.warning("--distributed-executor-backend ray places tensor-parallel ranks 1..N-1: with "
                            "--tensor-parallel-size 1 there is none, and the engine runs as it would with mp")
