@@ -8,7 +8,8 @@ trace file is flushed and nothing of the server is left running. An engine
 process that dies fails the requests it held and stops the server the same
 way, with exit status 1 (--keep-alive-on-engine-death keeps it up).
 
-With --headless it runs engines for a head node instead (engine/headless.py).
+With --headless it runs engines for a head node instead (engine/headless.py). With
+--api-server-count N, N API processes serve the port (cli/api_servers.py).
 """
 
 import argparse
@@ -17,6 +18,7 @@ import sys
 
 import uvicorn
 
+from tinyserve.cli.api_servers import add_api_server_flags, check_api_server_flags, run_api_servers
 from tinyserve.cli.data_parallel_flags import (
     add_data_parallel_flags,
     check_data_parallel_flags,
@@ -29,6 +31,7 @@ from tinyserve.cli.load_balancing_flags import add_load_balancing_flags, check_l
 from tinyserve.cli.listener import bind_listener
 from tinyserve.cli.metrics_flags import add_metrics_flags
 from tinyserve.cli.ray_flags import check_ray_flags, ray_engine_client
+from tinyserve.cli.trace_setup import local_ranks, start_tracing
 from tinyserve.cli.vllm_flags import add_vllm_flags, check_vllm_flags
 from tinyserve.entrypoints.api.guards.field_limits import (
     DEFAULT_MAX_LOGIT_BIAS_ENTRIES,
@@ -65,6 +68,7 @@ def add_parser(commands) -> None:
     group.add_argument("--log-requests", action="store_true",
                        help="log each request's inputs and one access line per request "
                             "(the log holds prompt text and token ids, --trace-redact-inputs or not)")
+    add_api_server_flags(group)
     add_load_balancing_flags(parser)
     add_metrics_flags(parser)
     tools = parser.add_argument_group("tool calling")
@@ -127,7 +131,7 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     problem = (_check_server_flags(args) or check_load_balancing_flags(args) or check_vllm_flags(args)
-               or check_ray_flags(args))
+               or check_ray_flags(args) or check_api_server_flags(args))
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -139,11 +143,27 @@ def run(args: argparse.Namespace) -> int:
     except OSError as error:
         print(f"error: cannot listen on {args.host}:{args.port}: {error.strerror or error}", file=sys.stderr)
         return 2
+    if args.api_server_count > 1:
+        return run_api_servers(args, listener, names[0], serve_api)
     client = None
     try:
         engine_args = engine_args_from(args)
         run_dir = start_tracing(args, engine_args, names[0])
         client = launch_engines(args, engine_args)
+    except ValueError as error:
+        listener.close()
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return serve_api(args, listener, names, engine_args, client, run_dir)
+
+
+def serve_api(args: argparse.Namespace, listener, names: list[str], engine_args, client, run_dir,
+              api_server_index: int | None = None) -> int:
+    """Serve HTTP on `listener` with this engine client until SIGTERM (or an engine's death); the exit status.
+
+    api_server_index: this process's index among --api-server-count API processes (None: the only one).
+    """
+    try:
         # The rest of the API process (its modules, the tokenizer, the app) is set up while the engines load.
         from tinyserve.frontend.async_llm import AsyncLLM
 
@@ -152,8 +172,7 @@ def run(args: argparse.Namespace) -> int:
                           data_parallel_rank=args.data_parallel_rank, client=client)
         loras = lora_registry_from(args, engine_args, engine.model_info.path, names[0])
     except ValueError as error:
-        if client is not None:
-            client.shutdown()
+        client.shutdown()
         listener.close()
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -171,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     field_limits = FieldLimits(max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
                                max_messages=args.max_messages, max_logit_bias_entries=args.max_logit_bias_entries)
     metrics = ServerMetrics(names[0], engine.engine_indices, engine.model_info.max_model_len,
-                            prefix=args.metrics_prefix)
+                            prefix=args.metrics_prefix, api_server_index=api_server_index)
     app = build_app(ctx, metrics, api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
                     field_limits=field_limits, track_server_load=args.enable_server_load_tracking)
     port = listener.getsockname()[1]
@@ -215,7 +234,7 @@ def run_headless(args: argparse.Namespace, served_model_name: str) -> int:
 
     try:
         engine_args = engine_args_from(args)
-        run_dir = start_tracing(args, engine_args, served_model_name, node_ranks=_local_ranks(args))
+        run_dir = start_tracing(args, engine_args, served_model_name, node_ranks=local_ranks(args))
         node = HeadlessNode(engine_args, args.data_parallel_size, size_local(args), args.data_parallel_start_rank,
                             args.data_parallel_address, args.data_parallel_rpc_port, node_secret=node_secret(args))
     except ValueError as error:
@@ -230,13 +249,6 @@ def run_headless(args: argparse.Namespace, served_model_name: str) -> int:
         from tinyserve.lifecycle.tracing import shutdown_tracing
 
         shutdown_tracing()
-
-
-def _local_ranks(args: argparse.Namespace) -> list[int]:
-    if args.data_parallel_rank is not None:
-        return [args.data_parallel_rank]
-    start = args.data_parallel_start_rank or 0
-    return list(range(start, start + size_local(args)))
 
 
 def _check_server_flags(args: argparse.Namespace) -> str | None:
@@ -262,36 +274,3 @@ def _check_server_flags(args: argparse.Namespace) -> str | None:
     if args.trace_max_mb is not None and not args.trace_max_mb > 0:
         return f"--trace-max-mb must be positive, got {args.trace_max_mb}"
     return None
-
-
-def start_tracing(args: argparse.Namespace, engine_args, served_model_name: str, node_ranks: list[int] | None = None):
-    """Set up this process's tracer and tell the engines where to write; returns the run folder.
-
-    node_ranks: on a headless node, the ranks it serves (its manifest says so, for `trace merge`).
-    """
-    from dataclasses import asdict
-
-    from tinyserve.config import ModelInfo
-    from tinyserve.lifecycle import schema
-    from tinyserve.lifecycle.tracing import host_name, new_run_dir, setup_tracing, trace_cap_bytes, write_manifest
-    from tinyserve.models.fingerprint import manifest_fingerprint
-
-    if not args.trace and args.otlp_endpoint is None:
-        return None
-    run_dir = new_run_dir(args.trace_dir) if args.trace else None
-    cap = trace_cap_bytes(args.trace_max_mb)  # of the whole folder: every process checks it
-    if run_dir is not None:
-        engine_args.trace_max_bytes = cap
-        write_manifest(run_dir, model=args.model, served_model_name=served_model_name,
-                       engine_args=asdict(engine_args), data_parallel_size=args.data_parallel_size,
-                       model_fingerprint=manifest_fingerprint(ModelInfo.from_args(engine_args).path),
-                       trace_max_mb=args.trace_max_mb,
-                       node={"host": host_name(), "headless": node_ranks is not None,
-                             "ranks": node_ranks if node_ranks is not None else _local_ranks(args)})
-        engine_args.trace_run_dir = str(run_dir)
-    engine_args.otlp_endpoint = args.otlp_endpoint
-    if node_ranks is not None:
-        return run_dir  # a headless node has no API process: only its engines trace
-    setup_tracing(schema.SERVICE_API, run_dir / schema.API_TRACE_FILE if run_dir else None, args.otlp_endpoint,
-                  max_bytes=cap)
-    return run_dir

@@ -38,8 +38,10 @@ _running: "weakref.WeakSet[ChildProcess]" = weakref.WeakSet()
 class ChildProcess:
     """target(**kwargs) in a new interpreter whose main module is this one."""
 
-    def __init__(self, target: Callable, kwargs: dict, name: str) -> None:
+    def __init__(self, target: Callable, kwargs: dict, name: str, pass_fds: tuple[int, ...] = ()) -> None:
+        """pass_fds: file descriptors the child inherits, at the same numbers (a listening socket, say)."""
         self.name = name
+        self.pass_fds = tuple(pass_fds)
         self._payload = (target, kwargs)
         self._popen: subprocess.Popen | None = None
         self.sentinel: int | None = None
@@ -49,13 +51,14 @@ class ChildProcess:
         # The child must find this module before it can read the parent's sys.path.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         if hasattr(os, "pidfd_open"):  # Linux: a descriptor of the process itself
-            self._popen = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, env=env)
+            self._popen = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, env=env,
+                                           pass_fds=self.pass_fds)
             self.sentinel = os.pidfd_open(self._popen.pid)
         else:  # elsewhere: a pipe whose write end only the child holds, at EOF once it has exited
             self.sentinel, write_end = os.pipe()
             try:
                 self._popen = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, env=env,
-                                               pass_fds=(write_end,))
+                                               pass_fds=(write_end, *self.pass_fds))
             finally:
                 os.close(write_end)
         weakref.finalize(self, os.close, self.sentinel)

@@ -5,7 +5,9 @@
     output thread   output_queue ─► encode ─► socket          (stage ⑦ leaves)
 
 The main thread never touches a socket: it only hands Python objects over two
-queues. Decoding the next requests and encoding the last step's tokens happen on
+queues. With several API processes (--api-server-count) the input socket connects to
+each one's input and the output thread holds one socket per API process, sending each
+its own requests' outputs (client_outputs.py). Decoding the next requests and encoding the last step's tokens happen on
 the I/O threads, while torch (which releases the GIL inside its kernels) runs the
 next forward pass on the main thread. When no request is unfinished, the main
 thread blocks on the input queue instead of spinning: an idle engine costs no CPU.
@@ -37,6 +39,7 @@ import torch
 import zmq
 
 from tinyserve.config import EngineArgs, ModelInfo
+from tinyserve.engine.client_outputs import ClientOutputs
 from tinyserve.engine.engine_core import EngineCore
 from tinyserve.wire.ipc import (
     INPUT_TYPES,
@@ -69,8 +72,8 @@ _EXIT = object()  # put on the input queue by request_stop(): the engine exits a
 def run_engine_core(
     args: EngineArgs,
     engine_index: int,
-    input_address: str,
-    output_address: str,
+    input_address: str | list[str],
+    output_address: str | list[str],
     parent_pid: int,
     model_info: ModelInfo | None = None,
     num_threads: int | None = None,
@@ -78,7 +81,8 @@ def run_engine_core(
     """Entry point of an engine process: load the model, say ready, serve until told to stop.
 
     num_threads caps torch's CPU threads, so that engines sharing a machine's
-    cores do not fight over them.
+    cores do not fight over them. A list of addresses: one per API process
+    (--api-server-count), in client index order.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -109,6 +113,10 @@ def serve_engine(proc: "EngineCoreProc", args: EngineArgs, model_info: ModelInfo
         proc.close()
 
 
+def _as_list(address: str | list[str]) -> list[str]:
+    return [address] if isinstance(address, str) else list(address)
+
+
 def _start_tracing(args: EngineArgs, engine_index: int) -> None:
     """This engine's own tracer: engine-<i>.jsonl in the run folder and/or the OTLP endpoint."""
     trace_file = None
@@ -137,9 +145,15 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 class EngineCoreProc:
-    def __init__(self, engine_index: int, input_address: str, output_address: str) -> None:
+    def __init__(self, engine_index: int, input_addresses: str | list[str], output_addresses: str | list[str]) -> None:
+        """One input and one output address per client (API process), in client index order (one: a string)."""
+        input_addresses, output_addresses = _as_list(input_addresses), _as_list(output_addresses)
+        if len(input_addresses) != len(output_addresses):
+            raise ValueError(f"one input and one output address per client: got {len(input_addresses)} "
+                             f"and {len(output_addresses)}")
         self.engine_index = engine_index
-        self.input_address = input_address
+        self.input_addresses = input_addresses
+        self.clients = ClientOutputs(len(output_addresses))
         self.engine_core: EngineCore | None = None
         self.context = zmq.Context()
         self.input_queue: queue.Queue = queue.Queue()
@@ -147,7 +161,7 @@ class EngineCoreProc:
         # The output thread starts first: it must carry the handshake, or the
         # start-up error if the model fails to load.
         self.output_thread = threading.Thread(
-            target=self._output_loop, args=(output_address,), name="engine-output", daemon=True
+            target=self._output_loop, args=(output_addresses,), name="engine-output", daemon=True
         )
         self.output_thread.start()
         self.input_thread = threading.Thread(target=self._input_loop, name="engine-input", daemon=True)
@@ -188,7 +202,8 @@ class EngineCoreProc:
         # is not made the moment connect() returns.
         if not self.input_connected.wait(INPUT_CONNECT_TIMEOUT_S):
             try:
-                raise ConnectionError(f"no connection to {self.input_address} after {INPUT_CONNECT_TIMEOUT_S:.0f} s")
+                raise ConnectionError(f"no connection to all of {self.input_addresses} after "
+                                      f"{INPUT_CONNECT_TIMEOUT_S:.0f} s")
             except ConnectionError:
                 self._fail("the input socket did not connect")
         self._send(
@@ -238,6 +253,9 @@ class EngineCoreProc:
             self._call_utility(message)
 
     def _add_request(self, request: EngineCoreRequest) -> None:
+        if not self.clients.knows(request):
+            logger.warning("dropped request %s from unknown client %d", request.request_id, request.client_index)
+            return
         try:
             self.engine_core.check_request(request)
             self.engine_core.add_request(request)
@@ -260,10 +278,11 @@ class EngineCoreProc:
                 reply = UtilityResult(call.call_id, result=msgspec.Raw(msgspec.msgpack.encode(result)))
             except Exception as error:
                 reply = UtilityResult(call.call_id, error=f"{type(error).__name__}: {error}")
-        self._send(EngineOutputKind.UTILITY_RESULT, reply)
+        self._send(EngineOutputKind.UTILITY_RESULT, reply, client=call.client_index)
 
-    def _send(self, kind: EngineOutputKind, message) -> None:
-        self.output_queue.put((kind, message))
+    def _send(self, kind: EngineOutputKind, message, client: int | None = None) -> None:
+        """Queue a message for the output thread: to `client`, or OUTPUTS cut by client, or to every client."""
+        self.output_queue.put((kind, message, client))
 
     def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         """Outputs made outside a step (aborts, refusals), with fresh stats for the load balancer."""
@@ -286,8 +305,14 @@ class EngineCoreProc:
     def _input_loop(self) -> None:
         socket = self.context.socket(zmq.PULL)
         monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        socket.connect(self.input_address)
-        if monitor.poll(INPUT_CONNECT_TIMEOUT_S * 1000):
+        for address in self.input_addresses:  # one PULL, fair-queued over every API process's input
+            socket.connect(address)
+        deadline = time.monotonic() + INPUT_CONNECT_TIMEOUT_S
+        connected = 0
+        while connected < len(self.input_addresses) and monitor.poll(max(0, deadline - time.monotonic()) * 1000):
+            monitor.recv_multipart()  # one handshake event
+            connected += 1
+        if connected == len(self.input_addresses):
             self.input_connected.set()
         socket.disable_monitor()
         monitor.close(linger=0)
@@ -304,16 +329,24 @@ class EngineCoreProc:
         finally:
             socket.close(linger=0)
 
-    def _output_loop(self, address: str) -> None:
-        socket = self.context.socket(zmq.PUSH)
-        socket.connect(address)
+    def _output_loop(self, addresses: list[str]) -> None:
+        sockets = [self.context.socket(zmq.PUSH) for _ in addresses]
+        for socket, address in zip(sockets, addresses):
+            socket.connect(address)
         encoder = msgspec.msgpack.Encoder()
         try:
             while (item := self.output_queue.get()) is not _STOP:
-                kind, message = item
-                socket.send_multipart([kind.value, encoder.encode(message)])
+                kind, message, client = item
+                if kind is EngineOutputKind.OUTPUTS:
+                    for index, share in self.clients.split(message):
+                        sockets[index].send_multipart([kind.value, encoder.encode(share)])
+                    continue
+                frames = [kind.value, encoder.encode(message)]
+                for socket in sockets if client is None else [sockets[client]]:
+                    socket.send_multipart(frames)
         finally:
-            socket.close(linger=OUTPUT_LINGER_MS)
+            for socket in sockets:
+                socket.close(linger=OUTPUT_LINGER_MS)
 
     def close(self) -> None:
         """Flush the output queue, then stop both I/O threads."""

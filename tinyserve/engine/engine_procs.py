@@ -28,8 +28,11 @@ class EngineProcesses:
         self.first_index = first_index
         self.processes: list[ChildProcess] = []  # processes[i] serves rank first_index + i
 
-    def start(self, input_addresses: list[str], output_address: str) -> None:
-        """Start engine first_index + i reading requests from input_addresses[i]; all write to output_address."""
+    def start(self, input_addresses: list[str] | list[list[str]], output_address: str | list[str]) -> None:
+        """Start engine first_index + i reading requests from input_addresses[i]; all write to output_address.
+
+        With several API processes (--api-server-count) input_addresses[i] lists each one's input socket
+        for engine i, and output_address each one's output socket, in client index order."""
         # A new interpreter, not a fork: a forked copy of a process with torch and ZeroMQ threads
         # can deadlock; and not multiprocessing's spawn, which imports the user's script again
         # (child_process.py). The arguments below reach the child pickled, over a pipe that only
@@ -55,6 +58,9 @@ class EngineProcesses:
             with sigint_ignored():
                 process.start()
             self.processes.append(process)
+
+    def on_ready(self, pids: list[int]) -> None:
+        """Nothing: these are our children, watched from their start (frontend/attached_engines.py differs)."""
 
     @property
     def pids(self) -> list[int]:

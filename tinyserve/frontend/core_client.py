@@ -1,30 +1,27 @@
 """The API process's handle on its engine processes (stages ④ and ⑦ from the client side).
 
-MPClient is the EngineClient (engine_client.py) for engines in their own processes.
-
-`MPClient` starts one engine process per data-parallel rank (engine_procs.py
-starts and stops them; engine_core_proc.py is what runs in them), sends each
-request to one of them (dp_client.py picks which), and hands back whatever the
-engines produce, one EngineCoreOutputs at a time, to AsyncLLM's output loop.
-The socket layout is drawn in ipc.py. Its engines' indices start at start_index
-(messages and answers carry them); its lists of sockets and processes go by position.
-With multi_node, the positions from multi_node.size_local on run on headless nodes:
-their sockets are bound on TCP at the head's address, and remote_engines.py lets the
-nodes in and watches them.
+`MPClient`, the EngineClient (engine_client.py) for engines in their own processes, starts
+one engine process per data-parallel rank (engine_procs.py starts and stops them;
+engine_core_proc.py is what runs in them), sends each request to one of them (dp_client.py
+picks which), and hands back whatever the engines produce, one EngineCoreOutputs at a time,
+to AsyncLLM's output loop. The socket layout is drawn in ipc.py. Its engines' indices start
+at start_index (messages and answers carry them); its lists of sockets and processes go by
+position. With multi_node, the positions from multi_node.size_local on run on headless
+nodes: their sockets are bound on TCP at the head's address, and remote_engines.py lets the
+nodes in and watches them. One of several API processes (--api-server-count) has an
+APIServerClient (api_server_client.py), which starts no engine.
 
 It also watches the engines: the event loop watches each process's sentinel (a file
 descriptor readable the moment the process exits), so a crash is noticed at once; a
 headless node's rank is reported by remote_engines.py. A dead engine loses only what it
 held: `get_outputs` raises one EngineRankDeadError naming the rank and its engine request
-ids, the caller fails those alone and goes on with the live ranks; the load balancer
-never picks the rank again, and the log says how many requests were lost where. With no
-engine left the client is dead: `get_outputs` raises EngineDeadError, `add_request`
-fails fast. (vLLM's MPClient makes any engine's death the whole client's; tinyserve does
-so for the last one only: no collective op joins DP ranks here, so a live rank's
-requests run to completion, and --keep-alive-on-engine-death serves on the ranks left.)
-
-The module is over 300 lines because start-up, sending, receiving and an engine's
-death all work on the same sockets and the same in-flight table.
+ids, the caller fails those alone and goes on with the live ranks; the load balancer never
+picks the rank again, and the log says how many requests were lost where. With no engine
+left the client is dead: `get_outputs` raises EngineDeadError, `add_request` fails fast.
+(vLLM's MPClient makes any engine's death the whole client's; here only the last one's: no
+collective op joins DP ranks, so a live rank's requests run to completion, and
+--keep-alive-on-engine-death serves on the ranks left.)
+The module is over 300 lines because start-up, sending, receiving and a death share sockets and one in-flight table.
 """
 
 import asyncio
@@ -64,17 +61,11 @@ TRANSPORTS = ("ipc", "tcp")
 
 
 class MPClient(ClientLiveness):
-    def __init__(
-        self,
-        args: EngineArgs,
-        model_info: ModelInfo,
-        data_parallel_size: int = 1,
-        start_index: int = 0,
-        ipc_dir: str | None = None,
-        transport: str = "ipc",
-        startup_timeout: float = STARTUP_TIMEOUT_S,
-        multi_node: MultiNode | None = None,
-    ) -> None:
+    client_index = 0  # stamped on what it sends; one of several API processes: api_server_client.py
+
+    def __init__(self, args: EngineArgs, model_info: ModelInfo, data_parallel_size: int = 1, start_index: int = 0,
+                 ipc_dir: str | None = None, transport: str = "ipc", startup_timeout: float = STARTUP_TIMEOUT_S,
+                 multi_node: MultiNode | None = None) -> None:
         """data_parallel_size: how many engines in all; start_index: the engine index of the first
         (with --data-parallel-rank R, the one engine is engine R).
         ipc_dir: where to create the private socket directory (default: the system temp dir).
@@ -150,20 +141,26 @@ class MPClient(ClientLiveness):
             # pyzmq's asyncio sockets take their event loop when first used: they may be made before it runs.
             self._context = zmq.asyncio.Context()
             if self.transport == "ipc":
-                self._ipc_dir = make_ipc_dir(self._ipc_parent)
+                self._ipc_dir = self._make_ipc_dir()
             self._output_socket = self._context.socket(zmq.PULL)
-            self._output_socket.bind(bind_address(self.transport, self._ipc_dir, "output", self.bind_host))
+            self._output_socket.bind(bind_address(self.transport, self._ipc_dir, self._socket_name("output"), self.bind_host))
             for index in range(self.data_parallel_size):
                 # A plain socket, not an asyncio one: a NOBLOCK send succeeds or fails at once (see _send).
                 socket = zmq.Socket(self._context, zmq.PUSH)
                 socket.setsockopt(zmq.SNDHWM, 0)
-                socket.bind(bind_address(self.transport, self._ipc_dir, f"input-{index}", self.bind_host))
+                socket.bind(bind_address(self.transport, self._ipc_dir, self._socket_name(f"input-{index}"), self.bind_host))
                 self._input_sockets.append(socket)
             input_addresses = [bound_endpoint(s) for s in self._input_sockets]
             self._engines.start(input_addresses[:self.num_local_engines], bound_endpoint(self._output_socket))
         except BaseException:
             self.shutdown()
             raise
+
+    def _make_ipc_dir(self) -> str:
+        return make_ipc_dir(self._ipc_parent)
+
+    def _socket_name(self, name: str) -> str:
+        return name
 
     async def start(self) -> None:
         """Spawn the engines (unless launch() has), let headless nodes in, wait until every engine is ready."""
@@ -216,6 +213,7 @@ class MPClient(ClientLiveness):
                         "without reporting an error; see its log above"
                     )
         self.num_kv_blocks = [ready[i].num_kv_blocks for i in range(self.data_parallel_size)]
+        self._engines.on_ready([ready[i].pid for i in range(self.num_local_engines)])
         self.max_model_len = min(r.max_model_len for r in ready.values())
         logger.info("%d engine(s) ready: KV blocks %s", self.data_parallel_size, self.num_kv_blocks)
 
@@ -224,6 +222,7 @@ class MPClient(ClientLiveness):
     async def add_request(self, request: EngineCoreRequest) -> int:
         """Send a request to the least loaded live engine; returns that engine's index."""
         self._check_alive()
+        request.client_index = self.client_index  # the engine answers this client alone
         position = self.load_balancer.send_to_least_loaded(
             lambda p: self._send(self.start_index + p, EngineInputKind.ADD, request))
         index = self.start_index + position
@@ -266,7 +265,7 @@ class MPClient(ClientLiveness):
         future = self._loop.create_future()
         self._utility_calls[call_id] = (engine_index, future)
         try:
-            self._send(engine_index, EngineInputKind.UTILITY, UtilityCall(call_id, method, list(args)))
+            self._send(engine_index, EngineInputKind.UTILITY, UtilityCall(call_id, method, list(args), self.client_index))
             reply = await future
         finally:
             self._utility_calls.pop(call_id, None)
@@ -395,6 +394,6 @@ class MPClient(ClientLiveness):
                 socket.close(linger=0)
         if self._context is not None:
             self._context.term()
-        if self._ipc_dir is not None:
+        if self._ipc_dir is not None and self._ipc_parent != self._ipc_dir:  # not one another process made
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 

@@ -34,10 +34,16 @@ def engine_service_name(engine_index: int) -> str:
     return f"tinyserve-engine-{engine_index}"
 
 
+def api_service_name(api_server_index: int | None) -> str:
+    """tinyserve-api; API process i of several (--api-server-count): tinyserve-api-<i>."""
+    return SERVICE_API if api_server_index is None else f"{SERVICE_API}-{api_server_index}"
+
+
 # ---- resource attributes: which machine and rank a process is -----------------------
 RESOURCE_HOST = "host.name"  # OpenTelemetry's semantic convention
 RESOURCE_DP_RANK = "tinyserve.dp.rank"  # an engine's data-parallel rank (its engine index)
 RESOURCE_TP_RANK = "tinyserve.tp.rank"  # the tensor-parallel rank that writes the engine's spans: 0
+RESOURCE_API_SERVER_INDEX = "tinyserve.api_server.index"  # which of --api-server-count API processes (0..N-1)
 
 
 # ---- span names ----------------------------------------------------------------
@@ -245,7 +251,8 @@ ROUTER_TRACE_FILE = "router.jsonl"
 
 
 def api_trace_file(rank: int | None) -> str:
-    """api.jsonl; in a run merged from several ranks' servers (external load balancing), api-<rank>.jsonl."""
+    """api.jsonl; in a run merged from several ranks' servers (external load balancing), api-<rank>.jsonl;
+    API process i of several (--api-server-count) writes api-<i>.jsonl."""
     return API_TRACE_FILE if rank is None else f"api-{rank}.jsonl"
 
 

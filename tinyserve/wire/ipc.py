@@ -11,6 +11,18 @@ The client binds every socket, so it owns the addresses: `ipc://` paths in a
 private directory (mode 0700) by default, or `tcp://127.0.0.1:<port>` (on the
 head's --data-parallel-address when engines run on other nodes, wire/nodes.py).
 
+With several API processes (`--api-server-count N`, cli/api_servers.py) every one of them
+is a client of every engine: each binds its own input socket per engine and its own
+output socket (`client_socket_name`), and an engine's one PULL connects to all N
+inputs, its N PUSH sockets one to each client's output:
+
+    api 0 ── PUSH api-0-input-0 ──┐                 ┌── PUSH ──► api-0-output (PULL, api 0)
+    api 1 ── PUSH api-1-input-0 ──┴──► engine 0 ────┴── PUSH ──► api-1-output (PULL, api 1)
+
+A request carries its `client_index`; the engine sends its outputs, and the answer to
+a UtilityCall, to that client only, and its stats, READY and FAILED to every client
+(engine/client_outputs.py).
+
 Every message is two frames, `[kind, msgpack payload]`. The kind byte picks the
 one msgspec type the payload is decoded into; nothing is pickled, and bytes that
 do not decode into that type are dropped and logged by the receiver.
@@ -57,6 +69,7 @@ class UtilityCall(msgspec.Struct, array_like=True):
     call_id: int
     method: str
     args: list[Any] = []
+    client_index: int = 0  # the API process that asked, which the answer goes back to
 
 
 class UtilityResult(msgspec.Struct, array_like=True):
@@ -143,6 +156,11 @@ def bind_address(transport: str, ipc_dir: str | None, name: str, host: str | Non
     if transport == "ipc":
         return f"ipc://{os.path.join(ipc_dir, name)}"
     return f"tcp://{host or '127.0.0.1'}:*"
+
+
+def client_socket_name(name: str, client_index: int | None) -> str:
+    """The name of API process `client_index`'s socket `name` in the shared ipc directory (None: the only client)."""
+    return name if client_index is None else f"api-{client_index}-{name}"
 
 
 def bound_endpoint(socket: zmq.Socket) -> str:

@@ -30,6 +30,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # are then pooling_params.POOLING_SAMPLING_PARAMS, which nothing samples with.
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs under (tinyserve/lora/); None: the base model
+    # Which API process sent it (--api-server-count N: 0..N-1; vLLM's field): its outputs go back to that one.
+    client_index: int = 0
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

@@ -53,6 +53,7 @@ class Request:
     trace_context: dict[str, str] = field(default_factory=dict)
     pooling_params: PoolingParams | None = None  # a pooling request: a vector, no tokens (pooling_scheduler.py)
     lora_request: LoRARequest | None = None
+    client_index: int = 0  # the API process that sent it (vLLM's field; engine/client_outputs.py routes by it)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

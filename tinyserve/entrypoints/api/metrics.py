@@ -21,6 +21,17 @@ timestamps are taken from that report. An `n > 1` request is one parent of n eng
 requests: `request_params_n` and `request_max_num_generation_tokens` are observed once
 its last child finishes, the per-request token histograms once per child, as in vLLM.
 
+With several API processes (`--api-server-count N`) each keeps its own series in
+prometheus-client's multiprocess mode (files in PROMETHEUS_MULTIPROC_DIR, which the main
+process makes), and /metrics, whichever process answers it, reads them all, as vLLM's
+does: counters and histograms are summed over the processes; the engines' gauges, which
+every process sets from the same engine reports, are the most recent value set
+(multiprocess_mode "mostrecent"); the engines' running totals (prefix cache, preemptions,
+speculative decoding) are counted by API process 0 alone, since every process reads the
+same reports. Each process's iteration_tokens_total observes its own requests' share of
+an engine step, as each of vLLM's API servers does. The process_* series describe one
+process and are left out.
+
 The module is over 300 lines because vLLM's metric set, each metric with its help text and
 labels, reads best in one place (speculative decoding's own counters: spec_decode/metrics.py).
 """
@@ -31,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from tinyserve.entrypoints.api.http_metrics import HttpMetrics
 from tinyserve.spec_decode.metrics import SpecDecodeCounters
@@ -91,11 +103,15 @@ class _EngineCounters:
 
 class ServerMetrics:
     def __init__(self, model_name: str, engine_indices: Sequence[int], max_model_len: int,
-                 prefix: str = DEFAULT_METRICS_PREFIX) -> None:
+                 prefix: str = DEFAULT_METRICS_PREFIX, api_server_index: int | None = None) -> None:
         """engine_indices: the `engine` label of each engine (0..N-1, or R alone with --data-parallel-rank R).
-        prefix: what names start with, before the colon (`vllm` gives vLLM's names)."""
+        prefix: what names start with, before the colon (`vllm` gives vLLM's names).
+        api_server_index: this process's index among several API processes (multiprocess mode); None: alone."""
         self.registry = CollectorRegistry()
-        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        self.multiprocess = api_server_index is not None
+        self.counts_engine_totals = api_server_index in (None, 0)
+        if not self.multiprocess:
+            ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self.model_name = model_name
         self.engine_indices = list(engine_indices)
         self.prefix = prefix
@@ -103,7 +119,8 @@ class ServerMetrics:
         token_buckets = build_1_2_5_buckets(max_model_len)
 
         def gauge(name, doc, extra=()):
-            return Gauge(f"{prefix}:{name}", doc, labels + list(extra), registry=self.registry)
+            return Gauge(f"{prefix}:{name}", doc, labels + list(extra), registry=self.registry,
+                         multiprocess_mode="mostrecent")
 
         def counter(name, doc, extra=()):
             return Counter(f"{prefix}:{name}", doc, labels + list(extra), registry=self.registry)
@@ -177,7 +194,11 @@ class ServerMetrics:
                 self.num_requests_waiting_by_reason.labels(model_name, str(engine), reason).set(0)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)  # every API process's files, this one's included
+        return generate_latest(registry)
 
     def record_cache_config(self, engine_args, num_kv_blocks: list[int]) -> None:
         """vLLM's cache_config_info: a gauge at 1 whose labels are the KV cache's configuration, per engine."""
@@ -185,7 +206,8 @@ class ServerMetrics:
                 "gpu_memory_utilization": engine_args.gpu_memory_utilization, "cache_dtype": engine_args.kv_cache_dtype}
         self.cache_config_info = Gauge(f"{self.prefix}:cache_config_info",
                                        "Information of the engine's KV cache config.",
-                                       [*info, "num_gpu_blocks", "engine"], registry=self.registry)
+                                       [*info, "num_gpu_blocks", "engine"], registry=self.registry,
+                                       multiprocess_mode="mostrecent")
         for engine, num_blocks in zip(self.engine_indices, num_kv_blocks, strict=True):
             values = {name: str(value) for name, value in info.items()}
             self.cache_config_info.labels(**values, num_gpu_blocks=str(num_blocks), engine=str(engine)).set(1)
@@ -202,13 +224,23 @@ class ServerMetrics:
             series += [(self.num_requests_waiting_by_reason, (*labels, reason))
                        for reason in (WAITING_REASON_CAPACITY, WAITING_REASON_DEFERRED)]
             for metric, values in series:
-                with contextlib.suppress(KeyError):  # removed already, at an earlier scrape
-                    metric.remove(*values)
+                self._forget(metric, values)
             return
         for metric in (self.num_requests_running, self.num_requests_waiting, self.num_requests_waiting_by_reason,
                        self.kv_cache_usage_perc):
-            metric.clear()
+            if self.multiprocess:
+                for values in list(metric._metrics):
+                    metric.labels(*values).set(0)
+            else:
+                metric.clear()
         self._awaiting_engine_times.clear()  # their timestamps will never come
+
+    def _forget(self, metric, values) -> None:
+        if self.multiprocess:  # another process's file keeps the series: it goes to 0, what a dead engine runs
+            metric.labels(*values).set(0)
+            return
+        with contextlib.suppress(KeyError):  # removed already, at an earlier scrape
+            metric.remove(*values)
 
     def on_request(self, request_id: str, children: list[EngineCoreRequest], params: SamplingParams) -> None:
         self._parents[request_id] = _Parent(params.n, len(children))
@@ -233,6 +265,7 @@ class ServerMetrics:
                 stats.num_waiting_reqs - deferred)
             self.num_requests_waiting_by_reason.labels(*labels, WAITING_REASON_DEFERRED).set(deferred)
             self.kv_cache_usage_perc.labels(*labels).set(stats.kv_cache_usage)
+        if stats is not None and self.counts_engine_totals:
             seen = self._counters.setdefault(outputs.engine_index, _EngineCounters())
             # The engine reports running totals; Prometheus counters want increments.
             self.prefix_cache_queries.labels(*labels).inc(stats.prefix_cache_queries - seen.prefix_cache_queries)

@@ -1,0 +1,179 @@
+"""Several API processes on one port: `tinyserve serve --api-server-count N` (vLLM's flag, `-asc`).
+
+With `--api-server-count 2 --data-parallel-size 2 --trace`, a burst of concurrent greedy
+requests is answered with transformers' tokens by both engines, and `/metrics` (vLLM's
+names, whichever process answers) counts every request exactly once. Streams held by
+both API processes (which process holds a connection is read from the operating system)
+run to their end when the server gets SIGTERM, which then exits 0 leaving nothing behind,
+and each stream's request spans are in the trace file of the process that held it.
+An API process killed outright takes the server down with exit status 1. How an engine
+sends each output to the API process that sent its request is tested without a process.
+"""
+
+import concurrent.futures
+import json
+import re
+import signal
+
+import httpx
+import psutil
+import pytest
+
+from tests.server_checks import wait_until
+from tests.shared_server import ENGINE_FLAGS, MODEL, model_folder
+from tinyserve.cli.main import main
+from tinyserve.engine.client_outputs import ClientOutputs
+from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.run import load_run
+from tinyserve.sampling_params import SamplingParams
+from tinyserve.testing import ServerProcess
+from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+
+BURST_PROMPTS = [[9, 120, 33, 41, 7], [250, 3, 18, 77, 140, 201, 9], [5, 6, 7, 8], [100, 200, 300]] * 4
+STREAM_TOKENS = 200
+MAX_STREAMS = 10  # opened one by one until both API processes hold one
+
+
+def api_processes(server: ServerProcess) -> dict[int, psutil.Process]:
+    """The server's API processes by index (their process titles: tinyserve-api-<i>)."""
+    found = {}
+    for child in psutil.Process(server.process.pid).children():
+        if child.name().startswith("tinyserve-api-"):
+            found[int(child.name().rsplit("-", 1)[1])] = child
+    return found
+
+
+def holder(processes: dict[int, psutil.Process], client_port: int) -> int | None:
+    """The index of the API process whose socket is connected to this client port."""
+    for index, process in processes.items():
+        if any(c.raddr and c.raddr.port == client_port for c in process.net_connections(kind="tcp")):
+            return index
+    return None
+
+
+def vllm_metric(text: str, name: str) -> dict[str, float]:
+    """vllm:<name>, summed over its label sets, by engine."""
+    by_engine: dict[str, float] = {}
+    for match in re.finditer(rf'^vllm:{name}\{{([^}}]*)\}} (\S+)$', text, re.MULTILINE):
+        engine = re.search(r'engine="(\d+)"', match.group(1)).group(1)
+        by_engine[engine] = by_engine.get(engine, 0.0) + float(match.group(2))
+    return by_engine
+
+
+def greedy_token_ids(url: str, prompt: list[int]) -> list[int]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0.0, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    return [int(t.removeprefix("token_id:")) for t in answer.json()["choices"][0]["logprobs"]["tokens"]]
+
+
+class Stream:
+    """One streamed completion on a connection of its own, read in a thread to its end."""
+
+    def __init__(self, url: str, pool: concurrent.futures.Executor) -> None:
+        self.client = httpx.Client(timeout=120)
+        body = {"model": MODEL, "prompt": "a story", "max_tokens": STREAM_TOKENS, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        self.response = self.client.send(self.client.build_request("POST", f"{url}/v1/completions", json=body),
+                                         stream=True)
+        self.lines = self.response.iter_lines()
+        self.first = json.loads(next(line for line in self.lines if line.startswith("data: {"))[6:])
+        self.client_port = self.response.extensions["network_stream"].get_extra_info("socket").getsockname()[1]
+        self.outcome = pool.submit(self._rest)
+
+    def _rest(self) -> dict:
+        finish, tokens = None, None
+        for line in self.lines:
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices", ()):
+                    finish = choice.get("finish_reason") or finish
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        self.client.close()
+        return {"finish_reason": finish, "tokens": tokens}
+
+
+@pytest.mark.server
+def test_two_api_processes_over_two_engines_answer_count_drain_and_trace(tmp_path):
+    from tests.hf_reference import hf_greedy
+
+    folder = model_folder()
+    server = ServerProcess(folder, *ENGINE_FLAGS, "--api-server-count", "2", "--data-parallel-size", "2",
+                           "--metrics-prefix", "vllm", "--trace", "--trace-dir", str(tmp_path))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(BURST_PROMPTS)) as pool:
+            got = list(pool.map(lambda p: greedy_token_ids(server.url, p), BURST_PROMPTS))
+        assert got == [hf_greedy(folder, p) for p in BURST_PROMPTS]
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        finished = vllm_metric(text, "request_success_total")
+        assert sum(finished.values()) == len(BURST_PROMPTS)  # each once, over both processes' files
+        assert set(finished) == {"0", "1"} and min(finished.values()) > 0  # both engines served
+        assert sum(vllm_metric(text, "generation_tokens_total").values()) == sum(map(len, got))
+        assert "process_cpu_seconds_total" not in text  # one process's figure would pass for the server's
+
+        processes = api_processes(server)
+        assert sorted(processes) == [0, 1]
+        with concurrent.futures.ThreadPoolExecutor(MAX_STREAMS) as pool:
+            streams, held = [], {}
+            while set(held.values()) != {0, 1}:
+                assert len(streams) < MAX_STREAMS, f"{MAX_STREAMS} streams, all on API process {set(held.values())}"
+                streams.append(Stream(server.url, pool))
+                held[streams[-1].first["id"]] = holder(processes, streams[-1].client_port)
+                assert held[streams[-1].first["id"]] is not None, "no API process holds the stream's connection"
+            server.process.send_signal(signal.SIGTERM)
+            outcomes = [stream.outcome.result() for stream in streams]
+        assert outcomes == [{"finish_reason": "length", "tokens": STREAM_TOKENS}] * len(streams)
+        assert server.process.wait(60) == 0
+        wait_until(server.group_is_gone, 30, "every process of the server is gone")
+    finally:
+        server.stop()
+    [run_dir] = tmp_path.iterdir()
+    assert {p.name for p in run_dir.glob("api-*.jsonl")} == {schema.api_trace_file(0), schema.api_trace_file(1)}
+    run = load_run(run_dir)
+    for request_id, index in held.items():
+        assert run.request(request_id).service == schema.api_service_name(index)
+    assert len(run.requests) == len(BURST_PROMPTS) + len(streams)
+
+
+@pytest.mark.server
+def test_an_api_process_killed_takes_the_server_down_with_status_1():
+    server = ServerProcess(model_folder(), *ENGINE_FLAGS, "-asc", "2")
+    try:
+        processes = api_processes(server)
+        assert sorted(processes) == [0, 1]
+        processes[1].kill()
+        assert server.process.wait(60) == 1
+        wait_until(server.group_is_gone, 30, "every process of the server is gone")
+        assert f"API process 1 (pid {processes[1].pid}) exited" in server.output()
+    finally:
+        server.stop()
+
+
+def test_an_engine_sends_each_output_to_the_api_process_that_sent_its_request():
+    clients = ClientOutputs(num_clients=2)
+    for request_id, client in (("a", 0), ("b", 1), ("c", 0)):
+        assert clients.knows(EngineCoreRequest(request_id, [1], SamplingParams(), [], 0.0, client_index=client))
+    assert not clients.knows(EngineCoreRequest("d", [1], SamplingParams(), [], 0.0, client_index=2))
+    stats = SchedulerStats(num_running_reqs=3)
+    step = EngineCoreOutputs(engine_index=1, outputs=[EngineCoreOutput("a", [5]), EngineCoreOutput("b", [6]),
+                                                      EngineCoreOutput("c", [7], finish_reason="length")],
+                             scheduler_stats=stats)
+    shares = clients.split(step)
+    assert [(i, [o.request_id for o in m.outputs]) for i, m in shares] == [(0, ["a", "c"]), (1, ["b"])]
+    assert all(m.scheduler_stats == stats and m.engine_index == 1 for _, m in shares)  # every one reads the load
+    assert clients.client_of == {"a": 0, "b": 1}  # a finished request is forgotten
+    lone = ClientOutputs(num_clients=1)
+    assert lone.split(step) == [(0, step)]  # one API process: the step's message as it was
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--api-server-count", "0"], "--api-server-count must be at least 1"),
+    (["-asc", "2", "--headless", "--data-parallel-size", "2", "--data-parallel-size-local", "1",
+      "--data-parallel-start-rank", "1"], "a --headless node serves none"),
+    (["-asc", "2", "--data-parallel-size", "2", "--data-parallel-rank", "1"], "not one --data-parallel-rank"),
+])
+def test_api_server_count_flags_that_cannot_work_are_exit_2_naming_them(flags, problem, capsys):
+    assert main(["serve", "--port", "0", *flags]) == 2
+    assert problem in capsys.readouterr().err
