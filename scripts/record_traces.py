@@ -177,6 +177,12 @@ def load_dp() -> Recording:
                      "4 seats each", [*LOAD_FLAGS, "--data-parallel-size", "2"], load_workload(75))
 
 
+def load_api2() -> Recording:
+    return Recording("api2", "the load-75rps workload on two API processes (--api-server-count 2) in front of two "
+                     "engine processes (--data-parallel-size 2), 4 seats each",
+                     [*LOAD_FLAGS, "--data-parallel-size", "2", "--api-server-count", "2"], load_workload(75))
+
+
 def load_tp() -> Recording:
     return Recording("load-tp2", "the load-25rps workload on one engine split over two tensor-parallel ranks "
                      "(--tensor-parallel-size 2), 4 seats", [*LOAD_FLAGS, "--tensor-parallel-size", "2"],
@@ -301,7 +307,7 @@ def make_adapter(folder: Path, seed: int) -> Path:
 
 
 RECORDINGS = {r.name: r for r in (lifecycle(), mixed(), kv_tight(), kv_roomy(), kv_no_prefix_cache(), load(5), load(25),
-                                  load(75), load_dp(), load_tp(), multi_node(), external_lb(), cases(), node_lost(),
+                                  load(75), load_dp(), load_api2(), load_tp(), multi_node(), external_lb(), cases(), node_lost(),
                                   pooling(), lora(), spec_decode())}
 
 

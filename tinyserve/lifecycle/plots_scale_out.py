@@ -6,6 +6,8 @@
     plots_scale_out.least_connections(run)           an external router's view: requests in flight per rank
     plots_scale_out.plot_tensor_parallel_steps(run)  compute and all-reduce of every rank, step by step
     plots_scale_out.trace_hops(request)              one request's spans: which process, host and rank
+    plots_scale_out.api_processes_in_steps(run, 0)   --api-server-count: whose requests each engine step served
+    plots_scale_out.plot_api_processes_in_steps(run, 0)
 
 The internal balancer (frontend/dp_client.py) sends a request to the engine with the
 fewest waiting requests, then the fewest running, where waiting is the engine's last
@@ -17,6 +19,7 @@ was not the one the trace shows yet: a report is on its way for a moment after t
 ends (the report's lag), and the replay cannot know which had arrived.
 """
 
+from collections import Counter
 from dataclasses import dataclass
 
 from matplotlib.figure import Figure
@@ -139,3 +142,31 @@ def trace_hops(request: RequestTimeline, spans) -> list[dict]:
              "dp_rank": s.resource.get(schema.RESOURCE_DP_RANK), "tp_rank": s.resource.get(schema.RESOURCE_TP_RANK),
              "start_ms": (s.start_ns - request.arrival_ns) / 1e6, "duration_ms": s.duration_ns / 1e6}
             for s in mine]
+
+
+def api_processes_in_steps(run: Run, engine_index: int = 0) -> list[dict]:
+    """One row per step of an engine: how many of its requests each API process sent (by the process, its
+    service, that wrote the request's span: tinyserve-api-<i> with --api-server-count)."""
+    sender = {sequence.request_id: timeline.service for timeline in run.requests for sequence in timeline.sequences}
+    return [{"step_id": step.step_id, "start_ms": (step.start_ns - run.origin_ns) / 1e6,
+             "by_api_process": dict(sorted(Counter(sender.get(r, "unknown") for r in step.request_ids).items()))}
+            for step in run.engine_steps(engine_index)]
+
+
+def plot_api_processes_in_steps(run: Run, engine_index: int = 0, max_steps: int = 80) -> Figure:
+    """Each step's batch on one engine, stacked by the API process that sent each request."""
+    rows = [row for row in api_processes_in_steps(run, engine_index) if row["by_api_process"]][:max_steps]
+    if not rows:
+        raise ValueError(f"run {run.name} has no steps with requests on engine {engine_index}")
+    senders = sorted({service for row in rows for service in row["by_api_process"]})
+    fig = Figure(figsize=(12, 3.5), layout="constrained")
+    ax = fig.subplots()
+    bottom = [0] * len(rows)
+    for color, service in zip(PALETTE, senders):
+        counts = [row["by_api_process"].get(service, 0) for row in rows]
+        ax.bar(range(len(rows)), counts, bottom=bottom, color=color, label=service)
+        bottom = [b + c for b, c in zip(bottom, counts)]
+    ax.set(title=f"Engine {engine_index}'s steps: the requests of each batch, by the API process that sent them "
+                 f"(run {run.name})", xlabel="engine step", ylabel="requests")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    return fig
