@@ -14,11 +14,13 @@ import concurrent.futures
 import json
 import re
 import signal
+import time
 
 import httpx
 import psutil
 import pytest
 
+from tests.patience import patient
 from tests.server_checks import wait_until
 from tests.shared_server import ENGINE_FLAGS, MODEL, model_folder
 from tinyserve.cli.main import main
@@ -30,8 +32,8 @@ from tinyserve.testing import ServerProcess
 from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
 BURST_PROMPTS = [[9, 120, 33, 41, 7], [250, 3, 18, 77, 140, 201, 9], [5, 6, 7, 8], [100, 200, 300]] * 4
-STREAM_TOKENS = 200
-MAX_STREAMS = 10  # opened one by one until both API processes hold one
+STREAM_TOKENS = 1000  # seconds of decoding: the streams are still running when SIGTERM comes
+STREAMS_AT_ONCE, MAX_STREAMS = 4, 12  # opened four at a time until both API processes hold one
 
 
 def api_processes(server: ServerProcess) -> dict[int, psutil.Process]:
@@ -101,11 +103,13 @@ def test_two_api_processes_over_two_engines_answer_count_drain_and_trace(tmp_pat
 
     folder = model_folder()
     server = ServerProcess(folder, *ENGINE_FLAGS, "--api-server-count", "2", "--data-parallel-size", "2",
-                           "--metrics-prefix", "vllm", "--trace", "--trace-dir", str(tmp_path))
+                           "--metrics-prefix", "vllm", "--trace", "--trace-dir", str(tmp_path),
+                           "--shutdown-timeout", "300")
     try:
         with concurrent.futures.ThreadPoolExecutor(len(BURST_PROMPTS)) as pool:
             got = list(pool.map(lambda p: greedy_token_ids(server.url, p), BURST_PROMPTS))
-        assert got == [hf_greedy(folder, p) for p in BURST_PROMPTS]
+        expected = {tuple(p): hf_greedy(folder, p) for p in BURST_PROMPTS}
+        assert got == [expected[tuple(p)] for p in BURST_PROMPTS]
         text = httpx.get(f"{server.url}/metrics", timeout=10).text
         finished = vllm_metric(text, "request_success_total")
         assert sum(finished.values()) == len(BURST_PROMPTS)  # each once, over both processes' files
@@ -115,17 +119,21 @@ def test_two_api_processes_over_two_engines_answer_count_drain_and_trace(tmp_pat
 
         processes = api_processes(server)
         assert sorted(processes) == [0, 1]
-        with concurrent.futures.ThreadPoolExecutor(MAX_STREAMS) as pool:
+        with concurrent.futures.ThreadPoolExecutor(MAX_STREAMS) as pool, \
+                concurrent.futures.ThreadPoolExecutor(STREAMS_AT_ONCE) as opener:
             streams, held = [], {}
             while set(held.values()) != {0, 1}:
                 assert len(streams) < MAX_STREAMS, f"{MAX_STREAMS} streams, all on API process {set(held.values())}"
-                streams.append(Stream(server.url, pool))
-                held[streams[-1].first["id"]] = holder(processes, streams[-1].client_port)
-                assert held[streams[-1].first["id"]] is not None, "no API process holds the stream's connection"
+                batch = list(opener.map(lambda _: Stream(server.url, pool), range(STREAMS_AT_ONCE)))
+                for stream in batch:  # the connection stays open until the stream is read to its end
+                    held[stream.first["id"]] = holder(processes, stream.client_port)
+                    assert held[stream.first["id"]] is not None, "no API process holds the stream's connection"
+                streams += batch
+            sigterm_ns = time.time_ns()
             server.process.send_signal(signal.SIGTERM)
             outcomes = [stream.outcome.result() for stream in streams]
         assert outcomes == [{"finish_reason": "length", "tokens": STREAM_TOKENS}] * len(streams)
-        assert server.process.wait(60) == 0
+        assert server.process.wait(patient(30)) == 0
         wait_until(server.group_is_gone, 30, "every process of the server is gone")
     finally:
         server.stop()
@@ -133,7 +141,9 @@ def test_two_api_processes_over_two_engines_answer_count_drain_and_trace(tmp_pat
     assert {p.name for p in run_dir.glob("api-*.jsonl")} == {schema.api_trace_file(0), schema.api_trace_file(1)}
     run = load_run(run_dir)
     for request_id, index in held.items():
-        assert run.request(request_id).service == schema.api_service_name(index)
+        request = run.request(request_id)
+        assert request.service == schema.api_service_name(index)
+        assert request.request_span.end_ns > sigterm_ns  # it was in flight at SIGTERM, and drained
     assert len(run.requests) == len(BURST_PROMPTS) + len(streams)
 
 
