@@ -35,5 +35,5 @@ class APIServerClient(MPClient):
     def _make_ipc_dir(self) -> str:
         return self._ipc_parent  # the main process's, removed by it
 
-    def _socket_name(self, name: str) -> str:
-        return client_socket_name(name, self.client_index)
+    def _bind(self, socket, name: str) -> None:
+        super()._bind(socket, client_socket_name(name, self.client_index))

@@ -143,12 +143,12 @@ class MPClient(ClientLiveness):
             if self.transport == "ipc":
                 self._ipc_dir = self._make_ipc_dir()
             self._output_socket = self._context.socket(zmq.PULL)
-            self._output_socket.bind(bind_address(self.transport, self._ipc_dir, self._socket_name("output"), self.bind_host))
+            self._bind(self._output_socket, "output")
             for index in range(self.data_parallel_size):
                 # A plain socket, not an asyncio one: a NOBLOCK send succeeds or fails at once (see _send).
                 socket = zmq.Socket(self._context, zmq.PUSH)
                 socket.setsockopt(zmq.SNDHWM, 0)
-                socket.bind(bind_address(self.transport, self._ipc_dir, self._socket_name(f"input-{index}"), self.bind_host))
+                self._bind(socket, f"input-{index}")
                 self._input_sockets.append(socket)
             input_addresses = [bound_endpoint(s) for s in self._input_sockets]
             self._engines.start(input_addresses[:self.num_local_engines], bound_endpoint(self._output_socket))
@@ -159,8 +159,8 @@ class MPClient(ClientLiveness):
     def _make_ipc_dir(self) -> str:
         return make_ipc_dir(self._ipc_parent)
 
-    def _socket_name(self, name: str) -> str:
-        return name
+    def _bind(self, socket: zmq.Socket, name: str) -> None:
+        socket.bind(bind_address(self.transport, self._ipc_dir, name, self.bind_host))
 
     async def start(self) -> None:
         """Spawn the engines (unless launch() has), let headless nodes in, wait until every engine is ready."""
@@ -265,7 +265,7 @@ class MPClient(ClientLiveness):
         future = self._loop.create_future()
         self._utility_calls[call_id] = (engine_index, future)
         try:
-            self._send(engine_index, EngineInputKind.UTILITY, UtilityCall(call_id, method, list(args), self.client_index))
+            self._send(engine_index, EngineInputKind.UTILITY, UtilityCall(call_id, method, [*args], self.client_index))
             reply = await future
         finally:
             self._utility_calls.pop(call_id, None)
