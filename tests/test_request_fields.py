@@ -409,6 +409,11 @@ def check_priority(server, kind):
     assert response.status_code == 400 and response.json()["error"]["param"] == "priority"
 
 
+def check_kv_transfer_params(server, kind):
+    response = post(server, kind, kv_transfer_params={"do_remote_decode": True})  # no --kv-transfer-config there
+    assert response.status_code == 400 and response.json()["error"]["param"] == "kv_transfer_params"
+
+
 def check_add_generation_prompt(server, kind):
     assert num_prompt(ok(server, kind, add_generation_prompt=False)) < num_prompt(ok(server, kind))
 
@@ -613,6 +618,7 @@ OPENAI_SHARED = {
     "priority": check_priority, "response_format": check_response_format,
     "structured_outputs": check_structured_outputs, "return_tokens_as_token_ids": check_return_tokens_as_token_ids,
     "allowed_token_ids": check_allowed_token_ids, "request_id": check_request_id,
+    "kv_transfer_params": check_kv_transfer_params,
 }
 IMPLEMENTED = {
     "chat": {**OPENAI_SHARED, "messages": check_prompt_changes_prompt_tokens("messages", [

@@ -8,7 +8,7 @@ end-of-sequence tokens. Prompts are validated against it at the boundary.
 The module is over 300 lines because every engine argument is checked here, beside its
 field, so that a bad value fails before any process starts; the checks of a layer's own
 arguments live in that layer (spec_decode/config.py, pipeline_parallel/config.py,
-kv_events/config.py, distributed/ray_cluster.py).
+kv_events/config.py, distributed/ray_cluster.py, distributed/kv_transfer/config.py).
 """
 
 import json
@@ -98,6 +98,8 @@ class EngineArgs:
     # KV cache events (tinyserve/kv_events/), vLLM's --kv-events-config: {"enable_kv_cache_events": true,
     # "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": ""}. None: no events.
     kv_events_config: dict | None = None
+    # Disaggregated prefill, vLLM's --kv-transfer-config (distributed/kv_transfer/config.py). None: no KV connector.
+    kv_transfer_config: dict | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -133,6 +135,10 @@ class EngineArgs:
             from tinyserve.kv_events.config import KVEventsConfig
 
             self.kv_events_config = KVEventsConfig.from_any(self.kv_events_config).to_dict()
+        if self.kv_transfer_config is not None:  # distributed/kv_transfer/config.py
+            from tinyserve.distributed.kv_transfer.config import check_engine_args
+
+            check_engine_args(self)
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "cpu_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:

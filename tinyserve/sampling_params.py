@@ -7,6 +7,8 @@ scheduled, and every error names the parameter and the allowed range.
 
 import json
 
+from typing import Any
+
 import msgspec
 
 from tinyserve.errors import InvalidInputError
@@ -97,6 +99,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # words the output must not contain (see update_from_tokenizer)
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
+    # vLLM's: arguments for layers beside the sampler; "kv_transfer_params" alone (distributed/kv_transfer/)
+    extra_args: dict[str, Any] | None = None
     # bad_words as token ids, filled by update_from_tokenizer before the request reaches the engine
     _bad_words_token_ids: list[list[int]] | None = None
 

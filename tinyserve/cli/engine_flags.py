@@ -87,6 +87,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help='publish which KV blocks the engine holds, as vLLM does: {"enable_kv_cache_events": '
                              'true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": ""} (ZeroMQ PUB of '
                              'msgpack KVEventBatches; with data parallelism rank R publishes on port + R)')
+    disagg = parser.add_argument_group("disaggregated prefill")
+    disagg.add_argument("--kv-transfer-config", type=kv_transfer_config, default=None, metavar="JSON",
+                        help='send prompts\' K/V to, or receive them from, other engines (vLLM\'s): '
+                             '{"kv_connector": "MooncakeConnector" | "ZmqConnector" (default: Mooncake where it '
+                             'loads), "kv_role": "kv_producer" | "kv_consumer" | "kv_both", "kv_ip": HOST, '
+                             '"kv_port": PORT, "kv_connector_extra_config": {"abort_request_timeout": S, '
+                             '"transfer_timeout": S}}')
     add_lora_flags(parser)
 
 
@@ -98,6 +105,18 @@ def kv_events_config(text: str) -> dict:
         return parse_kv_events_config(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def kv_transfer_config(text: str) -> dict:
+    """--kv-transfer-config's JSON, its fields checked (a usage error names the bad one)."""
+    from tinyserve.distributed.kv_transfer.config import KVTransferConfig
+
+    config = json_object(text)
+    try:
+        KVTransferConfig.from_dict(config)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return config
 
 
 def speculative_config(text: str) -> dict:
@@ -161,6 +180,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         pooler_config=args.pooler_config,
         speculative_config=getattr(args, "speculative_config", None),
         kv_events_config=getattr(args, "kv_events_config", None),
+        kv_transfer_config=getattr(args, "kv_transfer_config", None),
         **lora_engine_kwargs(args),
         **ray_engine_kwargs(args),
     )

@@ -9,4 +9,7 @@ Code here runs in the API process (the client, the engines' actors' handles) and
 engine processes (the ranks' handles); the actors themselves are Ray worker processes on
 any node of the cluster. ray_cluster.py joins or starts the cluster and places actors;
 actor_process.py makes an actor look like the child process it stands in for.
+
+kv_transfer/ is what crosses between engines of a disaggregated deployment: a prompt's KV cache,
+moved from the engine that computed it to the one that decodes it (vLLM's KV connectors).
 """

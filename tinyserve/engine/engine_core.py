@@ -12,6 +12,7 @@ import functools
 import gc
 
 from tinyserve.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs, ModelInfo, check_kv_fit
+from tinyserve.distributed.kv_transfer.attach import attach_kv_transfer, kv_transfer_classes
 from tinyserve.engine.core.kv_cache_manager import KVCacheManager
 from tinyserve.engine.core.pooling_scheduler import PoolingScheduler
 from tinyserve.engine.core.request import Request
@@ -42,6 +43,9 @@ class EngineCore:
         self.model_info = model_info or ModelInfo.from_args(args)
         # Checks a layer adds to check_request (attach_lora's): each raises ValueError to refuse a request.
         self.request_checks: list = []
+        # Set by the engine process: wakes its idle loop when work ends outside a step (a KV transfer that a
+        # step must free or admit: distributed/kv_transfer/attach.py). Stepped directly, nothing to wake.
+        self.wake_loop = lambda: None
         # Tensor parallelism: ranks 1..N-1 start now and load their shards while this one
         # loads rank 0's (worker/tensor_parallel_workers.py); force_tensor_parallel takes
         # that path with one rank too.
@@ -72,6 +76,8 @@ class EngineCore:
             attach_spec_decode(self)
         if args.kv_events_config is not None:  # the block pool's event sink, published after each step
             attach_kv_events(self)
+        if args.kv_transfer_config is not None:  # its request check, side channel and prefill span attribute
+            attach_kv_transfer(self)
         # Everything allocated so far (model, tokenizer, libraries) lives as long as the
         # engine: move it out of the garbage collector's sight, as vLLM does after start-up.
         # Otherwise every full collection walks those millions of objects again: a
@@ -112,6 +118,9 @@ class EngineCore:
             scheduler_class, runner_class = speculative_classes(args, info, backend)
         if pipeline:  # the scheduler skips requests in flight; each stage runs its layers (pipeline_parallel/)
             scheduler_class, runner_class = pipeline_classes(self.tp_workers)
+        # --kv-transfer-config: prompts' K/V sent to, or received from, other engines (tinyserve/distributed/).
+        if args.kv_transfer_config is not None:
+            scheduler_class, runner_class = kv_transfer_classes(args)
         self.scheduler = scheduler_class(self.kv_cache_manager, max_num_batched_tokens=args.max_num_batched_tokens,
                                    max_num_seqs=args.max_num_seqs, max_model_len=info.max_model_len,
                                    policy=args.scheduling_policy)

@@ -196,6 +196,7 @@ class EngineCoreProc:
             self.engine_core = EngineCore(args, engine_index=self.engine_index, model_info=model_info)
         except Exception:
             self._fail("EngineCore() raised")
+        self.engine_core.wake_loop = lambda: self.input_queue.put((_WAKE, None))
         self.input_thread.start()
         # READY only once the client can send to us: a request sent to a socket with no
         # peer yet would be refused (core_client._send), and over TCP the connection
@@ -226,8 +227,16 @@ class EngineCoreProc:
             if self.engine_core.has_requests:
                 outputs = self.engine_core.step_fn()  # None: a batch sent down the pipeline, no outputs yet
                 # An empty step only told the worker, unless it ended requests (a grammar not compiled in time)
-                if outputs is not None and (outputs.outputs or not self.engine_core.last_scheduler_output.is_empty):
+                # or freed blocks (a KV transfer's: the front end's gauges must see it)
+                freed = outputs is not None and self._blocks_freed(outputs)
+                if outputs is not None and (outputs.outputs or not self.engine_core.last_scheduler_output.is_empty
+                                            or freed):
                     self._send(EngineOutputKind.OUTPUTS, outputs)
+
+    def _blocks_freed(self, outputs) -> bool:
+        used = outputs.scheduler_stats.num_kv_blocks_used
+        freed, self._blocks_used = used < getattr(self, "_blocks_used", 0), used
+        return freed
 
     def _process_input_queue(self) -> None:
         """Handle every message that has arrived; wait for one only if there is nothing to step."""

@@ -73,6 +73,9 @@ class StepRecorder:
         # step is over (KV cache events drain and publish here: kv_events/attach.py); close_hooks() at close.
         self.end_hooks: list = []
         self.close_hooks: list = []
+        # prefill_hooks(request_id) -> dict for the prefill span of a request that finished (disaggregated
+        # prefill: the tokens whose K/V arrived from another engine, distributed/kv_transfer/attach.py)
+        self.prefill_hooks: list = []
 
     @contextlib.contextmanager
     def step(self):
@@ -97,7 +100,8 @@ class StepRecorder:
         if self.span_builder is not None:
             attributes = {k: v for hook in self.step_hooks for k, v in hook(record.scheduler_output).items()} | ended
             self.span_builder.record_step(record.scheduler_output, self.last_step_times, stats, record.outputs,
-                                          attributes, self._finished_attributes(record.outputs))
+                                          attributes, self._finished_attributes(record.outputs),
+                                          self._finished_attributes(record.outputs, self.prefill_hooks))
         record.engine_core_outputs = EngineCoreOutputs(engine_index=self.engine_index, timestamp=end,
                                                        outputs=record.outputs, scheduler_stats=stats)
         return record.engine_core_outputs
@@ -116,12 +120,15 @@ class StepRecorder:
     def on_finished(self, outputs: list[EngineCoreOutput]) -> None:
         """Requests that finished outside a step (aborted): their spans end."""
         if self.span_builder is not None and outputs:
-            self.span_builder.record_finished(outputs, self._finished_attributes(outputs))
+            self.span_builder.record_finished(outputs, self._finished_attributes(outputs),
+                                              self._finished_attributes(outputs, self.prefill_hooks))
 
-    def _finished_attributes(self, outputs: list[EngineCoreOutput]) -> dict[str, dict]:
-        if not self.finish_hooks:
+    def _finished_attributes(self, outputs: list[EngineCoreOutput], hooks: list | None = None) -> dict[str, dict]:
+        """request id -> the hooks' attributes (finish_hooks unless given), for each request that finished."""
+        hooks = self.finish_hooks if hooks is None else hooks
+        if not hooks:
             return {}
-        return {output.request_id: {k: v for hook in self.finish_hooks for k, v in hook(output.request_id).items()}
+        return {output.request_id: {k: v for hook in hooks for k, v in hook(output.request_id).items()}
                 for output in outputs if output.finished}
 
     def flush(self) -> None:

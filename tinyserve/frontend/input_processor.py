@@ -10,6 +10,8 @@ import logging
 import time
 
 from tinyserve.config import ModelInfo, check_kv_fit
+from tinyserve.distributed.kv_transfer.config import KVTransferConfig
+from tinyserve.distributed.kv_transfer.params import check_kv_transfer_params
 from tinyserve.errors import InvalidInputError
 from tinyserve.frontend.render import ProcessedPrompt, Renderer
 from tinyserve.pooling_params import POOLING_SAMPLING_PARAMS, PoolingParams
@@ -31,11 +33,14 @@ class InputProcessor(Renderer):
     def from_engine_args(cls, model_info: ModelInfo, tokenizer, args) -> "InputProcessor":
         return cls(model_info, tokenizer, args.block_size, args.max_logprobs, args.scheduling_policy,
                    args.structured_outputs_backend, args.runner, LoRAChecker.from_engine_args(model_info.path, args),
-                   speculative=args.speculative_config is not None)
+                   speculative=args.speculative_config is not None,
+                   kv_transfer=KVTransferConfig.from_dict(args.kv_transfer_config)
+                   if args.kv_transfer_config is not None else None)
 
     def __init__(self, model_info: ModelInfo, tokenizer, block_size: int, max_logprobs: int = 20,
                  scheduling_policy: str = "fcfs", structured_outputs_backend: str = "xgrammar",
-                 runner: str = "generate", lora_checker: LoRAChecker | None = None, speculative: bool = False) -> None:
+                 runner: str = "generate", lora_checker: LoRAChecker | None = None, speculative: bool = False,
+                 kv_transfer: KVTransferConfig | None = None) -> None:
         """max_logprobs: the most logprobs or prompt_logprobs a request may ask for (vLLM's flag, default 20).
         scheduling_policy: the engine's; a request's priority means something only under "priority".
         structured_outputs_backend: the engine's grammar library (it must compile a request's constraint).
@@ -49,6 +54,24 @@ class InputProcessor(Renderer):
         # A request's LoRA adapter, checked against the engine's settings (tinyserve/lora/registry.py).
         self.lora_checker = lora_checker or LoRAChecker(model_info.path, enable_lora=False, max_lora_rank=0)
         self.speculative = speculative  # --speculative-config: structured outputs are refused (spec_decode/)
+        self.kv_transfer = kv_transfer  # --kv-transfer-config's: kv_transfer_params are served (distributed/)
+
+    def check_extra_args(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """SamplingParams.extra_args: kv_transfer_params alone, and only where a KV connector serves them (the
+        engine checks their fields against its role); never silently ignored."""
+        extra_args = params.extra_args or {}
+        unknown = sorted(set(extra_args) - {"kv_transfer_params"})
+        if unknown:
+            raise InvalidInputError(f"extra_args: unknown key(s) {unknown}; known: ['kv_transfer_params']", "extra_args")
+        if extra_args.get("kv_transfer_params") is None:
+            return
+        if not self.kv_transfer:
+            raise InvalidInputError("kv_transfer_params needs an engine started with --kv-transfer-config "
+                                    "(disaggregated prefill)", "kv_transfer_params")
+        if params.n != 1:
+            raise InvalidInputError("kv_transfer_params are for one sample (n=1): one prefill hands its K/V to one "
+                                    "decode", "kv_transfer_params")
+        check_kv_transfer_params(self.kv_transfer, self.block_size, prompt_token_ids, params)
 
     def check_structured_outputs(self, structured_outputs) -> None:
         """A constraint the grammar library cannot compile is a 400; so is any under speculative decoding."""
@@ -86,6 +109,7 @@ class InputProcessor(Renderer):
         if priority != 0 and self.scheduling_policy != "priority":  # as vLLM: never silently ignored
             raise InvalidInputError(f"priority={priority} needs --scheduling-policy priority; this engine schedules "
                                     f"{self.scheduling_policy!r}", "priority")
+        self.check_extra_args(prompt.prompt_token_ids, sampling_params)
         sampling_params = self.resolve_bad_words(sampling_params)
         for name, token_ids in (("stop_token_ids", sampling_params.stop_token_ids),
                                 ("logit_bias", sampling_params.logit_bias),

@@ -51,6 +51,7 @@ class ParentRequest:
     spans: object = NO_SPANS  # lifecycle.request_spans: they clock the detokenizer, end when it finishes
     final: dict[int, CompletionOutput] = field(default_factory=dict)  # cumulative, per finished child
     lora_request: object = None  # the adapter it runs under, handed back on each RequestOutput as vLLM's
+    kv_transfer_params: dict | None = None  # a disaggregated prefill's, from its engine (distributed/kv_transfer/)
 
     @property
     def finished(self) -> bool:
@@ -175,6 +176,7 @@ class OutputProcessor:
         child.logprobs += new_logprobs
         child.cumulative_logprob += sum(lp.logprobs[0] for lp in output.new_logprobs or ())  # sampled: first
         parent.num_cached_tokens = max(parent.num_cached_tokens, output.num_cached_tokens)
+        parent.kv_transfer_params = output.kv_transfer_params or parent.kv_transfer_params
         if finish_reason is not None:
             del self.children[output.request_id]
             parent.num_finished += 1
@@ -234,6 +236,7 @@ class OutputProcessor:
             metrics=parent.metrics if parent.finished else None,
             prompt_logprobs=parent.prompt_logprobs,
             lora_request=parent.lora_request,
+            kv_transfer_params=parent.kv_transfer_params,
         )
 
     def _convert_logprobs(self, token_logprobs: TokenLogprobs) -> PositionLogprobs:

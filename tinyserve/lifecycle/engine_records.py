@@ -88,6 +88,7 @@ class FinishedRequest:
     seed: int | None = None
     attributes: dict = field(default_factory=dict)
     decode_attributes: dict = field(default_factory=dict)  # from layers beside the engine, for its decode span
+    prefill_attributes: dict = field(default_factory=dict)  # ... and for its prefill span
 
 
 def block_changes(scheduled: list) -> dict:

@@ -80,12 +80,13 @@ class EngineSpanBuilder:
                                                  seed, attributes or {})
 
     def record_step(self, scheduler_output, times: StepTimes, stats, outputs: list,
-                    attributes: dict | None = None, finished_attributes: dict | None = None) -> None:
+                    attributes: dict | None = None, finished_attributes: dict | None = None,
+                    prefill_attributes: dict | None = None) -> None:
         """After a step: its SchedulerOutput, clock, SchedulerStats and EngineCoreOutputs' outputs (attributes:
         more for its span, from layers beside the engine; finished_attributes: request id -> more for the
-        decode span of a request that finished)."""
+        decode span of a request that finished; prefill_attributes: the same for its prefill span)."""
         hits, self._prefix_cache_hits = stats.prefix_cache_hits - self._prefix_cache_hits, stats.prefix_cache_hits
-        finished = self._finished(outputs, finished_attributes)
+        finished = self._finished(outputs, finished_attributes, prefill_attributes)
         # Released blocks are told with the step that tells the worker. An empty step has a span only
         # when it does that: the engine ran it for no other reason (a client left, and nothing else runs),
         # and without it the release would be in no span at all while the engine stays idle.
@@ -102,13 +103,15 @@ class EngineSpanBuilder:
                   for s in scheduler_output.scheduled if s.request_id in self._traced}
         self._submit(record, served, finished)
 
-    def record_finished(self, outputs: list, finished_attributes: dict | None = None) -> None:
+    def record_finished(self, outputs: list, finished_attributes: dict | None = None,
+                        prefill_attributes: dict | None = None) -> None:
         """Requests that finished outside a step (aborted): their spans."""
-        finished = self._finished(outputs, finished_attributes)
+        finished = self._finished(outputs, finished_attributes, prefill_attributes)
         if finished:
             self._submit(None, {}, finished)
 
-    def _finished(self, outputs: list, finished_attributes: dict | None = None) -> list[FinishedRequest]:
+    def _finished(self, outputs: list, finished_attributes: dict | None = None,
+                  prefill_attributes: dict | None = None) -> list[FinishedRequest]:
         finished = []
         for output in outputs:
             traced = self._traced.pop(output.request_id, None) if output.finished else None
@@ -118,6 +121,7 @@ class EngineSpanBuilder:
                     output.num_cached_tokens, traced.num_prompt_tokens, len(output.times.token_times),
                     traced.queue_depth_at_arrival, traced.structured_output_kind, traced.seed, traced.attributes,
                     (finished_attributes or {}).get(output.request_id, {}),
+                    (prefill_attributes or {}).get(output.request_id, {}),
                 ))
         return finished
 
@@ -198,6 +202,7 @@ class EngineSpanBuilder:
         first_token = times.first_token_time or end
         prefill = self.tracer.start_span(schema.PREFILL, context=parent, start_time=_ns(scheduled), attributes={
             **common, schema.NUM_CACHED_TOKENS: request.num_cached_tokens, schema.NUM_PROMPT_TOKENS: request.num_prompt_tokens,
+            **request.prefill_attributes,
         }, links=timelines)
         for chunk_time, num_tokens in times.prefill_chunks:
             if chunk_time <= first_token:

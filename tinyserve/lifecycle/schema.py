@@ -225,6 +225,17 @@ STEP_SPEC_VERIFY_TIME = "tinyserve.step.spec_decode.verify_time_s"
 SPEC_NUM_PROPOSED = "tinyserve.spec_decode.num_proposed"
 SPEC_NUM_ACCEPTED = "tinyserve.spec_decode.num_accepted"
 SPEC_NUM_REJECTED = "tinyserve.spec_decode.num_rejected"
+# Disaggregated prefill (tinyserve/distributed/kv_transfer/): a request's KV transfer, a span in its trace on
+# both engines (role "producer": first pull to the consumer's done; "consumer": asking to landed), with the
+# connector, the blocks and bytes moved, the seconds it took, and tinyserve.error when it failed. On the
+# consumer's tinyserve.prefill span: the prompt tokens whose K/V arrived and were not computed there.
+KV_TRANSFER = "tinyserve.kv_transfer"
+KV_TRANSFER_ROLE = "tinyserve.kv_transfer.role"
+KV_TRANSFER_CONNECTOR = "tinyserve.kv_transfer.connector"
+KV_TRANSFER_NUM_BLOCKS = "tinyserve.kv_transfer.num_blocks"
+KV_TRANSFER_NUM_BYTES = "tinyserve.kv_transfer.num_bytes"
+KV_TRANSFER_TIME = "tinyserve.kv_transfer.time_s"
+KV_TRANSFER_NUM_RECEIVED_TOKENS = "tinyserve.kv_transfer.num_received_tokens"
 
 # The router (tinyserve/router/): its span from the choice of a backend to the answer's last byte,
 # the parent of the backend's HTTP span (the router sends its context as traceparent).

@@ -77,6 +77,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error_param: str | None = None
     # A pooling request's vector (float32 values), on its one and only output.
     pooling_output: list[float] | None = None
+    # Disaggregated prefill (distributed/kv_transfer/), vLLM's: where another engine can pull this request's
+    # prompt K/V from (do_remote_prefill, remote_host, remote_port, remote_block_ids, ...), once finished.
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:

@@ -62,11 +62,14 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] = ()) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] = (),
+                       delay_cache_blocks: bool = False) -> bool:
         """Make room for `num_new_tokens` more tokens of `request`; False if the pool is too full.
 
         `new_computed_blocks` are prefix-cache hits found for a request scheduled for
-        the first time: they join its block table ahead of any new block.
+        the first time: they join its block table ahead of any new block. `delay_cache_blocks`
+        (vLLM's): the blocks' K/V will arrive from another engine, not from a step, so they are
+        not offered to the prefix cache until then (distributed/kv_transfer/).
         """
         blocks = self.req_to_blocks[request.request_id]
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -86,7 +89,7 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         if num_new_blocks > 0:
             blocks.extend(self.pool.get_new_blocks(num_new_blocks))
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and not delay_cache_blocks:
             self._cache_full_blocks(request, total_tokens)
         return True
 

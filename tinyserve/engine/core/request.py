@@ -5,6 +5,9 @@
        └──── PREEMPTED ◄─────┘  (KV pool full: blocks freed, recomputed later)
     any state ──abort──► FINISHED_ABORTED
 
+    WAITING ──► WAITING_FOR_REMOTE_KVS ──► WAITING   (a KV connector: its prompt's K/V arrive from
+                                                      another engine; distributed/kv_transfer/)
+
 There are no separate prefill and decode phases. A request only knows how many of
 its tokens already have K/V in the cache (`num_computed_tokens`); each step the
 scheduler decides how many more to compute. While that count is behind the
@@ -27,6 +30,7 @@ from tinyserve.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # blocks allocated, K/V arriving (distributed/kv_transfer/)
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -72,6 +76,11 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        # Disaggregated prefill (distributed/kv_transfer/): where its prompt's K/V come from or go to, as vLLM
+        # reads it from SamplingParams.extra_args; a copy, as the connector marks it used.
+        extra_args = self.sampling_params.extra_args or {}
+        self.kv_transfer_params = dict(extra_args["kv_transfer_params"]) \
+            if extra_args.get("kv_transfer_params") is not None else None
         self.times = RequestTimes(arrival_time=self.arrival_time, queued_time=time.time())
         self.stop_token_ids = set(self.sampling_params.stop_token_ids or ())
         if not self.sampling_params.ignore_eos:

@@ -186,7 +186,7 @@ class Scheduler:
             if request.waiting_for_grammar or not all(gate(request, self) for gate in self.admission_gates):
                 position += 1
                 continue
-            cached_blocks, num_cached = self.kv.get_computed_blocks(request)
+            cached_blocks, num_cached = self._computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_cached, step.token_budget)
             if not self.kv.allocate_slots(request, num_new_tokens, cached_blocks):
                 break
@@ -299,6 +299,15 @@ class Scheduler:
         is_decode = num_new_tokens == 1 and request.num_output_tokens > 0 and start == request.num_tokens - 1
         return start, samples_token, not is_decode
 
+    def _computed_blocks(self, request: Request) -> tuple[list, int]:
+        """What a waiting request starts with: its prefix-cache hits (blocks not yet in its table) and the
+        tokens computed. A KV connector's scheduler adds the K/V that arrived from another engine."""
+        return self.kv.get_computed_blocks(request)
+
+    def _free_blocks(self, request: Request) -> None:
+        """A finished request's blocks go back to the pool (a KV connector's may keep them while they are sent)."""
+        self.kv.free(request)
+
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -325,7 +334,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         request.times.finished_time = time.time()
-        self.kv.free(request)
+        self._free_blocks(request)
         del self.requests[request.request_id]
         del self._queue_order[request.request_id]
         self._finished_since_last_step.append(request.request_id)

@@ -17,8 +17,10 @@ is what crosses the seam to keep that copy current:
     │                    every token it had generated: they are recomputed too)
     ├── preempted_request_ids       their blocks were freed: the worker drops its block tables
     ├── finished_request_ids        finished or aborted since the previous step: the worker forgets them
-    └── scheduled_spec_decode_tokens  speculative decoding only: {a: [d1, d2, d3]}, drafts fed after
-                                    a's newest token (its new=4), verified in this one pass
+    ├── scheduled_spec_decode_tokens  speculative decoding only: {a: [d1, d2, d3]}, drafts fed after
+    │                               a's newest token (its new=4), verified in this one pass
+    └── kv_connector_metadata       a KV connector only: the blocks to send to and receive from
+                                    other engines (distributed/kv_transfer/)
 
 The batch runs the cached requests first, then the new ones: the order the
 scheduler's two loops chose them in (running requests, then waiting ones). The
@@ -104,6 +106,9 @@ class SchedulerOutput:
     # Speculative decoding (tinyserve/spec_decode/, vLLM's name): the drafts each decoding request feeds
     # after its newest token; its num_new_tokens counts them. Empty without speculation.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # A KV connector (distributed/kv_transfer/, vLLM's name): what its worker side sends and receives from
+    # this step on, built by the scheduler side (KVConnectorMetadata). None without one.
+    kv_connector_metadata: object = None
 
     @property
     def scheduled(self) -> list[ScheduledRequest]:

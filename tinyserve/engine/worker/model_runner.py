@@ -44,6 +44,8 @@ class ModelRunnerOutput:
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
     # Speculative decoding: each request's drafts for the next step (vLLM's spec_token_ids)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # A KV connector (distributed/kv_transfer/): the sends and receives that completed (vLLM's KVConnectorOutput)
+    kv_connector_output: object = None
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@
 Field names and ranges follow the OpenAI API, plus vLLM's extra sampling fields
 (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
 allowed_token_ids, bad_words, prompt_logprobs, continue_final_message,
-chat_template_kwargs, priority, request_id). Unknown
+chat_template_kwargs, priority, request_id, kv_transfer_params). Unknown
 fields are ignored, as OpenAI clients send fields a server may not use (and named in a
 warning and the X-Ignored-Fields header, as strict_body.py says); but a known
 field that would change what is generated and that tinyserve does not implement
@@ -125,6 +125,9 @@ class SamplingFields(ConstrainedFields):
     # only these may be sampled (empty: nothing could be, a 400 as in vLLM)
     allowed_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = Field(None, min_length=1)
     bad_words: list[Text] | None = Field(None, max_length=MAX_NUM_BAD_WORDS)  # words the output must not contain
+    # disaggregated prefill (distributed/kv_transfer/): {"do_remote_decode": true} to a prefill engine, what its
+    # answer returned to a decode engine; checked by the engine's KV connector
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -187,6 +190,7 @@ class SamplingFields(ConstrainedFields):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words or None,
             structured_outputs=structured_outputs,
+            extra_args={"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params is not None else None,
         )
 
     @property

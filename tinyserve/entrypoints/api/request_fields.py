@@ -83,7 +83,6 @@ _VLLM_EXTRAS = {
     "logits_processors": Refused("no custom logits processors"),
     "return_token_ids": Refused("the answer does not carry token ids", (None, False)),
     "cache_salt": Refused("the prefix cache is shared by all requests: it has no salt to isolate them"),
-    "kv_transfer_params": Refused("no disaggregated serving"),
     "vllm_xargs": Refused("no extension reads extra arguments"),
     "mm_processor_kwargs": Refused("only text models are served"),
     "prompt_embeds": Refused("prompts are text or token ids, not embeddings"),
@@ -131,7 +130,8 @@ REFUSED: dict[str, dict[str, Refused]] = {
                                       "results and thinking kept"),
         "compaction": Refused("no compaction: the reply is never a summary of the conversation"),
         "thread": Refused("no server-held threads: send the whole conversation in messages"),
-        "kv_transfer_params": _VLLM_EXTRAS["kv_transfer_params"],  # vLLM's extra
+        # vLLM's extra; disaggregated prefill is served on /v1/completions and /v1/chat/completions
+        "kv_transfer_params": Refused("disaggregated prefill is served on /v1/completions and /v1/chat/completions"),
     },
     "responses": {
         "reasoning": Refused("reasoning is not parsed out of the answer, so there is none to summarize: an effort "

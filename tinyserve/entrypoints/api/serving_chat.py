@@ -120,6 +120,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         "choices": choices,
         "usage": usage(len(prompt.prompt_token_ids), num_generated, output.num_cached_tokens),
         "prompt_logprobs": prompt_logprobs_json(output) if body.prompt_logprobs is not None else None,
+        "kv_transfer_params": output.kv_transfer_params,  # vLLM's: where a disaggregated prefill's K/V wait
     })
 
 

@@ -149,6 +149,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
     return JSONResponse({
         "id": request_id, "object": "text_completion", "created": created, "model": model,
         "choices": choices, "usage": usage(num_prompt, num_generated, num_cached),
+        "kv_transfer_params": outputs[0].kv_transfer_params,  # vLLM's: a disaggregated prefill's (the first prompt's)
     })
 
 
