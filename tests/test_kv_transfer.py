@@ -119,3 +119,16 @@ def test_kv_transfer_params_an_engine_cannot_serve_are_refused_naming_the_field(
         LLM(folder, num_kv_blocks=16).generate([PROMPTS[0]], greedy(2, {"do_remote_decode": True}), use_tqdm=False)
     for llm in (producer, consumer):
         llm.engine_core.model_runner.connector.close()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--prefill", "http://a:1"], "needs both --prefill URL ... and --decode URL"),
+    (["--prefill", "http://a:1", "--decode", "http://b:1", "--backend", "http://c:1"], "take the place of --backend"),
+    (["--prefill", "a:1", "--decode", "http://b:1"], "is not an http(s) URL"),
+    (["--prefill", "http://a:1", "--decode", "http://a:1"], "the same URL twice"),
+])
+def test_the_routers_prefill_decode_flags_are_checked_naming_them(flags, message, capsys):
+    from tinyserve.cli.main import main
+
+    assert main(["router", *flags]) == 2
+    assert message in capsys.readouterr().err

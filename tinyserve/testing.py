@@ -118,7 +118,7 @@ class RouterProcess(ServerProcess):
         self.url = f"http://127.0.0.1:{self.port}"
         self.killed = False
         command = [sys.executable, "-m", "tinyserve.cli.main", "router", "--port", str(self.port),
-                   "--backend", *backends, *flags]
+                   *(["--backend", *backends] if backends else []), *flags]  # none: the flags name them
         self.log = open(log_path, "w+b") if log_path is not None else tempfile.TemporaryFile()
         self.process = subprocess.Popen(command, env=dict(os.environ, PYTHONUNBUFFERED="1"),
                                         stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -32,6 +32,13 @@ def add_parser(commands) -> None:
                         help="the servers to route to, e.g. http://127.0.0.1:8001 (required)")
     parser.add_argument("--policy", choices=POLICIES, default="round_robin",
                         help="how a backend is chosen (default %(default)s)")
+    pd = parser.add_argument_group("prefill/decode disaggregation (router/pd.py), in place of --backend")
+    pd.add_argument("--prefill", nargs="+", default=None, metavar="URL",
+                    help="servers started with --kv-transfer-config kv_role kv_producer: each request's prompt is "
+                         "computed there (max_tokens=1)")
+    pd.add_argument("--decode", nargs="+", default=None, metavar="URL",
+                    help="servers started with kv_role kv_consumer: each request continues there from the "
+                         "prefill's K/V, and its answer is the client's")
     prefix = parser.add_argument_group("prefix-aware")
     prefix.add_argument("--kv-events", nargs="+", default=None, metavar="ENDPOINT",
                         help="each backend's KV cache events endpoint (ZeroMQ, e.g. tcp://127.0.0.1:5557), "
@@ -52,6 +59,8 @@ def add_parser(commands) -> None:
 
 def check_router_flags(args: argparse.Namespace) -> str | None:
     """The first problem with the flags, naming them; None if they fit."""
+    if args.prefill or args.decode:
+        return check_pd_flags(args)
     if not args.backend:
         return "--backend needs at least one URL (e.g. --backend http://127.0.0.1:8001)"
     for url in args.backend:
@@ -77,12 +86,33 @@ def check_router_flags(args: argparse.Namespace) -> str | None:
     return None
 
 
+def check_pd_flags(args: argparse.Namespace) -> str | None:
+    """--prefill and --decode: both, URLs, and none of the flags of the other mode."""
+    if not args.prefill or not args.decode:
+        return "prefill/decode mode needs both --prefill URL ... and --decode URL ..."
+    if args.backend or args.kv_events:
+        return "--prefill/--decode take the place of --backend (and --kv-events): give one or the other"
+    for url in [*args.prefill, *args.decode]:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            return f"{url!r} is not an http(s) URL with a host (e.g. http://127.0.0.1:8001)"
+    if len(set(args.prefill + args.decode)) != len(args.prefill) + len(args.decode):
+        return "--prefill and --decode list the same URL twice"
+    return None
+
+
 def build_router(args: argparse.Namespace):
     """The Router the app serves. Another dispatch mode (prefill/decode, router/pd.py) is built here
     from its own flags, and serves the same app."""
     from tinyserve.router.app import Router
     from tinyserve.router.backends import Backend
 
+    if args.prefill:
+        from tinyserve.router.pd import PDRouter
+
+        urls = [url.rstrip("/") for url in args.prefill + args.decode]
+        backends = [Backend(url, index) for index, url in enumerate(urls)]
+        return PDRouter(backends[: len(args.prefill)], backends[len(args.prefill):])
     backends = [Backend(url.rstrip("/"), index) for index, url in enumerate(args.backend)]
     return Router(backends, make_policy(args, backends))
 
@@ -123,7 +153,9 @@ def run(args: argparse.Namespace) -> int:
     if run_dir is not None:
         print(f"tinyserve: tracing to {run_dir}", flush=True)
     port = listener.getsockname()[1]
-    print(f"tinyserve: routing ({args.policy}) over {', '.join(args.backend)} on http://{args.host}:{port}/v1",
+    mode = f"prefill {' '.join(args.prefill)}, decode {' '.join(args.decode)}" if args.prefill \
+        else f"({args.policy}) over {', '.join(args.backend)}"
+    print(f"tinyserve: routing {mode} on http://{args.host}:{port}/v1",
           flush=True)
     config = uvicorn.Config(build_app(router), host=args.host, port=port, log_level="info", access_log=False)
     uvicorn.Server(config).run(sockets=[listener])
@@ -140,8 +172,9 @@ def start_tracing(args: argparse.Namespace):
     run_dir = new_run_dir(args.trace_dir) if args.trace else None
     if run_dir is not None:
         write_manifest(run_dir, model=args.tokenizer, served_model_name="", engine_args={},
-                       data_parallel_size=len(args.backend),
+                       data_parallel_size=len(args.backend or args.prefill + args.decode),
                        node={"host": host_name(), "headless": False, "router": True, "ranks": [],
-                             "policy": args.policy, "backends": args.backend})
+                             "policy": "pd" if args.prefill else args.policy,
+                             "backends": args.backend or args.prefill + args.decode})
     setup_tracing(schema.SERVICE_ROUTER, run_dir / schema.ROUTER_TRACE_FILE if run_dir else None, args.otlp_endpoint)
     return run_dir

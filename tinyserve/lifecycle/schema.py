@@ -245,6 +245,7 @@ ROUTER_BACKEND = "tinyserve.router.backend"  # the chosen backend's URL
 ROUTER_BACKEND_INDEX = "tinyserve.router.backend_index"  # its place in --backend
 ROUTER_REASON = "tinyserve.router.reason"  # the policy's one line on why
 ROUTER_BACKEND_IN_FLIGHT = "tinyserve.router.backend_in_flight"  # the router's requests there, before this one
+ROUTER_PD_LEG = "tinyserve.router.pd.leg"  # the prefill/decode mode (router/pd.py): "prefill" or "decode"
 # prefix-aware: the request's full prompt blocks, and how many leading ones the chosen backend held
 # (from its KV events) or was sent already (pending, their events not yet in)
 ROUTER_PROMPT_BLOCKS = "tinyserve.router.prompt_blocks"

@@ -1,0 +1,150 @@
+"""Disaggregated prefill over HTTP: `tinyserve router --prefill URL --decode URL` in front of a kv_producer
+and a kv_consumer `tinyserve serve`, on loopback, as vLLM's disaggregated proxy example runs them.
+
+Greedy answers through the router equal a single server's (the prefill server asked directly, without
+kv_transfer_params: the plain engine); the decode server's trace has the KV transfer span, in the same
+trace as the router's and the prefill's, and its prefill computes the last prompt token only (vLLM
+recomputes it too); a prefill server killed while a decode server pulls from it fails that request by
+name, and the decode server's KV blocks all come back. The servers are shared by the module (started
+together); the kill comes last.
+"""
+
+import json
+import os
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests import shared_server
+from tests.server_checks import metric, wait_until
+from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.otlp_json import read_spans
+from tinyserve.testing import RouterProcess, ServerProcess
+
+pytestmark = pytest.mark.server
+
+MODEL = shared_server.MODEL
+FLAGS = (*shared_server.ENGINE_FLAGS, "--num-kv-blocks", "128")
+LONG_PROMPT = " ".join(f"word{i}" for i in range(60))  # several blocks of 16 tokens
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """(prefill, decode, router), each tracing into a folder of its own."""
+    model = shared_server.model_folder()
+    roles = {"prefill": {"kv_role": "kv_producer"},
+             "decode": {"kv_role": "kv_consumer", "kv_connector_extra_config": {"transfer_timeout": 60}}}
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(ServerProcess, model, *FLAGS, "--kv-transfer-config", json.dumps(config), "--trace",
+                               "--trace-dir", str(tmp_path_factory.mktemp(name))) for name, config in roles.items()]
+    started = [future.result() for future in futures if future.exception() is None]
+    if len(started) < 2:
+        for server in started:
+            server.stop()
+        raise next(future.exception() for future in futures if future.exception() is not None)
+    prefill, decode = started
+    router = RouterProcess([], "--prefill", prefill.url, "--decode", decode.url, "--trace", "--trace-dir",
+                           str(tmp_path_factory.mktemp("router")))
+    yield prefill, decode, router
+    for process in (router, prefill, decode):
+        process.stop()
+
+
+def client(process) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0)
+
+
+def run_folder(process) -> Path:
+    [line] = [line for line in process.output().splitlines() if "tinyserve: tracing to " in line]
+    return Path(line.split("tinyserve: tracing to ")[1].strip())
+
+
+def spans_in(process) -> list:
+    return [span for file in sorted(run_folder(process).glob("*.jsonl")) for span in read_spans(file)]
+
+
+def test_greedy_answers_through_the_router_equal_a_single_servers(servers):
+    prefill, decode, router = servers
+    single, via_router = client(prefill), client(router)
+    for prompt in ("Once upon a time", LONG_PROMPT):
+        completion = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        expected = single.completions.create(**completion).choices[0].text
+        assert via_router.completions.create(**completion).choices[0].text == expected
+        streamed = via_router.completions.create(**completion, stream=True)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+        chat = dict(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0)
+        expected = single.chat.completions.create(**chat).choices[0].message.content
+        assert via_router.chat.completions.create(**chat).choices[0].message.content == expected
+        streamed = via_router.chat.completions.create(**chat, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected
+    wait_until(lambda: metric(prefill.url, "kv_cache_usage_perc") == 0, 30, "the prefill server freed what it sent")
+    assert metric(decode.url, "kv_cache_usage_perc") == 0
+
+
+def test_one_trace_holds_the_router_the_prefill_and_the_decode_and_its_kv_transfer(servers):
+    prefill, decode, router = servers
+    trace_id = os.urandom(16).hex()  # the client's own trace: the router's spans and both servers' join it
+    answer = client(router).completions.create(model=MODEL, prompt=LONG_PROMPT + " traced", max_tokens=4,
+                                               temperature=0,
+                                               extra_headers={"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"})
+    num_prompt = answer.usage.prompt_tokens
+
+    def transfer(server) -> list:
+        return [s for s in spans_in(server) if s.name == schema.KV_TRANSFER and s.trace_id == trace_id]
+
+    wait_until(lambda: transfer(decode) and transfer(prefill), 30, "both servers wrote their KV transfer span")
+    [received], [sent] = transfer(decode), transfer(prefill)
+    assert received.attributes[schema.KV_TRANSFER_ROLE] == "consumer" and not received.is_error
+    assert sent.attributes[schema.KV_TRANSFER_ROLE] == "producer" and not sent.is_error
+    for span in (received, sent):
+        assert span.attributes[schema.KV_TRANSFER_NUM_BLOCKS] == -(-num_prompt // 16)
+        assert span.attributes[schema.KV_TRANSFER_NUM_BYTES] > 0
+        assert span.attributes[schema.KV_TRANSFER_CONNECTOR] in ("MooncakeConnector", "ZmqConnector")
+
+    def routes() -> list:
+        return [s for s in spans_in(router) if s.name == schema.ROUTE and s.trace_id == trace_id]
+
+    wait_until(lambda: len(routes()) == 2, 30, "the router wrote a route span for each leg")
+    assert sorted(s.attributes[schema.ROUTER_PD_LEG] for s in routes()) == ["decode", "prefill"]
+    [decode_prefill] = [s for s in spans_in(decode) if s.name == schema.PREFILL and s.trace_id == trace_id]
+    assert decode_prefill.attributes[schema.KV_TRANSFER_NUM_RECEIVED_TOKENS] == num_prompt - 1
+    chunks = [event.attributes[schema.CHUNK_TOKENS] for event in decode_prefill.events
+              if event.name == schema.EVENT_PREFILL_CHUNK]
+    assert chunks == [1]  # the last prompt token, recomputed to sample from, as vLLM does
+
+
+def test_a_prefill_server_killed_mid_transfer_fails_the_pull_by_name_and_frees_every_block(servers):
+    prefill, decode, router = servers
+    body = {"model": MODEL, "prompt": LONG_PROMPT + " killed", "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    params = httpx.post(f"{prefill.url}/v1/completions", json=body, timeout=60).json()["kv_transfer_params"]
+    os.killpg(prefill.pgid, signal.SIGSTOP)  # frozen: the decode server's pull gets no answer
+    answers = []
+    pulling = threading.Thread(target=lambda: answers.append(httpx.post(
+        f"{decode.url}/v1/completions", timeout=120,
+        json={**body, "max_tokens": 8, "kv_transfer_params": params})))
+    pulling.start()
+
+    def pulling_connected() -> bool:  # the decode server's pull reached the frozen prefill's side channel
+        return any(c.raddr and c.raddr.port == params["remote_port"] and c.status == psutil.CONN_ESTABLISHED
+                   for c in psutil.net_connections("tcp"))
+
+    wait_until(pulling_connected, 30, "the decode server is pulling")
+    os.killpg(prefill.pgid, signal.SIGKILL)
+    pulling.join(60)
+    [failed] = answers
+    assert failed.status_code == 400
+    error = failed.json()["error"]
+    assert error["param"] == "kv_transfer_params"
+    assert f"KV transfer from 127.0.0.1:{params['remote_port']} failed" in error["message"]
+    wait_until(lambda: metric(decode.url, "kv_cache_usage_perc") == 0 and
+               metric(decode.url, "num_requests_waiting") == 0, 30, "the decode server freed the request's blocks")
+    prefill.process.wait(30)
+    gone = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": "Hi"}, timeout=60)
+    assert gone.status_code == 503 and prefill.url in gone.json()["error"]["message"]
