@@ -85,6 +85,7 @@ class Recording:
     kill_node_at_s: float | None = None  # the headless node is killed (SIGKILL) this long into the workload
     # LoRA adapters for the built-in model, made when recording (make_adapter) and served with --lora-modules
     adapters: tuple[str, ...] = ()
+    router: list[str] | None = None  # with routed_ranks: `tinyserve router` with these flags in front, not nginx
 
 
 def zen_text(rng: random.Random, num_chars: int) -> str:
@@ -213,6 +214,34 @@ def external_lb() -> Recording:
                      routed_ranks=2)
 
 
+# Two ranks publishing KV cache events (rank R on port 5557 + R, vLLM's rule), for the router in front.
+ROUTER_RANK_FLAGS = ["--max-num-seqs", "4", "--kv-events-config",
+                     '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}']
+ROUTER_POLICIES = {"prefix-aware": ["--policy", "prefix-aware", "--kv-events", "tcp://127.0.0.1:5557",
+                                    "tcp://127.0.0.1:5558"],
+                   "round-robin": ["--policy", "round_robin"]}
+
+
+def shared_prefix_workload() -> list[Request]:
+    """4 system prompts of ~1,200 characters, each with 5 questions: 20 chats, shuffled, one every 50 ms."""
+    rng = random.Random(5)
+    systems = [f"Reviewer {p}. Judge every answer by these rules: {zen_text(rng, 1200)}" for p in range(4)]
+    chats = [(p, q) for p in range(4) for q in range(5)]
+    rng.shuffle(chats)
+    return [Request(0.05 * i, "/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "stream": True,
+        "messages": [{"role": "system", "content": systems[p]}, {"role": "user", "content": f"Question {q}: "
+                                                                 f"{zen_text(rng, 60)}"}]})
+            for i, (p, q) in enumerate(chats)]
+
+
+def routed_by(policy: str) -> Recording:
+    return Recording(f"router-{policy}", f"20 chats sharing 4 system prompts (5 each, interleaved) on two "
+                     f"--data-parallel-rank servers behind `tinyserve router --policy {ROUTER_POLICIES[policy][1]}`; "
+                     "the router's and both ranks' run folders merged", ROUTER_RANK_FLAGS, shared_prefix_workload(),
+                     routed_ranks=2, router=ROUTER_POLICIES[policy])
+
+
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
            "required": ["city", "days"], "additionalProperties": False}
@@ -308,7 +337,8 @@ def make_adapter(folder: Path, seed: int) -> Path:
 
 RECORDINGS = {r.name: r for r in (lifecycle(), mixed(), kv_tight(), kv_roomy(), kv_no_prefix_cache(), load(5), load(25),
                                   load(75), load_dp(), load_api2(), load_tp(), multi_node(), external_lb(), cases(), node_lost(),
-                                  pooling(), lora(), spec_decode())}
+                                  pooling(), lora(), spec_decode(), routed_by("prefix-aware"),
+                                  routed_by("round-robin"))}
 
 
 # ---- the server and the client ------------------------------------------------------------
@@ -434,7 +464,8 @@ def record(name: str, out_dir: str | Path) -> Path:
         adapters = [f"{name}={make_adapter(Path(scratch) / 'adapters' / name, seed)}"
                     for seed, name in enumerate(recording.adapters, start=1)]
         flags = [*recording.flags, *(["--lora-modules", *adapters] if adapters else [])]
-        with deployment(Path(scratch), flags, recording.headless_flags, recording.routed_ranks) as (url, kill_node):
+        with deployment(Path(scratch), flags, recording.headless_flags, recording.routed_ranks,
+                        recording.router) as (url, kill_node):
             warm_up_ids = warm_up(url, engines=max(recording.routed_ranks, engine_count(recording.flags)),
                                   pooling="pooling" in recording.flags)
             if recording.single_chat is not None:
@@ -456,9 +487,12 @@ def record(name: str, out_dir: str | Path) -> Path:
                *(["--lora-modules", *(f"{name}=ADAPTERS/{name}" for name in recording.adapters)]
                  if recording.adapters else [])]
     if recording.routed_ranks:
+        front = ["nginx  # least_conn in front (scripts/recording_servers.py)"] if recording.router is None else [
+            "tinyserve", "router", "--trace", "--trace-dir", "traces", "--backend", "RANK_0_URL", "RANK_1_URL",
+            *map(shlex.quote, recording.router)]
         command = [part for rank in range(recording.routed_ranks) for part in
                    (*command, "--data-parallel-size", str(recording.routed_ranks), "--data-parallel-rank", str(rank),
-                    "&")] + ["nginx  # least_conn in front (scripts/recording_servers.py)"]
+                    "&")] + front
     if recording.headless_flags is not None:
         command += ["&", *env, f"OTEL_RESOURCE_ATTRIBUTES=host.name={NODE_HOST}", "tinyserve", "serve", "--headless",
                     "--trace", "--trace-dir", "traces", *recording.headless_flags]

@@ -5,6 +5,8 @@
                         tinyserve serve --headless --trace NODE_FLAGS       (lifecycle/merge.py)
     ranks behind nginx  tinyserve serve --trace FLAGS --data-parallel-rank R, for each R,
                         and nginx (least_conn) in front                   → every rank's folder, merged
+    ranks behind the    the same ranks, and `tinyserve router --trace ROUTER_FLAGS` in front
+      router                                                              → the router's and the ranks' folders, merged
 
 Every process traces into a folder of its own under the scratch directory; `run_folder`
 turns what they wrote into the one run folder the notebooks load. Each is stopped with
@@ -24,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout that is not pip-installed
     sys.path.insert(0, str(ROOT))
 
-from tinyserve.testing import NginxRouter, ServerProcess  # noqa: E402
+from tinyserve.testing import NginxRouter, RouterProcess, ServerProcess  # noqa: E402
 
 # One torch thread per process: a 4M-parameter model gains nothing from more, and on a
 # machine with few cores, threads of several processes spinning against each other
@@ -58,11 +60,13 @@ def stop_server(server: ServerProcess) -> None:
 
 
 @contextlib.contextmanager
-def deployment(scratch: Path, flags: list[str], headless_flags: list[str] | None = None, routed_ranks: int = 0):
+def deployment(scratch: Path, flags: list[str], headless_flags: list[str] | None = None, routed_ranks: int = 0,
+               router: list[str] | None = None):
     """Yield (the URL to send the workload to, a function that kills the headless node, or None), with every
-    process tracing under scratch/; stop them all after (a node killed on purpose is not waited for)."""
+    process tracing under scratch/; stop them all after (a node killed on purpose is not waited for).
+    router: the ranks are behind `tinyserve router` with these flags instead of nginx."""
     if routed_ranks:
-        with routed(scratch, flags, routed_ranks) as url:
+        with routed(scratch, flags, routed_ranks, router) as url:
             yield url, None
         return
     node = None
@@ -98,21 +102,26 @@ def deployment(scratch: Path, flags: list[str], headless_flags: list[str] | None
 
 
 @contextlib.contextmanager
-def routed(scratch: Path, flags: list[str], num_ranks: int):
-    """One server per rank (--data-parallel-rank R), each tracing into scratch/rank-R, and nginx in front."""
+def routed(scratch: Path, flags: list[str], num_ranks: int, router: list[str] | None = None):
+    """One server per rank (--data-parallel-rank R), each tracing into scratch/rank-R, and nginx in front
+    (or `tinyserve router ROUTER_FLAGS`, tracing into scratch/router)."""
     binary = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
-    if binary is None:
+    if binary is None and router is None:
         raise RuntimeError("recording behind a router needs nginx (Debian: apt-get install nginx)")
     rank_flags = [[*flags, "--data-parallel-size", str(num_ranks), "--data-parallel-rank", str(rank)]
                   for rank in range(num_ranks)]
     with concurrent.futures.ThreadPoolExecutor(num_ranks) as pool:  # each loads its model: start them together
         servers = list(pool.map(lambda rank: start_server(scratch / f"rank-{rank}", rank_flags[rank]), range(num_ranks)))
     try:
-        router = NginxRouter(binary, [server.port for server in servers], scratch / "nginx")
+        if router is None:
+            front = NginxRouter(binary, [server.port for server in servers], scratch / "nginx")
+        else:
+            front = RouterProcess([server.url for server in servers], "--trace", "--trace-dir", str(scratch / "router"),
+                                  *router)
         try:
-            yield router.url
+            yield front.url
         finally:
-            router.stop()
+            front.stop()
     finally:
         for server in servers:
             stop_server(server)
@@ -122,5 +131,6 @@ def run_folder(scratch: Path) -> Path:
     """The recording's one run folder: the server's, or those of a head and its node (or of every rank) merged."""
     from tinyserve.lifecycle.merge import merge_runs
 
-    folders = sorted(scratch.glob("rank-*/*")) or [*(scratch / "traces").iterdir(), *(scratch / "node").glob("*")]
+    folders = [*sorted(scratch.glob("router/*")), *sorted(scratch.glob("rank-*/*"))] or \
+        [*(scratch / "traces").iterdir(), *(scratch / "node").glob("*")]
     return folders[0] if len(folders) == 1 else merge_runs(folders, scratch / "merged")

@@ -102,3 +102,40 @@ def test_the_config_takes_vllms_fields_and_names_a_bad_one():
     assert offset_endpoint_port("tcp://*:5557", 2) == "tcp://*:5559"
     assert offset_endpoint_port("inproc://cache", 1) == "inproc://cache_dp1"
     assert offset_endpoint_port("tcp://*:5557", 0) == "tcp://*:5557"
+
+
+def test_an_offline_llm_publishes_its_events_on_its_topic_and_a_reset_clears_them():
+    """LLM(kv_events_config=...) takes the engine argument as the server does; the engine runs in this process."""
+    import zmq
+
+    from tests import shared_server
+    from tests.server_checks import wait_until
+    from tinyserve import LLM, SamplingParams
+    from tinyserve.testing import free_port
+
+    port = free_port()
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    sub.setsockopt_string(zmq.SUBSCRIBE, "kv")
+    llm = LLM(shared_server.model_folder(), num_kv_blocks=16, kv_events_config={
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": "kv"})
+    received = []
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+    def published(prompt: list[int]):
+        llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+        while sub.poll(200):
+            topic, _, payload = sub.recv_multipart()
+            received.append((topic, decoder.decode(payload)))
+        return received
+
+    try:
+        wait_until(lambda: published(list(range(30, 30 + 2 * 16))), 30, "a batch arrives (the subscription joined)")
+        assert all(topic == b"kv" for topic, _ in received)
+        llm.engine_core.reset_prefix_cache()
+        received.clear()
+        wait_until(lambda: any(isinstance(e, AllBlocksCleared) for _, b in published([5] * 17) for e in b.events),
+                   30, "the reset is published after the next step")
+    finally:
+        llm.shutdown()
+        sub.close(linger=0)

@@ -47,8 +47,8 @@ RECORDED = sorted(ROOT.glob("traces/recorded-*"))
 # ---- the notebooks ------------------------------------------------------------------------------
 
 
-def test_there_are_six_notebooks_in_reading_order():
-    assert [p.stem[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06"]
+def test_there_are_seven_notebooks_in_reading_order():
+    assert [p.stem[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07"]
 
 
 @pytest.mark.notebook

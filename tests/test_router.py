@@ -182,7 +182,8 @@ def test_a_backend_that_is_down_is_passed_over_and_none_left_is_a_503_naming_it(
     (["--backend", "http://a:1", "--policy", "prefix-aware", "--tokenizer", "m"], "needs --kv-events"),
     (["--backend", "http://a:1", "http://b:1", "--policy", "prefix-aware", "--tokenizer", "m",
       "--kv-events", "tcp://a:5557"], "one endpoint per --backend"),
-    (["--backend", "http://a:1", "--policy", "prefix-aware", "--kv-events", "tcp://a:5557"], "needs --tokenizer"),
+    (["--backend", "http://a:1", "--policy", "prefix-aware", "--kv-events", "tcp://a:5557", "--tokenizer",
+      "/nonexistent/model"], "/nonexistent/model"),
     (["--backend", "http://a:1", "--kv-events", "tcp://a:5557"], "is read by --policy prefix-aware only"),
 ])
 def test_bad_flags_are_refused_naming_them(flags, message, capsys):

@@ -66,5 +66,9 @@ def test_prefix_aware_follows_the_events_and_remembers_what_it_sent_until_they_a
                                                         BlockRemoved(hashes, "CPU")]))
     moved = choose(policy, backends, shared + [3])
     assert moved.backend.index == other and moved.attributes[schema.ROUTER_CACHED_BLOCKS] == 2
+    # A match of under half the prompt (a header every prompt shares) is not followed: the least loaded takes it.
+    backends[other].in_flight = 3
+    header_only = choose(policy, backends, shared[:4] + list(range(500, 508)))
+    assert header_only.backend.index == 1 - other and header_only.attributes[schema.ROUTER_CACHED_BLOCKS] == 0
     index.apply(other, KVEventBatch(0.0, [AllBlocksCleared()]))
     assert index.held[other] == set()

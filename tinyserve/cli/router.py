@@ -45,7 +45,8 @@ def add_parser(commands) -> None:
                              "one per --backend, in the same order")
     prefix.add_argument("--tokenizer", default=None, metavar="MODEL",
                         help="the backends' model (folder or name), whose tokenizer and chat template turn a "
-                             "request into the tokens the backends will cache")
+                             "request into the tokens the backends will cache (default: the built-in model, "
+                             "which `tinyserve serve` serves without one)")
     prefix.add_argument("--block-size", type=int, default=16,
                         help="the backends' KV block size, in tokens (default %(default)s, the engine's)")
     tracing = parser.add_argument_group("tracing")
@@ -73,11 +74,8 @@ def check_router_flags(args: argparse.Namespace) -> str | None:
         return f"--port must be in [0, 65535], got {args.port}"
     if args.block_size < 1:
         return f"--block-size must be at least 1, got {args.block_size}"
-    if args.policy == "prefix-aware":
-        if not args.kv_events:
-            return "--policy prefix-aware needs --kv-events, one endpoint per --backend"
-        if args.tokenizer is None:
-            return "--policy prefix-aware needs --tokenizer (the backends' model), to hash prompts as they do"
+    if args.policy == "prefix-aware" and not args.kv_events:
+        return "--policy prefix-aware needs --kv-events, one endpoint per --backend"
     if args.kv_events and len(args.kv_events) != len(args.backend):
         return (f"--kv-events needs one endpoint per --backend, in the same order: got {len(args.kv_events)} "
                 f"for {len(args.backend)} backends")

@@ -70,6 +70,7 @@ class Router:
             headers = forwarded_headers(request.headers, inject_context(trace.set_span_in_context(span)))
             choice.backend.in_flight += 1
             choice.backend.routed += 1
+            self.policy.forwarded(routed, choice)  # before the answer: the next request may come meanwhile
             try:
                 response = await open_response(self.client, choice.backend, "POST", request.url.path, body, headers)
             except (BackendUnreachable, BackendFailed) as error:
@@ -79,8 +80,11 @@ class Router:
                     return _error(502, str(error))
                 unreachable.append(choice.backend.url)
                 continue
+            except BaseException:  # cancelled: the client left before the answer began
+                choice.backend.in_flight -= 1
+                _end(span, 499, "the client left before the answer began")
+                raise
             choice.backend.read_orca(response.headers.get(REPORT_HEADER))
-            self.policy.forwarded(routed, choice)
             return pass_back(response, FORMAT_HEADER in request.headers,
                              on_close=lambda b=choice.backend, s=span, r=response: _finished(b, s, r.status_code))
         return _error(503, _none_available(self.backends, unreachable))

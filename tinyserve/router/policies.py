@@ -1,7 +1,8 @@
 """Routing policies: which live backend gets a request, and the reason, for the router's span.
 
 A policy is an object with `async choose(request, backends) -> Choice` (backends: the ones
-up now, never empty) and `forwarded(request, choice)`, told once the request went out.
+up now, never empty) and `forwarded(request, choice)`, told as the request goes out, before
+any answer (the next request may be chosen meanwhile).
 round_robin and least_load are here; prefix-aware, which needs the backends' KV cache
 events, is prefix_aware.py.
 """

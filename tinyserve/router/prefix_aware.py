@@ -3,7 +3,11 @@
 For each live backend, the policy counts how many leading blocks of the request's prompt
 (prefix_hashes.py) the backend holds, by its KV cache events (kv_index.py), or was sent by
 this router a moment ago (pending): the backend with the most takes the request, ties to the
-least loaded. Pending hashes matter for a new prefix: its first request's blocks reach the
+least loaded. A match of less than MIN_MATCH_SHARE of the prompt's blocks is not followed
+(the request goes to the least loaded): otherwise the first block or two that every prompt
+shares (a chat template's header, a common instruction) would draw every request to the
+backend that served the first, and pile them there (SGLang's cache-aware router has the same
+rule, its cache_threshold, 0.5 by default). Pending hashes matter for a new prefix: its first request's blocks reach the
 index only once that request's prefill has run, and until then the requests that share the
 prefix would scatter over the backends, each computing it again. A pending hash leaves when
 the backend's BlockStored for it arrives, or after PENDING_S (a request that failed, or whose
@@ -20,6 +24,7 @@ from tinyserve.router.policies import Choice, RoutedRequest, least_loaded
 from tinyserve.router.prefix_hashes import PromptHasher
 
 PENDING_S = 30.0
+MIN_MATCH_SHARE = 0.5
 
 
 class PrefixAware:
@@ -48,8 +53,8 @@ class PrefixAware:
         now = time.monotonic()
         matched = {b.index: self._leading(b.index, hashes, now) for b in backends}
         best = max(matched.values(), key=lambda m: m[1])[1] if matched else 0
-        if best == 0:
-            choice = least_loaded(backends, "no backend holds its first block: ")
+        if best == 0 or best < MIN_MATCH_SHARE * len(hashes):
+            choice = least_loaded(backends, f"the longest match is {best} of {len(hashes)} prompt blocks: ")
         else:
             choice = least_loaded([b for b in backends if matched[b.index][1] == best],
                                   f"holds {best} of {len(hashes)} prompt blocks; ")
