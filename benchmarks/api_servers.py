@@ -87,24 +87,41 @@ def py_spy(pid: int, seconds: float) -> None:
     """Where one API process's CPU time goes: py-spy's raw samples, folded by our functions and by library."""
     with tempfile.NamedTemporaryFile(suffix=".txt") as out:
         subprocess.run([str(Path(sys.executable).parent / "py-spy"), "record", "--idle", "--nonblocking",
-                        "--duration", str(int(seconds)), "--format", "raw", "--output", out.name, "--pid", str(pid)],
+                        "--duration", str(int(seconds)), "--format", "raw", "--full-filenames", "--output", out.name,
+                        "--pid", str(pid)],
                        check=True, capture_output=True)
         samples = [line.rsplit(" ", 1) for line in Path(out.name).read_text().splitlines() if line.strip()]
-    busy = collections.Counter()
+    busy, libraries = collections.Counter(), collections.Counter()
     total = idle = 0
     for stack, count in samples:
+        frames = stack.split(";")
+        if not any("_run_once" in frame for frame in frames):
+            continue  # not the event loop's thread (render threads, the tracer's exporter, ...)
         count = int(count)
         total += count
-        frames = stack.split(";")
-        leaf = frames[-1]
-        if any(word in leaf for word in ("select", "epoll", "poll (", "wait (", "_wait_for_tstate_lock", "sleep")):
-            idle += count
+        if "select (selectors.py" in frames[-1] or "poll (" in frames[-1]:
+            idle += count  # the loop waiting for something to do
             continue
         busy[_where(frames)] += count
+        libraries[_library(frames[-1])] += count
     working = total - idle
-    print(f"py-spy, API process {pid}: {total} samples, {working / total:.0%} busy (the rest waiting)")
+    print(f"py-spy, the event loop of API process {pid}: {total} samples, {working / total:.0%} busy")
+    print("  by the innermost tinyserve function on the stack:")
     for where, count in busy.most_common(14):
         print(f"  {count / working:6.1%}  {where}")
+    print("  by where the sampled line itself was (a library, the standard library's module, or tinyserve):")
+    for library, count in libraries.most_common(12):
+        print(f"  {count / working:6.1%}  {library}")
+
+
+def _library(frame: str) -> str:
+    """`f (file.py:12)` → the package of file.py: a site-packages one, tinyserve/<sub>, or a stdlib module."""
+    path = frame.rsplit("(", 1)[-1].split(":")[0]
+    if "site-packages/" in path:
+        return path.split("site-packages/")[1].split("/")[0]
+    if "tinyserve/" in path:
+        return "tinyserve/" + "/".join(path.split("tinyserve/")[-1].split("/")[:-1] or ["."])
+    return "python: " + path.rsplit("/", 1)[-1]
 
 
 def _where(frames: list[str]) -> str:
@@ -141,6 +158,8 @@ def main() -> int:
                 seconds = " + ".join(f"{s:.1f}" for s in cpu.values())
                 print(f"round {round_number + 1}: {name:<18} {value:8.1f} output tok/s  (API CPU s: {seconds})",
                       flush=True)
+    if not results:
+        return 0
     base = statistics.median(results["1 API process"])
     print(f"\n{'contender':<18}{'median tok/s':>14}{'spread':>9}{'vs 1':>8}")
     for name, values in results.items():
