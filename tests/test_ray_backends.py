@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from tests.hf_reference import hf_greedy
+from tests.patience import patient
 from tests.server_checks import long_context_model, wait_until
 from tests.test_tensor_parallel import generate, prompts_for
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
@@ -48,7 +49,7 @@ def cluster():
 
 
 @pytest.mark.slow
-def test_a_rank_on_another_ray_node_keeps_transformers_greedy_tokens(cluster):
+def test_a_rank_on_another_ray_node_keeps_transformers_greedy_tokens_and_its_death_fails_the_step(cluster):
     _, node_b = cluster
     folder = tiny_model_with_tokenizer("llama")
     prompts = prompts_for(folder)
@@ -59,10 +60,12 @@ def test_a_rank_on_another_ray_node_keeps_transformers_greedy_tokens(cluster):
         [rank1] = llm.engine_core.tp_workers.processes
         assert rank1.node_id == node_b.node_id  # placed by its bundle's resource, not beside rank 0
         assert llm.engine_core.model_runner.kv_caches[0].shape[3] == 1  # each rank holds its own KV head
+        os.kill(rank1.pid, signal.SIGKILL)  # the actor's process, as a crash would end it
+        rank1.join(patient(10))
+        with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 died \(Ray actor tinyserve-engine-0-tp1 died"):
+            generate(llm, prompts)
     finally:
         llm.shutdown()
-    rank1.join(30)
-    assert rank1.exitcode == 0  # stopped by rank 0, as a rank process is
 
 
 @pytest.mark.slow
@@ -107,10 +110,14 @@ def test_two_engines_on_ray_serve_a_burst_and_a_killed_one_fails_its_requests_an
 
     _, node_b = cluster
     raylet_b = node_b.all_processes["raylet"][0].process.pid
-    server = ServerProcess(long_context_model(), "--served-model-name", "tiny", "--num-kv-blocks", "2048",
-                           "--data-parallel-size", "2", "--data-parallel-backend", "ray",
-                           "--ray-resources", '{"node_b": 1}', "--trace", "--trace-dir", str(tmp_path),
-                           "--shutdown-timeout", "1")
+    address = os.environ.pop("RAY_ADDRESS")  # the server finds the cluster as it finds one `ray start` started
+    try:
+        server = ServerProcess(long_context_model(), "--served-model-name", "tiny", "--num-kv-blocks", "2048",
+                               "--data-parallel-size", "2", "--data-parallel-backend", "ray",
+                               "--ray-resources", '{"node_b": 1}', "--trace", "--trace-dir", str(tmp_path),
+                               "--shutdown-timeout", "1")
+    finally:
+        os.environ["RAY_ADDRESS"] = address
     try:
         actors = engine_actors(raylet_b)
         assert sorted(actors) == [0, 1]  # both on node B, the node with the resource; none a child of the server
@@ -133,7 +140,7 @@ def test_two_engines_on_ray_serve_a_burst_and_a_killed_one_fails_its_requests_an
             assert outcome["status"] == 200 and outcome["error"]["code"] == 503, outcome
             assert "engine 1 died" in outcome["error"]["message"], outcome
             assert "Ray actor tinyserve-engine-1 died" in outcome["error"]["message"], outcome
-        assert server.process.wait(wait_bound()) == 1  # no --keep-alive-on-engine-death: the server goes down
+        assert server.process.wait(patient(10)) == 1  # no --keep-alive-on-engine-death: the server goes down
     finally:
         output = server.stop()
     assert "Ray actor tinyserve-engine-1 died" in output, output[-3000:]
@@ -141,12 +148,6 @@ def test_two_engines_on_ray_serve_a_burst_and_a_killed_one_fails_its_requests_an
     run = load_run(run_dir)  # each actor wrote its spans into the run folder, as an engine process does
     assert run.engine_indices == [0, 1] and run.engine_steps(0) and run.engine_steps(1)
     assert {r.engine_index for r in run.requests if r.engine_index is not None} == {0, 1}
-
-
-def wait_bound() -> float:
-    from tests.patience import patient
-
-    return patient(10)
 
 
 @pytest.mark.parametrize("flags, message", [

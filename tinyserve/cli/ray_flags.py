@@ -69,3 +69,12 @@ def ray_engine_client(args: argparse.Namespace, engine_args, model_info):
     from tinyserve.distributed.ray_client import RayMPClient
 
     return RayMPClient(engine_args, model_info, args.data_parallel_size, args.data_parallel_address)
+
+
+def join_ray_cluster(args: argparse.Namespace, engine_args) -> None:
+    """Under either ray backend, join (or start) the cluster in this process first: its address goes to
+    every engine in RAY_ADDRESS, so that engine processes placing ranks join the same cluster."""
+    if args.data_parallel_backend == "ray" or engine_args.distributed_executor_backend == "ray":
+        from tinyserve.distributed.ray_cluster import connect
+
+        connect(cpus_needed=args.data_parallel_size * engine_args.tensor_parallel_size)

@@ -30,7 +30,7 @@ from tinyserve.cli.lora_flags import add_lora_modules_flag, lora_registry_from
 from tinyserve.cli.load_balancing_flags import add_load_balancing_flags, check_load_balancing_flags
 from tinyserve.cli.listener import bind_listener
 from tinyserve.cli.metrics_flags import add_metrics_flags
-from tinyserve.cli.ray_flags import check_ray_flags, ray_engine_client
+from tinyserve.cli.ray_flags import check_ray_flags, join_ray_cluster, ray_engine_client
 from tinyserve.cli.trace_setup import local_ranks, start_tracing
 from tinyserve.cli.vllm_flags import add_vllm_flags, check_vllm_flags
 from tinyserve.entrypoints.api.guards.field_limits import (
@@ -212,6 +212,7 @@ def launch_engines(args: argparse.Namespace, engine_args):
     from tinyserve.frontend.core_client import MPClient
 
     model_info = ModelInfo.from_args(engine_args)
+    join_ray_cluster(args, engine_args)  # under a ray backend: the cluster every engine then joins (ray_flags.py)
     client = ray_engine_client(args, engine_args, model_info) if args.data_parallel_backend == "ray" else \
         MPClient.for_engines(engine_args, model_info, args.data_parallel_size, args.data_parallel_rank,
                              _multi_node(args))

@@ -53,8 +53,10 @@ class ActorProcess:
             self.pid = self.actor_pid if self.node_ip == self.here else None
             code = ray.get(self._run_ref)
             self.exitcode, self.reason = int(code or 0), f"exit code {int(code or 0)}"
-        except Exception as error:  # RayActorError and the like: the actor is gone
+        except ray.exceptions.RayActorError as error:  # the actor is gone: killed, its node lost
             self.exitcode, self.reason = DIED, f"Ray actor {self.name} died ({died_detail(error)})"
+        except Exception as error:  # `run` raised: as a process's uncaught exception, status 1
+            self.exitcode, self.reason = 1, f"exit code 1 (Ray actor {self.name} raised {type(error).__name__})"
         self._ended.set()
         with contextlib.suppress(OSError):
             os.close(self._write_end)  # the sentinel reads EOF

@@ -49,6 +49,7 @@ class EngineActor(_Actor):
         """serve(proc=proc_class(*proc_args), **kwargs): EngineCoreProc and serve_engine (ray_engines.py)."""
         self.proc = proc_class(*proc_args)
         if self.stopping:  # stopped before it started
+            self.proc.close()
             return 0
         return _exit_status(serve, dict(proc=self.proc, **kwargs))
 
@@ -62,5 +63,5 @@ def _exit_status(target, kwargs: dict) -> int:
     try:
         target(**kwargs)
     except SystemExit as exit_:
-        return exit_.code if isinstance(exit_.code, int) else 1
+        return 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 1
     return 0

@@ -77,11 +77,21 @@ def connect(cpus_needed: int = 1):
 
     if not ray.is_initialized():
         quiet = dict(log_to_driver=False, logging_level=logging.WARNING)
+        # Ray's own search (RAY_ADDRESS, then the address `ray start` leaves in its temp folder), made here
+        # so that ray.init is handed an address: given "auto" instead, Ray 2.60 joined the cluster but lost
+        # count of the actors' handles, and they died ("all references to the actor were removed").
+        from ray._private.services import canonicalize_bootstrap_address
+
+        address = canonicalize_bootstrap_address(None)
         try:
-            ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", **quiet)
+            if address is not None:
+                ray.init(address=address, **quiet)
         except ConnectionError:
             if os.environ.get("RAY_ADDRESS"):
                 raise  # the cluster named is not there: say so, rather than start another
+            logger.warning("the Ray cluster last started on this machine (%s) is gone", address)
+            address = None
+        if address is None:  # no cluster to join: start one of this machine alone
             ray.init(num_cpus=max(cpus_needed, os.cpu_count() or 1), include_dashboard=False, **quiet)
             logger.info("started a local Ray cluster at %s", ray.get_runtime_context().gcs_address)
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address  # for the processes started from here

@@ -128,7 +128,7 @@ class TensorParallelWorkers:
                 if process.exitcode is not None:
                     self.shutdown()
                     raise RuntimeError(f"tensor-parallel rank {rank} exited during start-up "
-                                       f"({_exit_reason(process.exitcode)}); its error is above")
+                                       f"({_exit_reason(process)}); its error is above")
             if time.monotonic() > deadline:
                 self.shutdown()
                 raise RuntimeError(f"tensor-parallel ranks did not start within {RENDEZVOUS_TIMEOUT_S} s")
@@ -160,7 +160,7 @@ class TensorParallelWorkers:
         socket whose reader is gone would block, and the collective would wait for it."""
         for rank, process in enumerate(self.processes, start=1):
             if process.exitcode is not None:
-                raise RuntimeError(f"tensor-parallel rank {rank} died ({_exit_reason(process.exitcode)})")
+                raise RuntimeError(f"tensor-parallel rank {rank} died ({_exit_reason(process)})")
         message = self._encoder.encode(scheduler_output)
         for socket in self._sockets:
             socket.send(message)
@@ -267,8 +267,12 @@ def _started_key(rank: int) -> str:
     return f"tinyserve/rank-{rank}-started"
 
 
-def _exit_reason(exitcode: int) -> str:
-    return f"killed by {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
+def _exit_reason(process) -> str:
+    """How a rank ended: its exit status or signal, or what a Ray actor's handle says (actor_process.py)."""
+    if getattr(process, "reason", None):
+        return process.reason
+    code = process.exitcode
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 def _watch_parent(parent_pid: int) -> None:

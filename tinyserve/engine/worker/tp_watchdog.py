@@ -65,6 +65,8 @@ class CollectiveWatchdog:
 
 def rank_state(process) -> str:
     """"running", "stopped" (SIGSTOP, a debugger), "dead (…)" or what /proc says, for the message."""
+    if getattr(process, "reason", None):  # a Ray actor's handle says how it ended (actor_process.py)
+        return f"dead, {process.reason}"
     if process.exitcode is not None:
         code = process.exitcode
         return f"dead, {'killed by ' + signal.Signals(-code).name if code < 0 else f'exit code {code}'}"
