@@ -112,6 +112,24 @@ def runtime_env() -> dict:
     return {"env_vars": env}
 
 
+def check_reachable(host: str) -> None:
+    """ValueError naming --data-parallel-address when the sockets are bound on loopback but the cluster
+    has nodes on other machines, whose engines could never connect to them."""
+    import ipaddress
+
+    import ray
+
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return  # a host name: it may well be reachable
+    others = sorted({node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]} - {node_ip()})
+    if loopback and others:
+        raise ValueError(f"--data-parallel-address {host} is this machine's loopback, which the Ray nodes at "
+                         f"{', '.join(others)} cannot reach: give this machine's address on their network "
+                         f"(Ray knows it as {node_ip()})")
+
+
 def device_bundle(device_type: str, resources: dict | None) -> dict:
     """One rank's bundle: a CPU, or a GPU on CUDA, plus the Ray resources --ray-resources names."""
     return {"GPU" if device_type == "cuda" else "CPU": 1.0, **(resources or {})}
@@ -122,6 +140,8 @@ def placement_group(bundles: list[dict], strategy: str, name: str):
     import ray
     from ray.util.placement_group import placement_group as make
 
+    if strategy == "STRICT_PACK":  # every bundle on one node: that node must hold their sum
+        _check_feasible([{key: sum(b.get(key, 0) for b in bundles) for key in set().union(*bundles)}])
     _check_feasible(bundles)
     group = make(bundles, strategy=strategy, name=name)
     ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)

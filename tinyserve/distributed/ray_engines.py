@@ -26,11 +26,11 @@ from pathlib import Path
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.distributed.actor_process import ActorProcess
 from tinyserve.distributed.actors import CONCURRENCY_GROUPS, EngineActor
+from tinyserve.distributed.ray_cluster import check_reachable, connect, device_bundle, placement_group, runtime_env
 from tinyserve.engine.engine_core_proc import EngineCoreProc, serve_engine
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.tracing import host_name, write_manifest
 from tinyserve.models.fingerprint import manifest_fingerprint
-from tinyserve.distributed.ray_cluster import connect, device_bundle, placement_group, runtime_env
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class RayEngineActors:
 
         args, size = self.args, self.args.tensor_parallel_size
         ray = connect(cpus_needed=self.num_engines * size)
+        check_reachable(output_address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]"))
         on_gpu = args.torch_device.type == "cuda"
         for engine_index, input_address in enumerate(input_addresses, start=self.first_index):
             name = f"tinyserve-engine-{engine_index}"
