@@ -31,11 +31,11 @@ NODE_B = {"node_b": 4}  # the second node's custom resource: room for every acto
 @pytest.fixture(scope="module")
 def cluster():
     """Two Ray nodes on loopback; RAY_ADDRESS names the cluster for this process and the servers it starts."""
+    saved = {name: os.environ.get(name) for name in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray's nodes on 127.0.0.1 (read as Ray is imported)
     import ray  # the ray extra, which scripts/setup.sh installs
     from ray.cluster_utils import Cluster
 
-    saved = {name: os.environ.get(name) for name in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray's nodes on 127.0.0.1, not this host's address
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     node_b = cluster.add_node(num_cpus=4, resources=NODE_B)
     os.environ["RAY_ADDRESS"] = cluster.address
@@ -110,14 +110,10 @@ def test_two_engines_on_ray_serve_a_burst_and_a_killed_one_fails_its_requests_an
 
     _, node_b = cluster
     raylet_b = node_b.all_processes["raylet"][0].process.pid
-    address = os.environ.pop("RAY_ADDRESS")  # the server finds the cluster as it finds one `ray start` started
-    try:
-        server = ServerProcess(long_context_model(), "--served-model-name", "tiny", "--num-kv-blocks", "2048",
-                               "--data-parallel-size", "2", "--data-parallel-backend", "ray",
-                               "--ray-resources", '{"node_b": 1}', "--trace", "--trace-dir", str(tmp_path),
-                               "--shutdown-timeout", "1")
-    finally:
-        os.environ["RAY_ADDRESS"] = address
+    server = ServerProcess(long_context_model(), "--served-model-name", "tiny", "--num-kv-blocks", "2048",
+                           "--data-parallel-size", "2", "--data-parallel-backend", "ray",
+                           "--ray-resources", '{"node_b": 1}', "--trace", "--trace-dir", str(tmp_path),
+                           "--shutdown-timeout", "1")  # RAY_ADDRESS: this module's cluster
     try:
         actors = engine_actors(raylet_b)
         assert sorted(actors) == [0, 1]  # both on node B, the node with the resource; none a child of the server

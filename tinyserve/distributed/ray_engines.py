@@ -71,6 +71,9 @@ class RayEngineActors:
         logger.info("%d engine(s) placed on the Ray cluster at %s", self.num_engines,
                     ray.get_runtime_context().gcs_address)
 
+    def on_ready(self, pids: list[int]) -> None:
+        """Nothing: each actor is watched from its start, through its handle."""
+
     @property
     def pids(self) -> list[int | None]:
         return [process.actor_pid for process in self.processes]
