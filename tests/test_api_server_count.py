@@ -34,6 +34,7 @@ from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineC
 BURST_PROMPTS = [[9, 120, 33, 41, 7], [250, 3, 18, 77, 140, 201, 9], [5, 6, 7, 8], [100, 200, 300]] * 4
 STREAM_TOKENS = 1000  # seconds of decoding: the streams are still running when SIGTERM comes
 STREAMS_AT_ONCE, MAX_STREAMS = 4, 12  # opened four at a time until both API processes hold one
+KILL_STREAM_TOKENS = 1500  # more steps than the 1000 messages a dead API process's socket queues
 
 
 def api_processes(server: ServerProcess) -> dict[int, psutil.Process]:
@@ -73,9 +74,9 @@ def greedy_token_ids(url: str, prompt: list[int]) -> list[int]:
 class Stream:
     """One streamed completion on a connection of its own, read in a thread to its end."""
 
-    def __init__(self, url: str, pool: concurrent.futures.Executor) -> None:
+    def __init__(self, url: str, pool: concurrent.futures.Executor, max_tokens: int = STREAM_TOKENS) -> None:
         self.client = httpx.Client(timeout=120)
-        body = {"model": MODEL, "prompt": "a story", "max_tokens": STREAM_TOKENS, "ignore_eos": True,
+        body = {"model": MODEL, "prompt": "a story", "max_tokens": max_tokens, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
         self.response = self.client.send(self.client.build_request("POST", f"{url}/v1/completions", json=body),
                                          stream=True)
@@ -86,15 +87,32 @@ class Stream:
 
     def _rest(self) -> dict:
         finish, tokens = None, None
-        for line in self.lines:
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                for choice in chunk.get("choices", ()):
-                    finish = choice.get("finish_reason") or finish
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-        self.client.close()
+        try:
+            for line in self.lines:
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    for choice in chunk.get("choices", ()):
+                        finish = choice.get("finish_reason") or finish
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+        except httpx.HTTPError:  # the process that held the connection is gone
+            return {"finish_reason": None, "tokens": None, "broken": True}
+        finally:
+            self.client.close()
         return {"finish_reason": finish, "tokens": tokens}
+
+
+def open_streams_on_both(url: str, processes: dict, pool, opener, max_tokens: int) -> tuple[list[Stream], dict]:
+    """Streams opened a few at a time until both API processes hold one; and which holds each (by response id)."""
+    streams, held = [], {}
+    while set(held.values()) != {0, 1}:
+        assert len(streams) < MAX_STREAMS, f"{MAX_STREAMS} streams, all on API process {set(held.values())}"
+        batch = list(opener.map(lambda _: Stream(url, pool, max_tokens), range(STREAMS_AT_ONCE)))
+        for stream in batch:  # the connection stays open until the stream is read to its end
+            held[stream.first["id"]] = holder(processes, stream.client_port)
+            assert held[stream.first["id"]] is not None, "no API process holds the stream's connection"
+        streams += batch
+    return streams, held
 
 
 @pytest.mark.server
@@ -121,14 +139,7 @@ def test_two_api_processes_over_two_engines_answer_count_drain_and_trace(tmp_pat
         assert sorted(processes) == [0, 1]
         with concurrent.futures.ThreadPoolExecutor(MAX_STREAMS) as pool, \
                 concurrent.futures.ThreadPoolExecutor(STREAMS_AT_ONCE) as opener:
-            streams, held = [], {}
-            while set(held.values()) != {0, 1}:
-                assert len(streams) < MAX_STREAMS, f"{MAX_STREAMS} streams, all on API process {set(held.values())}"
-                batch = list(opener.map(lambda _: Stream(server.url, pool), range(STREAMS_AT_ONCE)))
-                for stream in batch:  # the connection stays open until the stream is read to its end
-                    held[stream.first["id"]] = holder(processes, stream.client_port)
-                    assert held[stream.first["id"]] is not None, "no API process holds the stream's connection"
-                streams += batch
+            streams, held = open_streams_on_both(server.url, processes, pool, opener, STREAM_TOKENS)
             sigterm_ns = time.time_ns()
             server.process.send_signal(signal.SIGTERM)
             outcomes = [stream.outcome.result() for stream in streams]
@@ -148,13 +159,23 @@ def test_two_api_processes_over_two_engines_answer_count_drain_and_trace(tmp_pat
 
 
 @pytest.mark.server
-def test_an_api_process_killed_takes_the_server_down_with_status_1():
-    server = ServerProcess(model_folder(), *ENGINE_FLAGS, "-asc", "2")
+def test_an_api_process_killed_takes_the_server_down_with_status_1_once_the_others_drain():
+    """The streams of the API process left run to their end: more engine steps than a socket's queue
+    (ZeroMQ's 1000 messages) to the dead one holds, which must not stall the engine's other outputs."""
+    server = ServerProcess(model_folder(), *ENGINE_FLAGS, "-asc", "2", "--shutdown-timeout", "300")
     try:
         processes = api_processes(server)
         assert sorted(processes) == [0, 1]
-        processes[1].kill()
-        assert server.process.wait(60) == 1
+        with concurrent.futures.ThreadPoolExecutor(MAX_STREAMS) as pool, \
+                concurrent.futures.ThreadPoolExecutor(STREAMS_AT_ONCE) as opener:
+            streams, held = open_streams_on_both(server.url, processes, pool, opener, KILL_STREAM_TOKENS)
+            processes[1].kill()
+            outcomes = {stream.first["id"]: stream.outcome.result() for stream in streams}
+        for request_id, index in held.items():
+            expected = {"finish_reason": "length", "tokens": KILL_STREAM_TOKENS} if index == 0 else \
+                {"finish_reason": None, "tokens": None, "broken": True}
+            assert outcomes[request_id] == expected
+        assert server.process.wait(patient(30)) == 1
         wait_until(server.group_is_gone, 30, "every process of the server is gone")
         assert f"API process 1 (pid {processes[1].pid}) exited" in server.output()
     finally:

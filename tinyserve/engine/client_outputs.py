@@ -16,9 +16,20 @@ every API process, with no coordinator between them. What one front end cannot s
 the requests another sent since the engine's last report, at most one step's worth.
 
 With one client the message goes through untouched: nothing is remembered or cut.
+
+`ClientSockets` holds the engine's PUSH socket to each client. With several, a send never
+blocks the output thread: an API process that died (and whose socket's queue therefore
+fills) must not stall the outputs of the others while they drain. What a socket cannot take
+now waits in that client's backlog, in order, and is sent before anything newer.
 """
 
+import collections
+
+import zmq
+
 from tinyserve.wire.messages import EngineCoreOutputs, EngineCoreRequest
+
+BACKLOG_RETRY_S = 0.05  # how often the output thread retries a client's backlog while nothing else comes
 
 
 class ClientOutputs:
@@ -50,3 +61,39 @@ class ClientOutputs:
         return [(client, EngineCoreOutputs(engine_index=message.engine_index, timestamp=message.timestamp,
                                            outputs=outputs, scheduler_stats=message.scheduler_stats))
                 for client, outputs in enumerate(shares)]
+
+
+class ClientSockets:
+    """One PUSH socket per client, connected to its output address; sends in order, never blocking on one."""
+
+    def __init__(self, context: zmq.Context, addresses: list[str]) -> None:
+        self.sockets = [context.socket(zmq.PUSH) for _ in addresses]
+        for socket, address in zip(self.sockets, addresses):
+            socket.connect(address)
+        self.backlogs = [collections.deque() for _ in addresses]
+        self.flags = 0 if len(addresses) == 1 else zmq.NOBLOCK  # one client: wait for it, as ever
+
+    @property
+    def backlogged(self) -> bool:
+        return any(self.backlogs)
+
+    def send(self, client: int, frames: list[bytes]) -> None:
+        self.backlogs[client].append(frames)
+        self._flush(client)
+
+    def flush(self) -> None:
+        for client in range(len(self.sockets)):
+            self._flush(client)
+
+    def _flush(self, client: int) -> None:
+        backlog = self.backlogs[client]
+        while backlog:
+            try:
+                self.sockets[client].send_multipart(backlog[0], flags=self.flags)
+            except zmq.Again:
+                return  # its queue is full: an API process gone, or far behind
+            backlog.popleft()
+
+    def close(self, linger_ms: int) -> None:
+        for socket in self.sockets:
+            socket.close(linger=linger_ms)

@@ -39,7 +39,7 @@ import torch
 import zmq
 
 from tinyserve.config import EngineArgs, ModelInfo
-from tinyserve.engine.client_outputs import ClientOutputs
+from tinyserve.engine.client_outputs import BACKLOG_RETRY_S, ClientOutputs, ClientSockets
 from tinyserve.engine.engine_core import EngineCore
 from tinyserve.wire.ipc import (
     INPUT_TYPES,
@@ -339,23 +339,28 @@ class EngineCoreProc:
             socket.close(linger=0)
 
     def _output_loop(self, addresses: list[str]) -> None:
-        sockets = [self.context.socket(zmq.PUSH) for _ in addresses]
-        for socket, address in zip(sockets, addresses):
-            socket.connect(address)
+        sockets = ClientSockets(self.context, addresses)
         encoder = msgspec.msgpack.Encoder()
         try:
-            while (item := self.output_queue.get()) is not _STOP:
+            while True:
+                try:
+                    item = self.output_queue.get(timeout=BACKLOG_RETRY_S if sockets.backlogged else None)
+                except queue.Empty:
+                    sockets.flush()
+                    continue
+                if item is _STOP:
+                    break
                 kind, message, client = item
                 if kind is EngineOutputKind.OUTPUTS:
                     for index, share in self.clients.split(message):
-                        sockets[index].send_multipart([kind.value, encoder.encode(share)])
+                        sockets.send(index, [kind.value, encoder.encode(share)])
                     continue
                 frames = [kind.value, encoder.encode(message)]
-                for socket in sockets if client is None else [sockets[client]]:
-                    socket.send_multipart(frames)
+                for index in range(len(addresses)) if client is None else [client]:
+                    sockets.send(index, frames)
+            sockets.flush()
         finally:
-            for socket in sockets:
-                socket.close(linger=OUTPUT_LINGER_MS)
+            sockets.close(OUTPUT_LINGER_MS)
 
     def close(self) -> None:
         """Flush the output queue, then stop both I/O threads."""
