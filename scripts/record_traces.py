@@ -86,6 +86,7 @@ class Recording:
     # LoRA adapters for the built-in model, made when recording (make_adapter) and served with --lora-modules
     adapters: tuple[str, ...] = ()
     router: list[str] | None = None  # with routed_ranks: `tinyserve router` with these flags in front, not nginx
+    disaggregated: bool = False  # a prefill server and a decode server behind `tinyserve router --prefill --decode`
 
 
 def zen_text(rng: random.Random, num_chars: int) -> str:
@@ -314,6 +315,29 @@ def spec_decode() -> Recording:
                      ["--speculative-config", json.dumps(SPECULATIVE_CONFIG, separators=(",", ":"))], workload)
 
 
+PD_FLAGS = ["--max-num-batched-tokens", "128", "--max-num-seqs", "16"]
+
+
+def pd_workload() -> list[Request]:
+    """Many decodes and long prompts beside them: 8 completions of short prompts asked for 64 tokens each within
+    0.1 s, then 6 prompts of ~400 tokens asked for 4 tokens, one every 0.1 s while those decode."""
+    rng = random.Random(17)
+    workload = [completion(0.0125 * i, zen_text(rng, 60), 64) for i in range(8)]
+    return workload + [completion(0.15 + 0.1 * i, zen_text(rng, 1600), 4) for i in range(6)]
+
+
+def pd_colocated() -> Recording:
+    return Recording("pd-colocated", "the disaggregation workload (8 decodes of 64 tokens, 6 prompts of ~400 tokens "
+                     "arriving among them) on two ordinary servers behind nginx (least_conn), each prefilling and "
+                     "decoding, 128-token step budget", PD_FLAGS, pd_workload(), routed_ranks=2)
+
+
+def pd_disaggregated() -> Recording:
+    return Recording("pd-disaggregated", "the same workload on a prefill server and a decode server (--kv-transfer-"
+                     "config kv_producer and kv_consumer) behind `tinyserve router --prefill --decode`; the decode "
+                     "server's run", PD_FLAGS, pd_workload(), disaggregated=True)
+
+
 def make_adapter(folder: Path, seed: int) -> Path:
     """A rank-8 LoRA adapter of the built-in model on every projection, made by PEFT (random A and B from `seed`;
     PEFT starts B at zero, which would change nothing), saved in PEFT's format into `folder`."""
@@ -338,7 +362,7 @@ def make_adapter(folder: Path, seed: int) -> Path:
 RECORDINGS = {r.name: r for r in (lifecycle(), mixed(), kv_tight(), kv_roomy(), kv_no_prefix_cache(), load(5), load(25),
                                   load(75), load_dp(), load_api2(), load_tp(), multi_node(), external_lb(), cases(), node_lost(),
                                   pooling(), lora(), spec_decode(), routed_by("prefix-aware"),
-                                  routed_by("round-robin"))}
+                                  routed_by("round-robin"), pd_colocated(), pd_disaggregated())}
 
 
 # ---- the server and the client ------------------------------------------------------------
@@ -465,7 +489,7 @@ def record(name: str, out_dir: str | Path) -> Path:
                     for seed, name in enumerate(recording.adapters, start=1)]
         flags = [*recording.flags, *(["--lora-modules", *adapters] if adapters else [])]
         with deployment(Path(scratch), flags, recording.headless_flags, recording.routed_ranks,
-                        recording.router) as (url, kill_node):
+                        recording.router, recording.disaggregated) as (url, kill_node):
             warm_up_ids = warm_up(url, engines=max(recording.routed_ranks, engine_count(recording.flags)),
                                   pooling="pooling" in recording.flags)
             if recording.single_chat is not None:
@@ -493,6 +517,11 @@ def record(name: str, out_dir: str | Path) -> Path:
         command = [part for rank in range(recording.routed_ranks) for part in
                    (*command, "--data-parallel-size", str(recording.routed_ranks), "--data-parallel-rank", str(rank),
                     "&")] + front
+    if recording.disaggregated:
+        command = [part for role in ("kv_producer", "kv_consumer") for part in
+                   (*command, "--kv-transfer-config", f"'{{\"kv_role\": \"{role}\"}}'", "--port", str(8001 + (role == "kv_consumer")), "&")]
+        command += ["tinyserve", "router", "--prefill", "http://127.0.0.1:8001", "--decode", "http://127.0.0.1:8002",
+                    "# the decode server's run"]
     if recording.headless_flags is not None:
         command += ["&", *env, f"OTEL_RESOURCE_ATTRIBUTES=host.name={NODE_HOST}", "tinyserve", "serve", "--headless",
                     "--trace", "--trace-dir", "traces", *recording.headless_flags]

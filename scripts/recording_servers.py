@@ -7,6 +7,9 @@
                         and nginx (least_conn) in front                   → every rank's folder, merged
     ranks behind the    the same ranks, and `tinyserve router --trace ROUTER_FLAGS` in front
       router                                                              → the router's and the ranks' folders, merged
+    prefill + decode    tinyserve serve --trace FLAGS --kv-transfer-config kv_producer, and
+                        the same with kv_consumer, `tinyserve router --prefill --decode` in
+                        front                                             → the decode server's folder
 
 Every process traces into a folder of its own under the scratch directory; `run_folder`
 turns what they wrote into the one run folder the notebooks load. Each is stopped with
@@ -15,6 +18,7 @@ SIGTERM, so that it drains and flushes its spans; a headless node stops when its
 
 import concurrent.futures
 import contextlib
+import json
 import os
 import signal
 import shutil
@@ -61,12 +65,13 @@ def stop_server(server: ServerProcess) -> None:
 
 @contextlib.contextmanager
 def deployment(scratch: Path, flags: list[str], headless_flags: list[str] | None = None, routed_ranks: int = 0,
-               router: list[str] | None = None):
+               router: list[str] | None = None, disaggregated: bool = False):
     """Yield (the URL to send the workload to, a function that kills the headless node, or None), with every
     process tracing under scratch/; stop them all after (a node killed on purpose is not waited for).
-    router: the ranks are behind `tinyserve router` with these flags instead of nginx."""
-    if routed_ranks:
-        with routed(scratch, flags, routed_ranks, router) as url:
+    router: the ranks are behind `tinyserve router` with these flags instead of nginx.
+    disaggregated: a prefill server and a decode server behind `tinyserve router --prefill --decode`."""
+    if routed_ranks or disaggregated:
+        with (routed(scratch, flags, routed_ranks, router) if routed_ranks else prefill_decode(scratch, flags)) as url:
             yield url, None
         return
     node = None
@@ -127,10 +132,33 @@ def routed(scratch: Path, flags: list[str], num_ranks: int, router: list[str] | 
             stop_server(server)
 
 
+PD_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+@contextlib.contextmanager
+def prefill_decode(scratch: Path, flags: list[str]):
+    """A prefill server and a decode server (--kv-transfer-config), tracing into scratch/prefill and
+    scratch/decode, and `tinyserve router --prefill URL --decode URL` in front (disaggregated prefill)."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        servers = list(pool.map(lambda role: start_server(scratch / role, [
+            *flags, "--kv-transfer-config", json.dumps({"kv_role": PD_ROLES[role]})]), PD_ROLES))
+    try:
+        router = RouterProcess([], "--prefill", servers[0].url, "--decode", servers[1].url)
+        try:
+            yield router.url
+        finally:
+            router.stop()
+    finally:
+        for server in servers:
+            stop_server(server)
+
+
 def run_folder(scratch: Path) -> Path:
     """The recording's one run folder: the server's, or those of a head and its node (or of every rank) merged."""
     from tinyserve.lifecycle.merge import merge_runs
 
+    if (scratch / "decode").exists():  # disaggregated: the decode server's run holds every request's tokens
+        return next((scratch / "decode").iterdir())
     folders = [*sorted(scratch.glob("router/*")), *sorted(scratch.glob("rank-*/*"))] or \
         [*(scratch / "traces").iterdir(), *(scratch / "node").glob("*")]
     return folders[0] if len(folders) == 1 else merge_runs(folders, scratch / "merged")

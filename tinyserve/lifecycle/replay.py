@@ -82,6 +82,14 @@ def why_not_reproducible(request: RequestTimeline) -> str | None:
     return None
 
 
+def _local(params: dict) -> dict:
+    """A request's sampling params to run here: without kv_transfer_params (disaggregated prefill), whose K/V
+    came from another engine; computed here instead, they give the same tokens."""
+    extra_args = {k: v for k, v in (params.get("extra_args") or {}).items() if k != "kv_transfer_params"}
+    local = {k: v for k, v in params.items() if k != "extra_args"}
+    return {**local, "extra_args": extra_args} if extra_args else local
+
+
 def first_divergence(expected: list[list[int]], got: list[list[int]]) -> Divergence | None:
     """Where two sets of completions (token ids, by completion index) first differ, or None."""
     for index in range(max(len(expected), len(got))):
@@ -101,7 +109,7 @@ def replay_request(request: RequestTimeline, llm) -> ReplayResult:
     if reason is not None:
         return ReplayResult(request.request_id, matched=False, skipped_reason=reason)
     try:
-        [output] = llm.generate([_prompt(request)], request.inputs.sampling_params, use_tqdm=False,
+        [output] = llm.generate([_prompt(request)], _local(request.inputs.sampling_params), use_tqdm=False,
                                 lora_request=[request.inputs.lora_request])
     except ValueError as error:  # this engine cannot serve it: another model, a smaller context
         return ReplayResult(request.request_id, matched=False, skipped_reason=f"the engine rejected it: {error}")
@@ -118,7 +126,7 @@ def replay_run(run: Run, llm, request_ids: list[str] | None = None) -> list[Repl
     requests = run.requests if request_ids is None else [run.request(request_id) for request_id in request_ids]
     runnable = [request for request in requests if why_not_reproducible(request) is None]
     try:
-        outputs = llm.generate([_prompt(r) for r in runnable], [r.inputs.sampling_params for r in runnable],
+        outputs = llm.generate([_prompt(r) for r in runnable], [_local(r.inputs.sampling_params) for r in runnable],
                                use_tqdm=False, lora_request=[r.inputs.lora_request for r in runnable]) if runnable else []
     except ValueError:
         return [replay_request(request, llm) for request in requests]
