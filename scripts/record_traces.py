@@ -87,6 +87,7 @@ class Recording:
     adapters: tuple[str, ...] = ()
     router: list[str] | None = None  # with routed_ranks: `tinyserve router` with these flags in front, not nginx
     disaggregated: bool = False  # a prefill server and a decode server behind `tinyserve router --prefill --decode`
+    warm_up_chars: int = 0  # > 0: the warm-up requests' prompts are this long, so long prefills run warm too
 
 
 def zen_text(rng: random.Random, num_chars: int) -> str:
@@ -329,13 +330,14 @@ def pd_workload() -> list[Request]:
 def pd_colocated() -> Recording:
     return Recording("pd-colocated", "the disaggregation workload (8 decodes of 64 tokens, 6 prompts of ~400 tokens "
                      "arriving among them) on two ordinary servers behind nginx (least_conn), each prefilling and "
-                     "decoding, 128-token step budget", PD_FLAGS, pd_workload(), routed_ranks=2)
+                     "decoding, 128-token step budget", PD_FLAGS, pd_workload(), routed_ranks=2,
+                     warm_up_chars=1600)
 
 
 def pd_disaggregated() -> Recording:
     return Recording("pd-disaggregated", "the same workload on a prefill server and a decode server (--kv-transfer-"
                      "config kv_producer and kv_consumer) behind `tinyserve router --prefill --decode`; the decode "
-                     "server's run", PD_FLAGS, pd_workload(), disaggregated=True)
+                     "server's run, and the prefill server's in its prefill/ folder", PD_FLAGS, pd_workload(), disaggregated=True, warm_up_chars=1600)
 
 
 def make_adapter(folder: Path, seed: int) -> Path:
@@ -422,12 +424,12 @@ def model_fingerprint() -> str:
     return default_model.model_fingerprint(default_model.default_model_path())
 
 
-def warm_up(url: str, engines: int = 1, pooling: bool = False) -> list[str]:
+def warm_up(url: str, engines: int = 1, pooling: bool = False, prompt: str = "Warm up.") -> list[str]:
     """One tiny request per engine before the workload, sent together (the load balancer gives
     each engine one): the first forward pass of a fresh engine pays for allocating and tuning
     its kernels (~0.4 s on a CPU), which is no part of what the notebooks show. Returns their
     response ids, so drop_requests can take them out of the run."""
-    body, path = {"model": MODEL, "prompt": "Warm up.", "max_tokens": 2, "temperature": 0.0}, "/v1/completions"
+    body, path = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0.0}, "/v1/completions"
     if pooling:  # a pooling server (--runner pooling) computes embeddings only
         body, path = {"model": MODEL, "input": "Warm up."}, "/v1/embeddings"
 
@@ -478,6 +480,16 @@ def drop_requests(run_dir: Path, response_ids: set[str]) -> None:
         path.write_text("".join(line + "\n" for line in lines))
 
 
+def keep_prefill_run(scratch: Path, run_dir: Path, warm_up_prompt: str) -> None:
+    """A disaggregated run's prefill server's own run, in its prefill/ folder (a run of its own: its requests
+    are the decode server's again), the warm-up taken out as from the decode server's."""
+    from tinyserve.lifecycle import load_run
+
+    prefill = next((scratch / "prefill").iterdir())
+    drop_requests(prefill, {r.request_id for r in load_run(prefill).requests if r.inputs.prompt == warm_up_prompt})
+    shutil.move(str(prefill), run_dir / "prefill")
+
+
 def record(name: str, out_dir: str | Path) -> Path:
     """Record one run of RECORDINGS into <out_dir>/recorded-<name>/ (replacing it) and return that folder."""
     if name not in RECORDINGS:
@@ -490,8 +502,9 @@ def record(name: str, out_dir: str | Path) -> Path:
         flags = [*recording.flags, *(["--lora-modules", *adapters] if adapters else [])]
         with deployment(Path(scratch), flags, recording.headless_flags, recording.routed_ranks,
                         recording.router, recording.disaggregated) as (url, kill_node):
+            long_prompt = zen_text(random.Random(0), recording.warm_up_chars) if recording.warm_up_chars else "Warm up."
             warm_up_ids = warm_up(url, engines=max(recording.routed_ranks, engine_count(recording.flags)),
-                                  pooling="pooling" in recording.flags)
+                                  pooling="pooling" in recording.flags, prompt=long_prompt)
             if recording.single_chat is not None:
                 chat_once(url, recording.single_chat)
             elif recording.kill_node_at_s is not None:
@@ -500,6 +513,8 @@ def record(name: str, out_dir: str | Path) -> Path:
                 run_workload(url, recording.workload)
         run_dir = run_folder(Path(scratch))
         drop_requests(run_dir, {i for warm_up_id in warm_up_ids for i in (warm_up_id, f"{warm_up_id}-0")})
+        if recording.disaggregated:
+            keep_prefill_run(Path(scratch), run_dir, long_prompt)
         if target.exists():
             shutil.rmtree(target)
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -90,6 +90,7 @@ class MooncakeTransport:
                     local.append(cache.data_ptr() + (half * num_blocks + mine) * size)
                     remote.append(remote_base + (half * reply.num_blocks + theirs) * size)
                     lengths.append(size)
+        local, remote, lengths = merge_runs(local, remote, lengths)
         status = self.engine.batch_transfer_sync_read(reply.mooncake_session, local, remote, lengths)
         if status != 0:
             raise KVTransferError(f"Mooncake's read from {reply.mooncake_session} failed (status {status})")
@@ -102,6 +103,18 @@ class MooncakeTransport:
     def close(self) -> None:
         for cache in self.kv_caches:
             self.engine.unregister_memory(cache.data_ptr())
+
+
+def merge_runs(local: list[int], remote: list[int], lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Regions that follow each other on both sides become one: consecutive blocks are one read, not several."""
+    merged = ([], [], [])
+    for mine, theirs, length in zip(local, remote, lengths):
+        if merged[0] and merged[0][-1] + merged[2][-1] == mine and merged[1][-1] + merged[2][-1] == theirs:
+            merged[2][-1] += length
+        else:
+            for values, value in zip(merged, (mine, theirs, length)):
+                values.append(value)
+    return merged
 
 
 TRANSPORTS = {transport.name: transport for transport in (MooncakeTransport, ZmqTransport)}
