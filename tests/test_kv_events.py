@@ -139,3 +139,41 @@ def test_an_offline_llm_publishes_its_events_on_its_topic_and_a_reset_clears_the
     finally:
         llm.shutdown()
         sub.close(linger=0)
+
+
+def test_the_replay_socket_resends_the_batches_a_subscriber_missed_then_the_end_marker():
+    """vLLM's replay protocol on its ROUTER socket: a client sends the first sequence it wants (8 bytes, big-endian)
+    and gets each kept batch from there as [sequence, payload], then [-1, b""]. One request, several replies: the
+    client is a DEALER (a REQ socket keeps only the first reply), framing as a REQ would, with an empty delimiter."""
+    import zmq
+
+    from tinyserve.kv_events.publisher import ZmqEventPublisher
+    from tinyserve.testing import free_port
+
+    pub_port, replay_port = free_port(), free_port()
+    publisher = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                 endpoint=f"tcp://*:{pub_port}",
+                                                 replay_endpoint=f"tcp://*:{replay_port}"))
+    replay = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        for n in range(3):
+            publisher.publish(KVEventBatch(float(n), [BlockRemoved([n], "CPU")]))
+        replay.connect(f"tcp://127.0.0.1:{replay_port}")
+        got = []
+        for _ in range(50):  # until the publisher's thread has sent (and kept) all three
+            replay.send_multipart([b"", (1).to_bytes(8, "big")])
+            got = []
+            while True:
+                assert replay.poll(5000)
+                empty, sequence, payload = replay.recv_multipart()
+                assert empty == b""
+                if not payload:
+                    assert int.from_bytes(sequence, "big", signed=True) == -1
+                    break
+                got.append((int.from_bytes(sequence, "big"), msgspec.msgpack.decode(payload, type=KVEventBatch)))
+            if len(got) == 2:
+                break
+        assert [(seq, batch.events[0].block_hashes) for seq, batch in got] == [(1, [1]), (2, [2])]
+    finally:
+        replay.close(linger=0)
+        publisher.shutdown()
