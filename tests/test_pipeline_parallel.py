@@ -153,14 +153,22 @@ def test_more_stages_than_layers_is_refused_before_any_process_starts():
 
 
 @pytest.mark.slow
-def test_two_stages_of_two_tensor_parallel_ranks_give_transformers_greedy_tokens():
+def test_two_stages_of_two_tensor_parallel_ranks_give_transformers_greedy_tokens_and_trace_each_stage(tmp_path):
+    from tinyserve.lifecycle import load_run
+    from tinyserve.lifecycle.tracing import shutdown_tracing
+
     folder = tiny_model_with_tokenizer("llama", num_hidden_layers=3)
     prompts = prompts_for(384)[:2]
-    llm = LLM(str(folder), pipeline_parallel_size=2, tensor_parallel_size=2, num_kv_blocks=64,
-              max_num_batched_tokens=16)
     try:
+        # 5 tokens a batch: the first prompt (5 tokens) fills one, so the second goes in the next, in flight with it
+        llm = LLM(str(folder), pipeline_parallel_size=2, tensor_parallel_size=2, num_kv_blocks=64,
+                  max_num_batched_tokens=5, trace_dir=str(tmp_path))
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        llm.llm_engine.flush_spans()
+    finally:
+        shutdown_tracing()
+    try:
         assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(folder, p) for p in prompts]
         core = llm.engine_core
         assert len(core.tp_workers.processes) == 3  # stage 0's second rank, and stage 1's two
@@ -171,6 +179,15 @@ def test_two_stages_of_two_tensor_parallel_ranks_give_transformers_greedy_tokens
     finally:
         llm.shutdown()
     assert all(process.exitcode is not None for process in processes)  # no rank left behind
+    [run_dir] = list(tmp_path.iterdir())
+    steps = [step for step in load_run(run_dir).steps if step.request_ids]
+    for step in steps:  # one execute per rank of each stage; stage 1 begins by waiting for stage 0's stream
+        assert [(r["stage"], r["rank"]) for r in step.ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert all(0 <= r["recv_wait_s"] <= r["execute_s"] for r in step.ranks)
+        assert all(r["recv_wait_s"] == 0 for r in step.ranks[:2])  # stage 0 embeds: it waits for nobody
+        assert all(r["all_reduce_s"] > 0 for r in step.ranks)
+    # Two batches in flight: a step (scheduled → its batch back) begins before the one before it ends.
+    assert any(later.start_ns < earlier.end_ns for earlier, later in zip(steps, steps[1:]))
 
 
 def test_serve_help_shows_the_flag_and_a_bad_value_is_an_error_naming_it(capsys):
