@@ -192,6 +192,12 @@ def load_tp() -> Recording:
                      load_workload(25))
 
 
+def pipeline() -> Recording:
+    return Recording("pp2", "the load-25rps workload on one engine whose 4 layers are split into two pipeline stages "
+                     "(--pipeline-parallel-size 2), two batches in flight, 4 seats", [*LOAD_FLAGS,
+                     "--pipeline-parallel-size", "2"], load_workload(25))
+
+
 MULTI_NODE = ["--data-parallel-size", "2", "--data-parallel-size-local", "1"]  # on the default address and port
 
 
@@ -364,7 +370,8 @@ def make_adapter(folder: Path, seed: int) -> Path:
 RECORDINGS = {r.name: r for r in (lifecycle(), mixed(), kv_tight(), kv_roomy(), kv_no_prefix_cache(), load(5), load(25),
                                   load(75), load_dp(), load_api2(), load_tp(), multi_node(), external_lb(), cases(), node_lost(),
                                   pooling(), lora(), spec_decode(), routed_by("prefix-aware"),
-                                  routed_by("round-robin"), pd_colocated(), pd_disaggregated())}
+                                  routed_by("round-robin"), pd_colocated(), pd_disaggregated(),
+                                  pipeline())}
 
 
 # ---- the server and the client ------------------------------------------------------------
