@@ -1,4 +1,4 @@
-"""One model served four ways on this machine: one engine, DP=2, TP=2, and DP=2 over a headless node.
+"""One model served five ways on this machine: one engine, DP=2, TP=2, PP=2, and DP=2 over a headless node.
 
     .venv/bin/python benchmarks/scale_out.py [--rounds 3] [--num-prompts 64]
 
@@ -48,6 +48,7 @@ def contenders(port: int) -> dict[str, tuple[list[str], list[str] | None]]:
         "1 engine": ([], None),
         "DP=2 (two engines)": (["--data-parallel-size", "2"], None),
         "TP=2 (one engine, two ranks)": (["--tensor-parallel-size", "2"], None),
+        "PP=2 (one engine, two stages)": (["--pipeline-parallel-size", "2"], None),
         "DP=2, rank 1 on a headless node": (multi, [*multi, "--data-parallel-start-rank", "1"]),
     }
 
@@ -90,6 +91,8 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--contenders", nargs="+", metavar="NAME", help="only these (default: all); "
+                        "'1 engine' is always measured, as the baseline")
     parser.add_argument("--quick", action="store_true", help="a tiny model and workload: checks the script, measures nothing")
     args = parser.parse_args()
     if args.quick:
@@ -101,6 +104,8 @@ def main() -> int:
         results: dict[str, list[float]] = {}
         for round_number in range(args.rounds):
             for name, (flags, headless) in contenders(free_port()).items():
+                if args.contenders and name != "1 engine" and not any(n in name for n in args.contenders):
+                    continue
                 value = measure(model, flags, headless, args)
                 results.setdefault(name, []).append(value)
                 print(f"round {round_number + 1}: {name:<34} {value:8.1f} output tok/s", flush=True)

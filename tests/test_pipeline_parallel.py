@@ -59,7 +59,7 @@ class InMemoryLink:
         pass
 
 
-def pipeline_greedy(folder, num_stages: int, prompts: list[list[int]]) -> list[list[int]]:
+def pipeline_greedy(folder, num_stages: int, prompts: list[list[int]], num_blocks: int = 64):
     """Greedy tokens of `folder` split over num_stages stage runners in this process, num_stages batches in
     flight: each batch runs on stage 0 when scheduled and on the later stages when it retires, in order."""
     from tinyserve.kernels.backend import default_attention_backend, get_attention_backend
@@ -76,9 +76,9 @@ def pipeline_greedy(folder, num_stages: int, prompts: list[list[int]]) -> list[l
         stage = PipelineStage.of(rank, num_stages, layers)
         model, _ = load_model(folder, torch.float32, device, backend, pp=stage)
         link = InMemoryLink(boxes[rank - 1] if rank else None, boxes[rank] if rank < num_stages - 1 else None)
-        runners.append(PipelineStageRunner(model, link=link, num_blocks=64, block_size=16, dtype=torch.float32,
-                                           device=device))
-    scheduler = PipelineScheduler(KVCacheManager(64, 16, True), max_num_batched_tokens=5, max_num_seqs=8,
+        runners.append(PipelineStageRunner(model, link=link, num_blocks=num_blocks, block_size=16,
+                                           dtype=torch.float32, device=device))
+    scheduler = PipelineScheduler(KVCacheManager(num_blocks, 16, True), max_num_batched_tokens=5, max_num_seqs=8,
                                   max_model_len=info.max_model_len)
     for i, prompt in enumerate(prompts):
         scheduler.add_request(Request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
@@ -100,7 +100,8 @@ def pipeline_greedy(folder, num_stages: int, prompts: list[list[int]]) -> list[l
             for engine_output in scheduler.update_from_output(retiring, output):
                 tokens[engine_output.request_id] += engine_output.new_token_ids
     assert most_in_flight == num_stages  # a batch on every stage at once (5 tokens a batch: one request each)
-    assert scheduler.kv.pool.num_free_blocks == 64 and not scheduler.in_flight
+    assert scheduler.kv.pool.num_free_blocks == num_blocks and not scheduler.in_flight
+    pipeline_greedy.num_preemptions = scheduler.num_preemptions
     return [tokens[str(i)] for i in range(len(prompts))]
 
 
@@ -114,6 +115,15 @@ def test_every_family_split_into_stages_gives_transformers_greedy_tokens(family,
     folder = tiny_checkpoint(family, tie_word_embeddings=tied, num_hidden_layers=num_layers)
     prompts = prompts_for(384)
     assert pipeline_greedy(folder, num_stages, prompts) == [hf_greedy(folder, p) for p in prompts]
+
+
+def test_requests_preempted_while_their_batch_is_in_flight_still_get_transformers_tokens():
+    """5 blocks of 16 for two requests that need 7 at their longest: the pool runs out, running requests
+    (some in flight, whose batch's token is then dropped) are preempted and recomputed."""
+    folder = tiny_checkpoint("llama", num_hidden_layers=3)
+    prompts = prompts_for(384)[1:]
+    assert pipeline_greedy(folder, 2, prompts, num_blocks=5) == [hf_greedy(folder, p) for p in prompts]
+    assert pipeline_greedy.num_preemptions > 0
 
 
 def test_a_stage_holds_only_its_own_weights():
