@@ -60,7 +60,11 @@ class CpuAttentionBackend:
     name = "cpu"
 
     def __init__(self) -> None:
+        threads = torch.get_num_threads()
         cpu_elementwise.warm_up()  # the model's fused steps (llama.py takes them with this backend)
+        # Their first run launches numba's threading layer, which sets the process's OpenMP thread count
+        # to all the cores: torch's own count (a tensor- or pipeline-parallel rank's share) is put back.
+        torch.set_num_threads(threads)
         self.reference = TorchAttentionBackend()
         self._plan: CpuStepPlan | None = None
         self._plan_for: AttentionMetadata | None = None  # the step it was made for (held: its id stays its own)

@@ -172,9 +172,12 @@ def why_unusable() -> str | None:
     numba's OpenMP layer needs the system's libgomp (its TBB layer, the tbb package):
     a slim container may have neither.
     """
+    threads = torch.get_num_threads()
     try:
         cache = torch.zeros(2, 1, 16, 1, 8)
         paged_decode_attention(torch.zeros(1, 1, 8), cache, np.zeros((1, 1), np.int32), np.ones(1, np.int32), 1.0)
     except Exception as error:  # noqa: BLE001 - any failure means: use the reference instead
         return f"{type(error).__name__}: {error}"
+    finally:  # starting numba's OpenMP layer sets the process's thread count to all the cores: torch's goes back
+        torch.set_num_threads(threads)
     return None
