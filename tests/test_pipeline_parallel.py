@@ -149,6 +149,8 @@ def test_a_stage_holds_only_its_own_weights():
     ({"pipeline_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
      r"not supported with speculative_config \(--speculative-config\)"),
     ({"pipeline_parallel_size": 2, "runner": "pooling"}, r"not supported with runner='pooling'"),
+    ({"pipeline_parallel_size": 2, "kv_transfer_config": {"kv_connector": "ZmqConnector", "kv_role": "kv_producer"}},
+     r"not supported with kv_transfer_config \(--kv-transfer-config\)"),
 ])
 def test_what_pipeline_parallelism_refuses_is_named(kwargs, message):
     with pytest.raises(ValueError, match=message):

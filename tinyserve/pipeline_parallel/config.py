@@ -11,6 +11,7 @@ def check_pipeline_args(args) -> None:
     refused = [("enable_lora (--enable-lora)", args.enable_lora),
                ("speculative_config (--speculative-config)", args.speculative_config is not None),
                ("runner='pooling' (--runner pooling)", args.runner == "pooling" or args.convert == "embed"),
+               ("kv_transfer_config (--kv-transfer-config)", args.kv_transfer_config is not None),
                ("force_tensor_parallel", args.force_tensor_parallel)]
     for name, given in refused:
         if given:
