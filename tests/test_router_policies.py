@@ -72,3 +72,15 @@ def test_prefix_aware_follows_the_events_and_remembers_what_it_sent_until_they_a
     assert header_only.backend.index == 1 - other and header_only.attributes[schema.ROUTER_CACHED_BLOCKS] == 0
     index.apply(other, KVEventBatch(0.0, [AllBlocksCleared()]))
     assert index.held[other] == set()
+
+
+def test_the_block_size_is_read_from_a_servers_metrics_as_it_writes_them():
+    from tinyserve.config import EngineArgs
+    from tinyserve.entrypoints.api.metrics import ServerMetrics
+    from tinyserve.router.prefix_aware import block_size_in_metrics
+
+    for prefix in ("vllm", "tinyserve"):
+        metrics = ServerMetrics("tiny", [0], 4096, prefix=prefix)
+        assert block_size_in_metrics(metrics.render().decode()) is None  # before the engines reported their pools
+        metrics.record_cache_config(EngineArgs(block_size=32), [100])
+        assert block_size_in_metrics(metrics.render().decode()) == 32

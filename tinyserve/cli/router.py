@@ -47,8 +47,9 @@ def add_parser(commands) -> None:
                         help="the backends' model (folder or name), whose tokenizer and chat template turn a "
                              "request into the tokens the backends will cache (default: the built-in model, "
                              "which `tinyserve serve` serves without one)")
-    prefix.add_argument("--block-size", type=int, default=16,
-                        help="the backends' KV block size, in tokens (default %(default)s, the engine's)")
+    prefix.add_argument("--block-size", type=int, default=None,
+                        help="the backends' KV block size, in tokens (default: what the backends report on /metrics, "
+                             "vLLM's cache_config_info; 16, the engine's default, if none does)")
     tracing = parser.add_argument_group("tracing")
     tracing.add_argument("--trace", action="store_true",
                          help="write the router's spans to router.jsonl in a run folder under --trace-dir")
@@ -72,7 +73,7 @@ def check_router_flags(args: argparse.Namespace) -> str | None:
         return "--backend lists the same URL twice"
     if not 0 <= args.port <= 65535:
         return f"--port must be in [0, 65535], got {args.port}"
-    if args.block_size < 1:
+    if args.block_size is not None and args.block_size < 1:
         return f"--block-size must be at least 1, got {args.block_size}"
     if args.policy == "prefix-aware" and not args.kv_events:
         return "--policy prefix-aware needs --kv-events, one endpoint per --backend"

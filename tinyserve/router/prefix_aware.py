@@ -15,7 +15,11 @@ blocks were evicted before the events said so).
 """
 
 import asyncio
+import logging
+import re
 import time
+
+import httpx
 
 from tinyserve.lifecycle import schema
 from tinyserve.router.backends import Backend
@@ -25,12 +29,18 @@ from tinyserve.router.prefix_hashes import PromptHasher
 
 PENDING_S = 30.0
 MIN_MATCH_SHARE = 0.5
+DEFAULT_BLOCK_SIZE = 16  # the engine's default, when no backend says otherwise
+# vLLM's cache_config_info gauge on /metrics (any prefix: vllm:, tinyserve:), whose labels hold the block size
+_CACHE_CONFIG = re.compile(r'^\w+:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
+
+logger = logging.getLogger("tinyserve.router")
 
 
 class PrefixAware:
     name = "prefix-aware"
 
     def __init__(self, backends: list[Backend], index: KVIndex, hasher: PromptHasher) -> None:
+        self.backends = backends
         self.index = index
         self.hasher = hasher
         self.pending: list[dict[int, float]] = [{} for _ in backends]  # per backend: hash → when it expires
@@ -42,6 +52,8 @@ class PrefixAware:
 
     async def start(self) -> None:
         await self.index.start()
+        if self.hasher.block_size is None:  # no --block-size: the backends say theirs
+            self.hasher.block_size = await backends_block_size([b.url for b in self.backends])
 
     async def stop(self) -> None:
         await self.index.stop()
@@ -89,3 +101,29 @@ class PrefixAware:
             now = time.monotonic()
             for block_hash in [h for h, expires in pending.items() if expires <= now]:
                 del pending[block_hash]
+
+
+def block_size_in_metrics(text: str) -> int | None:
+    """The block size a server's /metrics reports (vLLM's cache_config_info), or None."""
+    match = _CACHE_CONFIG.search(text)
+    return int(match.group(1)) if match else None
+
+
+async def backends_block_size(urls: list[str]) -> int:
+    """The KV block size the backends report on /metrics; DEFAULT_BLOCK_SIZE, with a warning, if none does."""
+    sizes = {}
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        for url in urls:
+            try:
+                sizes[url] = block_size_in_metrics((await client.get(f"{url}/metrics")).text)
+            except httpx.HTTPError:
+                sizes[url] = None
+    known = {size for size in sizes.values() if size is not None}
+    if len(known) > 1:
+        logger.warning("the backends' KV block sizes differ (%s): prefix hashes use the first's; pass --block-size",
+                       sizes)
+    if not known:
+        logger.warning("no backend reported its KV block size on /metrics: %d assumed (--block-size sets it)",
+                       DEFAULT_BLOCK_SIZE)
+        return DEFAULT_BLOCK_SIZE
+    return next(size for size in sizes.values() if size is not None)

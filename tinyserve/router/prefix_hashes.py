@@ -16,8 +16,9 @@ _MAX_PROMPT_CHARS = 1 << 20  # a bigger prompt is not hashed (the backend will r
 
 
 class PromptHasher:
-    def __init__(self, model: str, block_size: int) -> None:
-        """model: the backends' model folder or name, for its tokenizer and chat template."""
+    def __init__(self, model: str, block_size: int | None) -> None:
+        """model: the backends' model folder or name, for its tokenizer and chat template.
+        block_size: the backends' KV block size (None: set later, from what the backends report)."""
         from tinyserve.config import EngineArgs, ModelInfo
         from tinyserve.frontend.render import Renderer
         from tinyserve.models.tokenizer import load_tokenizer
