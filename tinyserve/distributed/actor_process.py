@@ -85,5 +85,8 @@ def died_detail(error: Exception) -> str:
     text = str(error)
     for marker in ("Worker exit detail: ", "The actor died because "):
         if marker in text:
-            return text.split(marker, 1)[1].split("\n", 1)[0].strip()[:300]
+            detail = text.split(marker, 1)[1].split("\n", 1)[0]
+            for advice in (" Some common causes", " There are some potential"):  # Ray's guesses, not facts
+                detail = detail.split(advice, 1)[0]
+            return detail.strip()[:300]
     return f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}"
