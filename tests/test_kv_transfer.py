@@ -3,8 +3,9 @@
 
 The decode engine's greedy tokens equal transformers' own; it computes one prompt token (the last,
 to sample from, as vLLM recomputes it) and receives the rest; a pull that cannot complete fails its
-request, named, and no KV block stays held on either side. tests/test_kv_transfer_server.py runs the
-same through `tinyserve serve` and the router's P/D mode.
+request, named, and no KV block stays held on either side. The scheduler side alone, with the worker's
+reports written by hand: WAITING_FOR_REMOTE_KVS, an abort mid-pull, a failed pull. tests/test_kv_transfer_server.py
+runs the same through `tinyserve serve` and the router's P/D mode.
 """
 
 import time
@@ -132,3 +133,63 @@ def test_the_routers_prefill_decode_flags_are_checked_naming_them(flags, message
 
     assert main(["router", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+# ---- the scheduler side alone: plain Python, the worker's reports written by hand -------------------------
+
+
+def consumer_scheduler(num_blocks: int = 16):
+    from tinyserve.distributed.kv_transfer.connector_scheduler import KVConnectorSchedulerSide
+    from tinyserve.distributed.kv_transfer.scheduler import KVConnectorScheduler
+    from tinyserve.engine.core.kv_cache_manager import KVCacheManager
+
+    config = KVTransferConfig.from_dict({"kv_connector": "ZmqConnector", "kv_role": "kv_both"})
+    return KVConnectorScheduler(KVCacheManager(num_blocks, BLOCK_SIZE), max_num_batched_tokens=64, max_num_seqs=4,
+                                max_model_len=128, connector=KVConnectorSchedulerSide(config, BLOCK_SIZE))
+
+
+def remote_request(request_id: str, prompt: list[int]):
+    from tinyserve.engine.core.request import Request
+
+    params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "p",
+              "remote_block_ids": list(range(-(-len(prompt) // BLOCK_SIZE))), "remote_num_tokens": len(prompt)}
+    return Request(request_id, prompt, greedy(8, params), eos_token_ids=[0], arrival_time=0.0)
+
+
+def reported(**fields):
+    from tinyserve.distributed.kv_transfer.metadata import KVConnectorOutput
+    from tinyserve.engine.worker.model_runner import ModelRunnerOutput
+
+    return ModelRunnerOutput({}, {}, kv_connector_output=KVConnectorOutput(**fields))
+
+
+def test_a_request_waits_for_its_kv_then_computes_only_its_last_prompt_token():
+    from tinyserve.engine.core.request import RequestStatus
+
+    scheduler, prompt = consumer_scheduler(), PROMPTS[1]
+    scheduler.add_request(request := remote_request("r", prompt))
+    out = scheduler.schedule()
+    [pull] = out.kv_connector_metadata.reqs_to_recv  # its blocks allocated, the pull asked for, nothing computed
+    assert out.is_empty and request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert len(pull.local_block_ids) == 4 and pull.remote_request_id == "p"
+    assert scheduler.schedule().is_empty  # still arriving: passed over
+    scheduler.update_from_output(scheduler.schedule(), reported(finished_recving=["r"]))
+    [scheduled] = scheduler.schedule().scheduled_new_requests
+    assert (scheduled.num_computed_tokens, scheduled.num_new_tokens) == (len(prompt) - 1, 1)
+    assert scheduled.block_ids == pull.local_block_ids
+
+
+def test_an_abort_while_the_kv_arrives_frees_the_blocks_only_once_the_pull_ends_and_a_failure_fails_by_name():
+    scheduler = consumer_scheduler()
+    scheduler.add_request(remote_request("a", PROMPTS[0]))
+    scheduler.add_request(remote_request("b", PROMPTS[1]))
+    scheduler.schedule()
+    used = scheduler.kv.pool.num_used_blocks
+    assert used == 3 + 4
+    scheduler.abort_requests(["a"])  # its pull may still be writing into its blocks
+    assert scheduler.kv.pool.num_used_blocks == used and "a" in scheduler.held
+    [failed] = scheduler.update_from_output(scheduler.schedule(), reported(
+        finished_recving=["a"], failed_recving={"b": "the KV transfer from 127.0.0.1:1 failed: it went away"}))
+    assert failed.request_id == "b" and failed.finish_reason == "abort" and failed.error_param == "kv_transfer_params"
+    assert "went away" in failed.error
+    assert scheduler.kv.pool.num_used_blocks == 0 and not scheduler.held and not scheduler.has_unfinished_requests
