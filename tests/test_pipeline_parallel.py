@@ -215,17 +215,21 @@ def test_serve_help_shows_the_flag_and_a_bad_value_is_an_error_naming_it(capsys)
 
 
 @pytest.mark.server
-def test_a_two_stage_server_gives_transformers_greedy_tokens_to_concurrent_requests_and_frees_its_blocks():
+def test_a_two_stage_server_gives_transformers_tokens_frees_its_blocks_and_goes_down_naming_a_silent_stage():
+    """... and goes down, naming the stage, when its last stage stops answering."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
+    import psutil
 
+    from tests.patience import patient
     from tests.server_checks import metric, wait_until
     from tinyserve.testing import ServerProcess
 
     folder = tiny_model_with_tokenizer("llama", num_hidden_layers=3)
     server = ServerProcess(str(folder), "--served-model-name", "tiny", "--pipeline-parallel-size", "2",
-                           "--num-kv-blocks", "64", "--max-num-batched-tokens", "16")
+                           "--num-kv-blocks", "64", "--max-num-batched-tokens", "16",
+                           "--tensor-parallel-watchdog-timeout", "3")
     try:
         prompts = prompts_for(384)
 
@@ -239,5 +243,12 @@ def test_a_two_stage_server_gives_transformers_greedy_tokens_to_concurrent_reque
             got = list(pool.map(token_ids, prompts))
         assert got == [hf_greedy(folder, p) for p in prompts]
         wait_until(lambda: metric(server.url, "kv_cache_usage_perc") == 0, 10, "every KV block is free")
+        engine = [c for c in psutil.Process(server.process.pid).children() if "engine" in c.name()][0]
+        [stage1] = [c for c in engine.children() if c.name().endswith("-pp1")]
+        stage1.suspend()  # SIGSTOP: alive and silent; after 3 s the engine kills the ranks and fails
+        assert httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4},
+                          timeout=patient(30)).status_code >= 500
+        assert server.process.wait(patient(10)) == 1
+        assert "pipeline-parallel rank 1 (stage 1, stopped) did not answer" in server.output()
     finally:
         server.stop()

@@ -39,6 +39,7 @@ from tinyserve.engine.core.scheduler_output import SchedulerOutput
 from tinyserve.engine.worker.model_runner import ModelRunnerOutput
 from tinyserve.engine.worker.tensor_parallel_workers import check_split
 from tinyserve.engine.worker.tp_group import RENDEZVOUS_TIMEOUT_S, GroupTimer, host_store, join_store
+from tinyserve.engine.worker.tp_watchdog import rank_state
 from tinyserve.lifecycle.engine_records import RankTimes
 from tinyserve.lifecycle.tracing import tracing_enabled
 from tinyserve.models.pipeline_parallel import PipelineStage
@@ -111,6 +112,7 @@ class PipelineParallelWorkers:
         self.size = self.placement.world_size
         self.stage = self.placement.stage
         self.traced = tracing_enabled()
+        self.watchdog_s = args.tensor_parallel_watchdog_s  # a batch not back by then: a rank is stopped or stuck
         host = "127.0.0.1"
         self._store = host_store(host, self.size)
         self._context = zmq.Context()
@@ -179,15 +181,31 @@ class PipelineParallelWorkers:
     def receive(self, step_id: int) -> tuple[ModelRunnerOutput, list[RankTimes]]:
         """The batch's output, and (when tracing) every other rank's clock of it, waiting for them."""
         needed = len(self.processes) if self.traced else 1  # every other rank's clock; one carries the output
+        started = time.monotonic()
         while len(arrived := self._arrived.setdefault(step_id, [])) < needed:
             if self._results.poll(int(POLL_S * 1000 * 20)):
                 result = self._decoder.decode(self._results.recv())
                 self._arrived.setdefault(result.step_id, []).append(result)
-            else:
-                self.check_alive()
+                continue
+            self.check_alive()
+            if self.watchdog_s and (waited := time.monotonic() - started) > self.watchdog_s:
+                raise self._not_answering(step_id, waited)
         del self._arrived[step_id]
         [output] = [r.output for r in arrived if r.output is not None]
         return output, [r.times for r in arrived if r.times is not None]
+
+    def _not_answering(self, step_id: int, waited_s: float) -> RuntimeError:
+        """A rank alive but silent (stopped, stuck) would hold the batch for ever: kill the ranks, name it."""
+        states = {rank: rank_state(process) for rank, process in enumerate(self.processes, start=1)}
+        silent = [f"rank {rank} (stage {rank // self.placement.tp_size}, {state})"
+                  for rank, state in states.items() if state != "running"]
+        for process in self.processes:
+            if process.exitcode is None:
+                process.kill()
+        who = ", ".join(silent) or "a rank (all still running)"
+        return RuntimeError(f"pipeline-parallel {who} did not answer: batch {step_id} was not back after "
+                            f"{waited_s:.0f} s (--tensor-parallel-watchdog-timeout {self.watchdog_s:g} s); "
+                            "the ranks were killed")
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         for socket in self._sockets:
