@@ -4,7 +4,7 @@
     model runner   KVConnectorModelRunner with its worker side (model_runner.py)
     engine         a request check: kv_transfer_params this engine's role can serve, well formed
     recorder       a prefill hook: the prompt tokens whose K/V arrived, on the consumer's prefill span
-                   (the KV transfer span itself comes from the transfer threads: spans.py)
+                   (the KV transfer span itself comes from the transfer threads: spans.py); a close hook
 
 EngineCore picks the classes while it builds the engine, as it does for --speculative-config; the
 step itself does not change.
@@ -43,3 +43,4 @@ def attach_kv_transfer(engine) -> None:
         return {} if received is None else {schema.KV_TRANSFER_NUM_RECEIVED_TOKENS: received}
 
     engine.recorder.prefill_hooks.append(prefill_attributes)
+    engine.recorder.close_hooks.append(worker.close)  # the side channel, the pulls, the transfer engine

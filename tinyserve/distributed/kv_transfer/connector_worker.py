@@ -20,6 +20,7 @@ blocks are freed on both sides: here when the failure is reported, there when th
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -113,11 +114,14 @@ class KVConnectorWorkerSide:
         return self._landed.is_set()
 
     def close(self) -> None:
+        """Stop the side channel; a pull still under way fails (its socket closes with the context). Once only."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._thread.join(timeout=5)
-        self._pulls.shutdown(wait=True, cancel_futures=True)
-        self.transport.close()
+        self._pulls.shutdown(wait=False, cancel_futures=True)
         self.context.term()
+        self.transport.close()
 
     # ---- producer: the side channel ---------------------------------------------------------------
 
@@ -242,7 +246,8 @@ class KVConnectorWorkerSide:
             socket.send(self.encoder.encode(PullDone(spec.remote_request_id)))
             return num_bytes
         finally:
-            socket.disable_monitor()
+            with contextlib.suppress(zmq.ZMQError):  # the context may be ending (close): the sockets close all the same
+                socket.disable_monitor()
             monitor.close(linger=0)
             socket.close(linger=1000)  # PullDone still leaves
 
