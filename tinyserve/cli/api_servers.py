@@ -30,7 +30,8 @@ What each process reports: /metrics, whichever process answers, sums every proce
 counters and histograms (prometheus-client's multiprocess mode, in PROMETHEUS_MULTIPROC_DIR,
 made here unless set; entrypoints/api/metrics.py). The ORCA headers read the engines'
 stats, which every process has. /load counts the generation requests in flight in the
-process that answers it (vLLM's too), and --max-waiting-requests bounds each process's own.
+process that answers it (vLLM's too). --max-waiting-requests is checked by each process on its
+own unfinished requests less every engine's running ones: looser, by the others' running ones.
 With --trace each process writes api-<i>.jsonl (service tinyserve-api-<i>) beside the
 engines' files, and load_run reads them all.
 
