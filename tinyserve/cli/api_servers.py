@@ -50,6 +50,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 
 logger = logging.getLogger("tinyserve.api_servers")
@@ -166,7 +167,8 @@ def _supervise(servers: list, engines, args: argparse.Namespace) -> int:
         if stopping and deadline is None:
             deadline = time.monotonic() + args.shutdown_timeout + _STOP_GRACE_S
         if deadline is not None and time.monotonic() > deadline:
-            logger.error("API processes still running %.0f s after the stop: killed", time.monotonic() - deadline)
+            logger.error("API processes still running %.0f s after the stop: killed",
+                         args.shutdown_timeout + _STOP_GRACE_S)
             break
         sentinels = [p.sentinel for p in [*servers, *engines.processes] if p.exitcode is None]
         select.select(sentinels, [], [], _POLL_S)
@@ -185,6 +187,7 @@ def run_api_server(args: argparse.Namespace, listener_fd: int, engine_args, run_
     from tinyserve.lifecycle.tracing import setup_tracing
 
     setproctitle.setproctitle(f"tinyserve-api-{index}")
+    threading.Thread(target=_stop_with_parent, args=(os.getppid(),), name="parent-watchdog", daemon=True).start()
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s api-{index} %(name)s: %(message)s")
     listener = socket.socket(fileno=listener_fd)
     if run_dir is not None or args.otlp_endpoint is not None:
@@ -196,3 +199,12 @@ def run_api_server(args: argparse.Namespace, listener_fd: int, engine_args, run_
     client.launch()
     names = args.served_model_name or [served_model_name]
     sys.exit(serve_api(args, listener, names, engine_args, client, run_dir, api_server_index=index))
+
+
+def _stop_with_parent(parent_pid: int) -> None:
+    """An API process whose main process is gone (killed outright) drains and exits, as on SIGTERM:
+    nobody else would stop it, and it would hold the port."""
+    while os.getppid() == parent_pid:
+        time.sleep(_POLL_S)
+    logger.error("the server's main process %d is gone: stopping", parent_pid)
+    os.kill(os.getpid(), signal.SIGTERM)
