@@ -184,7 +184,7 @@ def test_a_request_for_a_rank_whose_connection_is_gone_goes_to_a_live_one_before
         sent.append(index)
 
     client = SimpleNamespace(_check_alive=lambda: None, load_balancer=balancer, start_index=0, _send=send,
-                             in_flight={}, data_parallel_size=3)
+                             in_flight={}, data_parallel_size=3, client_index=0)
     request = SimpleNamespace(request_id="r")
     assert asyncio.run(MPClient.add_request(client, request)) == 2 and sent == [2]
     assert client.in_flight == {"r": 2} and balancer.dead == set()  # the heartbeats still decide its death
