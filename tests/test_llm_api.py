@@ -140,7 +140,7 @@ def test_completion_output_sums_logprobs_and_says_finished_as_vllm(llm):
 
 
 def test_an_interrupted_generate_leaves_the_engine_idle(llm, monkeypatch):
-    step = llm.engine_core.step
+    step = llm.engine_core.step_fn  # the step the engine's loop calls (the batch queue's under PP)
     calls = []
 
     def interrupted_step():
@@ -149,7 +149,7 @@ def test_an_interrupted_generate_leaves_the_engine_idle(llm, monkeypatch):
             raise KeyboardInterrupt  # Ctrl-C in a notebook, in the middle of generation
         return step()
 
-    monkeypatch.setattr(llm.engine_core, "step", interrupted_step)
+    monkeypatch.setattr(llm.engine_core, "step_fn", interrupted_step)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(["Sparse is better than dense."] * 3, greedy(max_tokens=8), use_tqdm=False)
     monkeypatch.undo()

@@ -285,7 +285,7 @@ def test_an_interrupted_offline_run_keeps_the_spans_of_the_steps_that_ran(tmp_pa
 
     try:
         llm = LLM(str(tiny_model_with_tokenizer("llama")), trace_dir=str(tmp_path), num_kv_blocks=64)
-        step, steps_run = llm.engine_core.step, []
+        step, steps_run = llm.engine_core.step_fn, []  # the step the engine's loop calls
 
         def step_then_interrupt():
             if len(steps_run) == 5:
@@ -293,7 +293,7 @@ def test_an_interrupted_offline_run_keeps_the_spans_of_the_steps_that_ran(tmp_pa
             steps_run.append(step())
             return steps_run[-1]
 
-        llm.engine_core.step = step_then_interrupt
+        llm.engine_core.step_fn = step_then_interrupt
         with pytest.raises(KeyboardInterrupt):
             llm.generate(["one", "two"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                          use_tqdm=False)
