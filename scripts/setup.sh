@@ -63,14 +63,11 @@ if [ "$(uname -sm)" = "Linux x86_64" ]; then
 fi
 "${pip[@]}" -e ".[dev,ray]"  # ray: the Ray backends' tests (tinyserve/distributed/)
 # Disaggregated prefill's default connector (tinyserve/distributed/kv_transfer/transports.py): Mooncake's
-# transfer engine, the [pd] extra. It loads libibverbs even over TCP (Debian's libibverbs1, installed
-# here when this runs as root). Without either, the ZeroMQ connector is the default: reported, not fatal.
+# transfer engine, the [pd] extra. It loads the system's libibverbs even over TCP (Debian's libibverbs1,
+# which .ci/run installs with the other system packages). Without either, the ZeroMQ connector is the
+# default: reported, not fatal.
 if [ "$(uname -sm)" = "Linux x86_64" ]; then
-  if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    say "installing libibverbs1, which Mooncake's transfer engine loads"
-    { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null 2>&1 ||
-      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; }; } ||
-      say "could not install libibverbs1: disaggregated prefill will use the ZeroMQ connector"
-  fi
+  ldconfig -p 2>/dev/null | grep 'libibverbs\.so\.1' >/dev/null ||
+    say "no libibverbs1 here (apt-get install libibverbs1): disaggregated prefill will use the ZeroMQ connector"
   "${pip[@]}" -e ".[pd]" || say "could not install Mooncake's transfer engine (.[pd]): disaggregated prefill will use the ZeroMQ connector"
 fi
