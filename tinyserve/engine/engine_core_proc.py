@@ -166,6 +166,7 @@ class EngineCoreProc:
         self.output_thread.start()
         self.input_thread = threading.Thread(target=self._input_loop, name="engine-input", daemon=True)
         self.input_connected = threading.Event()
+        self._blocks_reported = 0  # KV blocks in use, as the front end last heard: a step that frees some is sent
 
     def wake_on_signals(self) -> None:
         """Make a signal wake the main thread even while it waits on the input queue.
@@ -226,17 +227,15 @@ class EngineCoreProc:
             self._process_input_queue()
             if self.engine_core.has_requests:
                 outputs = self.engine_core.step_fn()  # None: a batch sent down the pipeline, no outputs yet
-                # An empty step only told the worker, unless it ended requests (a grammar not compiled in time)
-                # or freed blocks (a KV transfer's: the front end's gauges must see it)
-                freed = outputs is not None and self._blocks_freed(outputs)
-                if outputs is not None and (outputs.outputs or not self.engine_core.last_scheduler_output.is_empty
-                                            or freed):
+                if outputs is not None and self._worth_sending(outputs):
                     self._send(EngineOutputKind.OUTPUTS, outputs)
 
-    def _blocks_freed(self, outputs) -> bool:
-        used = outputs.scheduler_stats.num_kv_blocks_used
-        freed, self._blocks_used = used < getattr(self, "_blocks_used", 0), used
-        return freed
+    def _worth_sending(self, outputs) -> bool:
+        """A step's outputs go to the front end if they carry tokens or finishes, if the step scheduled work,
+        or if it freed blocks (a KV transfer's: the front end's gauges must see it). An empty step that only
+        told the worker which requests finished has nothing to say."""
+        freed = outputs.scheduler_stats.num_kv_blocks_used < self._blocks_reported
+        return bool(outputs.outputs) or not self.engine_core.last_scheduler_output.is_empty or freed
 
     def _process_input_queue(self) -> None:
         """Handle every message that has arrived; wait for one only if there is nothing to step."""
@@ -291,6 +290,8 @@ class EngineCoreProc:
 
     def _send(self, kind: EngineOutputKind, message, client: int | None = None) -> None:
         """Queue a message for the output thread: to `client`, or OUTPUTS cut by client, or to every client."""
+        if kind is EngineOutputKind.OUTPUTS and message.scheduler_stats is not None:
+            self._blocks_reported = message.scheduler_stats.num_kv_blocks_used
         self.output_queue.put((kind, message, client))
 
     def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
