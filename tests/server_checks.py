@@ -24,3 +24,18 @@ def wait_until(condition, timeout: float, what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting until {what}"
         time.sleep(0.1)
+
+
+def sse_lines(response):
+    """The lines of a streamed (SSE) response, as the protocol splits them: at LF, CRLF or CR only.
+
+    httpx's iter_lines also splits at U+2028, U+0085 and the other Unicode line breaks, which a
+    sampled token's text may hold inside a JSON string: a chunk would arrive cut in two."""
+    pending = b""
+    for data in response.iter_bytes():
+        pending += data
+        *lines, pending = re.split(rb"\r\n|\r|\n", pending)
+        yield from (line.decode() for line in lines)
+    if pending:
+        yield pending.decode()
+

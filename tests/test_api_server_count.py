@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from tests.patience import patient
-from tests.server_checks import wait_until
+from tests.server_checks import sse_lines, wait_until
 from tests.shared_server import ENGINE_FLAGS, MODEL, model_folder
 from tinyserve.cli.main import main
 from tinyserve.engine.client_outputs import ClientOutputs
@@ -80,7 +80,7 @@ class Stream:
                 "stream": True, "stream_options": {"include_usage": True}}
         self.response = self.client.send(self.client.build_request("POST", f"{url}/v1/completions", json=body),
                                          stream=True)
-        self.lines = self.response.iter_lines()
+        self.lines = sse_lines(self.response)
         self.first = json.loads(next(line for line in self.lines if line.startswith("data: {"))[6:])
         self.client_port = self.response.extensions["network_stream"].get_extra_info("socket").getsockname()[1]
         self.outcome = pool.submit(self._rest)

@@ -13,13 +13,12 @@ import json
 import re
 import signal
 import threading
-import time
 
 import httpx
 import psutil
 import pytest
 
-from tests.server_checks import long_context_model, wait_until
+from tests.server_checks import long_context_model, sse_lines, wait_until
 from tinyserve.frontend.dp_client import DPLoadBalancer
 from tinyserve.testing import ServerProcess
 from tinyserve.wire.messages import SchedulerStats
@@ -40,7 +39,7 @@ def stream(url: str, i: int, started: threading.Event) -> dict:
     outcome = {"status": None, "tokens": None, "finish_reason": None, "error": None}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
         outcome["status"] = response.status_code
-        for line in response.iter_lines():
+        for line in sse_lines(response):
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line.removeprefix("data: "))

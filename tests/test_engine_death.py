@@ -17,11 +17,11 @@ import httpx
 import psutil
 import pytest
 
-from tinyserve.testing import ServerProcess
-from tests.server_checks import long_context_model, metric, wait_until
+from tests.server_checks import long_context_model, metric, sse_lines, wait_until
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.otlp_json import read_spans
+from tinyserve.testing import ServerProcess
 
 pytestmark = pytest.mark.server  # a real `tinyserve serve` on loopback
 
@@ -44,7 +44,7 @@ def send(url: str, path: str, body: dict, streamed: bool) -> tuple[int, list[str
         response = httpx.post(f"{url}{path}", json=body, timeout=60)
         return response.status_code, [response.text], time.monotonic()
     with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=60) as response:
-        lines = [line for line in response.iter_lines() if line]
+        lines = [line for line in sse_lines(response) if line]
         return response.status_code, lines, time.monotonic()
 
 

@@ -24,11 +24,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinyserve.testing import ServerProcess
+from tests.server_checks import sse_lines
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.frontend.input_processor import InputProcessor
 from tinyserve.models.tokenizer import IM_END_TOKEN, IM_START_TOKEN, load_tokenizer
+from tinyserve.testing import ServerProcess
 
 pytestmark = pytest.mark.server  # a real `tinyserve serve` on loopback
 
@@ -80,7 +81,7 @@ class Witnesses:
         body = {"model": MODEL, "prompt": "a", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=120) as response:
             last = None
-            for line in response.iter_lines():
+            for line in sse_lines(response):
                 if line:
                     now = time.perf_counter()
                     if last is not None:

@@ -9,7 +9,6 @@ openai client; each rank's /metrics says what it served.
 
 import json
 import re
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 
 from tests import shared_server
 from tests.required_tools import system_binary
-from tests.server_checks import metric, wait_until
+from tests.server_checks import metric, sse_lines, wait_until
 from tinyserve.testing import NginxRouter, ServerProcess
 
 pytestmark = pytest.mark.server
@@ -122,7 +121,7 @@ def test_load_counts_a_generation_request_while_it_streams(ranks):
     wait_until(lambda: load() == 0, 30, "no request is in flight")
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as stream:
-        lines = stream.iter_lines()  # kept: an iterator dropped half-read closes the stream
+        lines = sse_lines(stream)  # kept: an iterator dropped half-read closes the stream
         assert next(lines).startswith("data: ")
         assert load() == 1
     wait_until(lambda: load() == 0, 30, "the dropped stream is no longer counted")

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from tests.required_tools import missing, system_binary
-from tests.server_checks import long_context_model, wait_until
+from tests.server_checks import long_context_model, sse_lines, wait_until
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.merge import merge_runs
@@ -90,7 +90,7 @@ def stream_until_failure(url: str, outcome: dict) -> None:
     outcome["text"] = ""
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
-            for line in response.iter_lines():
+            for line in sse_lines(response):
                 if "error" in line:
                     outcome["text"] += line
     except httpx.HTTPError as error:

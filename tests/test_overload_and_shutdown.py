@@ -21,7 +21,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.server_checks import long_context_model, metric, wait_until
+from tests.server_checks import long_context_model, metric, sse_lines, wait_until
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.otlp_json import read_spans
@@ -46,7 +46,7 @@ def is_idle(server) -> bool:
 def read_stream(url: str, path: str, body: dict, timeout: float = 60) -> tuple[int, list[str]]:
     """POST a streaming request and return its status and every non-empty line."""
     with httpx.stream("POST", f"{url}{path}", json=body, timeout=timeout) as response:
-        return response.status_code, [line for line in response.iter_lines() if line]
+        return response.status_code, [line for line in sse_lines(response) if line]
 
 
 # ---- overload and disconnects: one server with a 64-block pool and a short waiting queue ----
@@ -220,7 +220,7 @@ def sigterm_run(tmp_path_factory):
                             for name, (path, body) in plain.items()})
             wait_until(lambda: metric(proc.url, "num_requests_running") == 6, 30, "the six long requests are running")
             with httpx.stream("POST", f"{proc.url}/v1/chat/completions", json=short, timeout=60) as response:
-                lines = response.iter_lines()
+                lines = sse_lines(response)
                 short_lines = [next(lines)]  # the first event: the request is in the engine
                 signalled = time.monotonic()
                 proc.process.send_signal(signal.SIGTERM)

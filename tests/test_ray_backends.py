@@ -19,7 +19,7 @@ import pytest
 
 from tests.hf_reference import hf_greedy
 from tests.patience import patient
-from tests.server_checks import long_context_model, wait_until
+from tests.server_checks import long_context_model, sse_lines, wait_until
 from tests.test_tensor_parallel import generate, prompts_for
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM
@@ -84,7 +84,7 @@ def completion(url: str, i: int, max_tokens: int, stream: bool = False) -> dict:
     outcome = {"status": None, "error": None}
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as response:
         outcome["status"] = response.status_code
-        for line in response.iter_lines():
+        for line in sse_lines(response):
             if line.startswith("data: {") and "error" in (chunk := json.loads(line.removeprefix("data: "))):
                 outcome["error"] = chunk["error"]
     return outcome
@@ -115,14 +115,20 @@ def test_two_engines_on_ray_serve_a_burst_and_a_killed_one_fails_its_requests_an
                            "--ray-resources", '{"node_b": 1}', "--trace", "--trace-dir", str(tmp_path),
                            "--shutdown-timeout", "1")  # RAY_ADDRESS: this module's cluster
     try:
+        # Both on node B, the node with the resource; none a child of the server. Ray retitles an actor's
+        # process as its first call runs, which may come just after the server answers /health.
+        wait_until(lambda: sorted(engine_actors(raylet_b)) == [0, 1], 30, "both engine actors run on node B")
         actors = engine_actors(raylet_b)
-        assert sorted(actors) == [0, 1]  # both on node B, the node with the resource; none a child of the server
         with concurrent.futures.ThreadPoolExecutor(8) as pool:  # a burst: the balancer spreads it
             burst = list(pool.map(lambda i: completion(server.url, i, 8), range(8)))
         assert burst == [{"status": 200, "tokens": 8}] * 8
         finished = by_engine(server.url)["finished"]
         assert set(finished) == {"0", "1"} and all(count >= 1 for count in finished.values()), finished
         assert sum(finished.values()) == 8
+        # Each actor writes its spans into the run folder as an engine process does, in batches: wait for
+        # engine 1's first before it is killed (a SIGKILL loses what it had not written yet).
+        wait_until(lambda: any(p.stat().st_size for p in tmp_path.glob("*/engine-1.jsonl")), 60,
+                   "engine 1's spans reach the run folder")
 
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             streams = [pool.submit(completion, server.url, 100 + i, 4000, True) for i in range(4)]

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from tests.patience import patient
+from tests.server_checks import sse_lines
 from tests.shared_server import MODEL
 
 pytestmark = pytest.mark.server
@@ -124,7 +125,7 @@ def test_dropped_streams_abort_their_requests_and_free_the_kv_cache(server):
         with httpx.Client(timeout=30) as http:
             with http.stream("POST", f"{server.url}/v1/chat/completions", json=body) as response:
                 assert response.status_code == 200
-                lines = response.iter_lines()
+                lines = sse_lines(response)
                 received = 0
                 for line in lines:
                     if line.startswith("data: "):

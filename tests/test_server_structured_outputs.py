@@ -17,6 +17,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests import shared_server
+from tests.server_checks import sse_lines
 from tests.shared_server import MODEL
 from tinyserve.testing import ServerProcess
 
@@ -167,7 +168,7 @@ def test_a_schema_not_compiled_by_the_deadline_is_a_400_naming_the_field_and_a_s
     # A stream has begun when the deadline passes: it ends with the same error as an event.
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "stream": True, "response_format": slow_format}
     with httpx.stream("POST", f"{tool_server.url}/v1/chat/completions", json=body, timeout=120) as response:
-        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+        events = [line for line in sse_lines(response) if line.startswith("data: ")]
     error_event = json.loads(events[-2].removeprefix("data: "))
     assert error_event["error"]["code"] == 400 and "not compiled within" in error_event["error"]["message"]
     assert events[-1] == "data: [DONE]"

@@ -13,8 +13,9 @@ import time
 import httpx
 import pytest
 
-from tinyserve.testing import ServerProcess
+from tests.server_checks import sse_lines
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
+from tinyserve.testing import ServerProcess
 
 pytestmark = pytest.mark.server  # a real `tinyserve serve` on loopback
 
@@ -127,7 +128,7 @@ def test_a_stream_longer_than_the_deadlines_runs_to_its_end(server):
     body = {"model": MODEL, "prompt": "a", "max_tokens": 4000, "ignore_eos": True, "stream": True}
     began = time.monotonic()
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
-        lines = [line for line in response.iter_lines() if line]
+        lines = [line for line in sse_lines(response) if line]
         took = time.monotonic() - began
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.server_checks import sse_lines
 from tinyserve.cli.main import main
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.run import load_run
@@ -187,7 +188,7 @@ def test_a_client_that_leaves_mid_stream_has_its_blocks_released_on_a_step_and_o
         told = asked.headers["endpoint-load-metrics"]
         body = {"model": "tiny", "prompt": "a long answer", "max_tokens": 400, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
-            chunks = response.iter_lines()
+            chunks = sse_lines(response)
             first = json.loads(next(line for line in chunks if line.startswith("data: "))[6:])
             for _ in range(3):
                 next(chunks)

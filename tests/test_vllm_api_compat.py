@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from tests.server_checks import sse_lines
 from tests.shared_server import MODEL
 from tests.tiny_tokenizer import TINY_VOCAB_SIZE
 
@@ -48,7 +49,7 @@ def logprob_values(choice: dict, chat: bool) -> list[float]:
 def stream_choices(response: httpx.Response, chat: bool) -> list[dict]:
     """The streamed chunks' choices (each parsed strictly: JSON has no -inf, NaN or Infinity)."""
     choices = []
-    for line in response.iter_lines():
+    for line in sse_lines(response):
         if line.startswith("data: ") and line != "data: [DONE]":
             chunk = json.loads(line[6:], parse_constant=lambda name: pytest.fail(f"{name} in a chunk"))
             choices += [c for c in chunk["choices"] if c.get("logprobs")]
@@ -92,8 +93,8 @@ def app_with_faults():
     from fastapi.responses import JSONResponse
 
     from tinyserve.entrypoints.api.metrics import ServerMetrics
-    from tinyserve.entrypoints.api.serving_engine import ServingContext
     from tinyserve.entrypoints.api.server import build_app
+    from tinyserve.entrypoints.api.serving_engine import ServingContext
     from tinyserve.errors import InvalidInputError
 
     metrics = ServerMetrics(MODEL, [0], 128)
