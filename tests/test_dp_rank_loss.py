@@ -72,26 +72,27 @@ def engine_process(proc: ServerProcess, index: int) -> psutil.Process:
 
 
 def kill_engine_1_mid_stream(proc: ServerProcess) -> tuple[list[dict], float]:
-    """Start STREAMS streams, SIGKILL engine 1 once each has its first token and both engines run some;
+    """Start STREAMS streams, SIGKILL engine 1 once each has its first token and engine 1 runs some;
     each stream's outcome, and how many engine 1 ran at the last look before the kill.
 
     Whether a stream reached an engine is read on the client's side (its first token came), not from
     the engines' counters: on 2 busy cores the streams reach the engines seconds apart, and a scrape
-    can see a stream in neither an engine's gauges nor its finished count."""
+    can see a stream in neither an engine's gauges nor its finished count. Engine 0 may have finished
+    its streams by then (the tiny model decodes thousands of tokens a second): what it held must end
+    with every token either way."""
     started = [threading.Event() for _ in range(STREAMS)]
     with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
         futures = [pool.submit(stream, proc.url, i, started[i]) for i in range(STREAMS)]
         seen = []
 
-        def both_run_and_all_arrived() -> bool:
+        def all_arrived_and_engine_1_runs() -> bool:
             if not all(event.is_set() for event in started):
                 return False
             seen.append(by_engine(proc.url))
-            running = seen[-1]["running"]
-            return running.get("0", 0) > 0 and running.get("1", 0) > 0
+            return seen[-1]["running"].get("1", 0) > 0
 
         try:
-            wait_until(both_run_and_all_arrived, 60, "every stream reached an engine and both engines run some")
+            wait_until(all_arrived_and_engine_1_runs, 60, "every stream reached an engine and engine 1 runs some")
         except AssertionError as error:
             ended = [future.result() for future in futures if future.done()]
             begun = sum(event.is_set() for event in started)
