@@ -31,9 +31,10 @@ MAX_TOKENS = 6000  # the streams still run when the last reaches its engine, on 
 FLAGS = ("--served-model-name", MODEL, "--num-kv-blocks", "2048", "--data-parallel-size", "2")
 
 
-def stream(url: str, i: int, started: threading.Event) -> dict:
+def stream(url: str, i: int, started: threading.Event, progress: list[int]) -> dict:
     """One streamed completion: its status, the tokens it reported, its finish reason or error message.
-    `started` is set once its first token arrived, when it is surely held by an engine."""
+    `started` is set once its first token arrived, when it is surely held by an engine; progress[i]
+    counts the chunks that carried tokens."""
     body = {"model": MODEL, "prompt": f"story {i}", "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     outcome = {"status": None, "tokens": None, "finish_reason": None, "error": None}
@@ -47,6 +48,7 @@ def stream(url: str, i: int, started: threading.Event) -> dict:
                 outcome["error"] = chunk["error"]
             for choice in chunk.get("choices", ()):
                 started.set()
+                progress[i] += 1
                 outcome["finish_reason"] = choice.get("finish_reason") or outcome["finish_reason"]
             if chunk.get("usage"):
                 outcome["tokens"] = chunk["usage"]["completion_tokens"]
@@ -72,24 +74,24 @@ def engine_process(proc: ServerProcess, index: int) -> psutil.Process:
 
 
 def kill_engine_1_mid_stream(proc: ServerProcess) -> tuple[list[dict], float]:
-    """Start STREAMS streams, SIGKILL engine 1 once each has its first token and engine 1 runs some;
-    each stream's outcome, and how many engine 1 ran at the last look before the kill.
+    """Start STREAMS streams, SIGKILL engine 1 while every one of them is under half way and engine 1
+    runs some; each stream's outcome, and how many engine 1 ran at the last look before the kill.
 
-    Whether a stream reached an engine is read on the client's side (its first token came), not from
-    the engines' counters: on 2 busy cores the streams reach the engines seconds apart, and a scrape
-    can see a stream in neither an engine's gauges nor its finished count. Engine 0 may have finished
-    its streams by then (the tiny model decodes thousands of tokens a second): what it held must end
-    with every token either way."""
-    started = [threading.Event() for _ in range(STREAMS)]
+    Whether a stream reached an engine, and how far it got, is read on the client's side (its chunks),
+    not from the engines' gauges, which lag: the tiny model decodes thousands of tokens a second, and a
+    stream the gauges still showed running could be over by the kill."""
+    started, progress = [threading.Event() for _ in range(STREAMS)], [0] * STREAMS
     with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
-        futures = [pool.submit(stream, proc.url, i, started[i]) for i in range(STREAMS)]
+        futures = [pool.submit(stream, proc.url, i, started[i], progress) for i in range(STREAMS)]
         seen = []
 
         def all_arrived_and_engine_1_runs() -> bool:
             if not all(event.is_set() for event in started):
                 return False
+            if max(progress) >= MAX_TOKENS // 2:
+                raise AssertionError(f"a stream passed half way before every stream had begun: {progress}")
             seen.append(by_engine(proc.url))
-            return seen[-1]["running"].get("1", 0) > 0
+            return seen[-1]["running"].get("1", 0) > 0 and max(progress) < MAX_TOKENS // 2
 
         try:
             wait_until(all_arrived_and_engine_1_runs, 60, "every stream reached an engine and engine 1 runs some")
