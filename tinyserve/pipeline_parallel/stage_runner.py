@@ -22,10 +22,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from tinyserve.engine.core.scheduler_output import NewRequestData, SchedulerOutput
+from tinyserve.engine.core.scheduler_output import SchedulerOutput
 from tinyserve.engine.worker.model_runner import ModelInputs, ModelRunner, ModelRunnerOutput
 from tinyserve.models.pipeline_parallel import PipelineStage
-from tinyserve.sampling_params import SamplingParams
 
 
 class StageLink:
@@ -95,10 +94,8 @@ class PipelineStageRunner(ModelRunner):
     def warm_up(self) -> None:
         """ModelRunner.warm_up's dummy prompt, through the pipeline: every stage runs it, each receiving
         from the one before, so the first real batch pays no one-time cost on any stage."""
-        dummy = NewRequestData("warm-up", 0, self.block_size, samples_token=True, is_prefill=True,
-                               prompt_token_ids=[0] * self.block_size, sampling_params=SamplingParams(),
-                               eos_token_ids=[], block_ids=[0], output_token_ids=[])
-        scheduler_output = SchedulerOutput(step_id=0, scheduled_new_requests=[dummy])
+        scheduler_output = self.warm_up_step()
+        dummy = scheduler_output.scheduled_new_requests[0]
         self.update_states(scheduler_output)
         inputs = self.prepare_inputs(scheduler_output)
         hidden = self._forward(inputs)

@@ -37,7 +37,7 @@ from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.engine.child_process import ChildProcess
 from tinyserve.engine.core.scheduler_output import SchedulerOutput
 from tinyserve.engine.worker.model_runner import ModelRunnerOutput
-from tinyserve.engine.worker.tensor_parallel_workers import check_split
+from tinyserve.engine.worker.tensor_parallel_workers import bind_rank_sockets, bind_socket, check_split
 from tinyserve.engine.worker.tp_group import RENDEZVOUS_TIMEOUT_S, GroupTimer, host_store, join_store
 from tinyserve.engine.worker.tp_watchdog import rank_state
 from tinyserve.lifecycle.engine_records import RankTimes
@@ -116,17 +116,8 @@ class PipelineParallelWorkers:
         host = "127.0.0.1"
         self._store = host_store(host, self.size)
         self._context = zmq.Context()
-        self._sockets, addresses = [], []
-        for _ in range(1, self.size):
-            socket = self._context.socket(zmq.PUSH)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.bind(f"tcp://{host}:0")
-            self._sockets.append(socket)
-            addresses.append(socket.getsockopt_string(zmq.LAST_ENDPOINT))
-        self._results = self._context.socket(zmq.PULL)
-        self._results.setsockopt(zmq.LINGER, 0)
-        self._results.bind(f"tcp://{host}:0")
-        results_address = self._results.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._sockets, addresses = bind_rank_sockets(self._context, host, self.size)
+        self._results, results_address = bind_socket(self._context, zmq.PULL, host)
         num_threads = None
         if args.torch_device.type == "cpu":  # each rank its share of the cores, or --cpu-threads each
             num_threads = args.cpu_threads or max(1, (os.cpu_count() or 1) // self.size)

@@ -146,6 +146,13 @@ class ModelRunner:
             sampling_request_ids=sampling_ids,
         )
 
+    def warm_up_step(self) -> SchedulerOutput:
+        """The warm-up's one step: a dummy prompt of one block, in block 0 (see warm_up)."""
+        dummy = NewRequestData("warm-up", 0, self.block_size, samples_token=True, is_prefill=True,
+                               prompt_token_ids=[0] * self.block_size, sampling_params=SamplingParams(),
+                               eos_token_ids=[], block_ids=[0], output_token_ids=[])
+        return SchedulerOutput(step_id=0, scheduled_new_requests=[dummy])
+
     @torch.inference_mode()
     def warm_up(self) -> None:
         """One forward pass over a dummy prompt, so the first real request does not pay the
@@ -155,10 +162,8 @@ class ModelRunner:
         later writes its own tokens there before anything reads them. The dummy request
         comes and goes as a real one would: new in one SchedulerOutput, finished in the next.
         """
-        dummy = NewRequestData("warm-up", 0, self.block_size, samples_token=True, is_prefill=True,
-                               prompt_token_ids=[0] * self.block_size, sampling_params=SamplingParams(),
-                               eos_token_ids=[], block_ids=[0], output_token_ids=[])
-        scheduler_output = SchedulerOutput(step_id=0, scheduled_new_requests=[dummy])
+        scheduler_output = self.warm_up_step()
+        dummy = scheduler_output.scheduled_new_requests[0]
         self.update_states(scheduler_output)
         inputs = self.prepare_inputs(scheduler_output)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)

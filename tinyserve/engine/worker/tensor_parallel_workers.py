@@ -70,6 +70,20 @@ def check_split(model_path, size: int) -> None:
     split_width(config["intermediate_size"], size, "intermediate_size")
 
 
+def bind_socket(context: zmq.Context, kind: int, host: str) -> tuple[zmq.Socket, str]:
+    """A socket of `kind` bound to a free port on `host`, and its address for the ranks to connect to."""
+    socket = context.socket(kind)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.bind(f"tcp://{host}:0")
+    return socket, socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def bind_rank_sockets(context: zmq.Context, host: str, size: int) -> tuple[list[zmq.Socket], list[str]]:
+    """One PUSH socket per rank 1..size-1, through which rank 0 hands each its steps; and their addresses."""
+    bound = [bind_socket(context, zmq.PUSH, host) for _ in range(1, size)]
+    return [socket for socket, _ in bound], [address for _, address in bound]
+
+
 class TensorParallelWorkers:
     """Rank 0's side: start ranks 1..N-1, join the group, then send each step to them."""
 
@@ -84,18 +98,9 @@ class TensorParallelWorkers:
         host = launcher.host
         store = self._store = host_store(host, self.size)
         self._context = zmq.Context()
-        self._sockets, addresses = [], []
-        for _ in range(1, self.size):
-            socket = self._context.socket(zmq.PUSH)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.bind(f"tcp://{host}:0")
-            self._sockets.append(socket)
-            addresses.append(socket.getsockopt_string(zmq.LAST_ENDPOINT))
+        self._sockets, addresses = bind_rank_sockets(self._context, host, self.size)
         # Each rank's clock of a step comes back here, for the step span (only when tracing).
-        self._times = self._context.socket(zmq.PULL)
-        self._times.setsockopt(zmq.LINGER, 0)
-        self._times.bind(f"tcp://{host}:0")
-        times_address = self._times.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._times, times_address = bind_socket(self._context, zmq.PULL, host)
         self.traced = tracing_enabled()
         self.last_rank_times: list[RankTimes] | None = None  # the latest step's, rank 0 first, when tracing
         self.device = str(rank_device(args, engine_index, 0))
