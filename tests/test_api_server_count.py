@@ -34,6 +34,7 @@ from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineC
 BURST_PROMPTS = [[9, 120, 33, 41, 7], [250, 3, 18, 77, 140, 201, 9], [5, 6, 7, 8], [100, 200, 300]] * 4
 STREAM_TOKENS = 1000  # seconds of decoding: the streams are still running when SIGTERM comes
 STREAMS_AT_ONCE, MAX_STREAMS = 4, 12  # opened four at a time until both API processes hold one
+UNFINISHED = re.compile(r'"finish_reason":\s*null')  # a token chunk's, not the last one's
 KILL_STREAM_TOKENS = 1500  # more steps than the 1000 messages a dead API process's socket queues
 
 
@@ -74,7 +75,8 @@ def greedy_token_ids(url: str, prompt: list[int]) -> list[int]:
 class Stream:
     """One streamed completion on a connection of its own, read in a thread to its end."""
 
-    def __init__(self, url: str, pool: concurrent.futures.Executor, max_tokens: int = STREAM_TOKENS) -> None:
+    def __init__(self, url: str, pool: concurrent.futures.Executor, processes: dict[int, psutil.Process],
+                 max_tokens: int = STREAM_TOKENS) -> None:
         self.client = httpx.Client(timeout=120)
         body = {"model": MODEL, "prompt": "a story", "max_tokens": max_tokens, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
@@ -82,14 +84,19 @@ class Stream:
                                          stream=True)
         self.lines = sse_lines(self.response)
         self.first = json.loads(next(line for line in self.lines if line.startswith("data: {"))[6:])
-        self.client_port = self.response.extensions["network_stream"].get_extra_info("socket").getsockname()[1]
+        # Which process holds the connection, asked before the rest is read: a stream read to its
+        # end closes its connection, and a fast server ends a stream within a busy test's moment.
+        client_port = self.response.extensions["network_stream"].get_extra_info("socket").getsockname()[1]
+        self.holder = holder(processes, client_port)
         self.outcome = pool.submit(self._rest)
 
     def _rest(self) -> dict:
         finish, tokens = None, None
         try:
             for line in self.lines:
-                if line.startswith("data: {"):
+                # Only the chunks that end the stream are parsed: a thread parsing each of
+                # thousands of token chunks a second starves the test's main thread (the GIL).
+                if line.startswith("data: {") and ('"usage":{' in line.replace(' ', '') or not UNFINISHED.search(line)):
                     chunk = json.loads(line[6:])
                     for choice in chunk.get("choices", ()):
                         finish = choice.get("finish_reason") or finish
@@ -107,10 +114,10 @@ def open_streams_on_both(url: str, processes: dict, pool, opener, max_tokens: in
     streams, held = [], {}
     while set(held.values()) != {0, 1}:
         assert len(streams) < MAX_STREAMS, f"{MAX_STREAMS} streams, all on API process {set(held.values())}"
-        batch = list(opener.map(lambda _: Stream(url, pool, max_tokens), range(STREAMS_AT_ONCE)))
-        for stream in batch:  # the connection stays open until the stream is read to its end
-            held[stream.first["id"]] = holder(processes, stream.client_port)
-            assert held[stream.first["id"]] is not None, "no API process holds the stream's connection"
+        batch = list(opener.map(lambda _: Stream(url, pool, processes, max_tokens), range(STREAMS_AT_ONCE)))
+        for stream in batch:
+            held[stream.first["id"]] = stream.holder
+            assert stream.holder is not None, "no API process holds the stream's connection"
         streams += batch
     return streams, held
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tinyserve.engine.worker.request_state import CachedRequestState
-from tinyserve.engine.worker.sampler import Sampler, apply_penalties, apply_top_k_top_p
+from tinyserve.engine.worker.sampler import Sampler, apply_penalties, apply_top_k_top_p, inverse_cdf_sample
 from tinyserve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -413,3 +413,12 @@ def test_zero_logprobs_gives_only_the_sampled_token_and_none_gives_nothing():
     assert logprobs[0].ranks == [1]
     assert logprobs[0].logprobs == pytest.approx([log_softmax(values)[1]], abs=1e-5)
     assert logprobs[1] is None
+
+
+def test_unseeded_rows_draw_by_inverse_cdf_and_never_a_token_of_probability_zero():
+    probs = torch.tensor([[0.2, 0.0, 0.5, 0.3, 0.0]] * 5)
+    # cumulative 0.2 0.2 0.7 1.0 1.0: u picks the first token whose running sum passes u
+    uniforms = torch.tensor([0.0, 0.19, 0.2, 0.69, 1 - 2 ** -24])
+    assert inverse_cdf_sample(probs, uniforms).tolist() == [0, 0, 2, 2, 3]
+    # a row that does not sum to one is drawn in proportion to its entries
+    assert inverse_cdf_sample(torch.tensor([[0.0, 2.0, 2.0]]), torch.tensor([0.5])).tolist() == [2]
