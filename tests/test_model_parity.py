@@ -136,10 +136,11 @@ def test_chunked_prefill_then_decode_over_cached_context_matches_transformers(na
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])  # "cpu": the fused bf16 kernels (cpu_elementwise)
 @pytest.mark.parametrize("name", ["llama", "qwen3-tied"])
-def test_bfloat16_logits_stay_close_to_transformers_in_bfloat16(name):
+def test_bfloat16_logits_stay_close_to_transformers_in_bfloat16(name, backend):
     path = tiny_checkpoint(**CHECKPOINTS[name])
-    model = load(path, dtype=torch.bfloat16)
+    model = load(path, dtype=torch.bfloat16, backend=backend)
     assert model.embed_tokens.weight.dtype == torch.bfloat16
     prompts = make_prompts(model.vocab_size)
     ours = forward_in_steps(model, prompts, [[len(p) for p in prompts]], dtype=torch.bfloat16)

@@ -25,11 +25,23 @@ The numbers. The sums of squares are added in another order than torch's (vector
 relative). The exponential is computed here, as Cephes' expf does (2^n times a degree-5
 polynomial of the remainder, to ~1 ulp), because LLVM turns a call of the C library's
 expf into one call per element, while this vectorizes: 8 at a time. Its constants must not
-be regrouped, so `silu_and_mul` leaves out fastmath's reassociation. Only fp32 takes these
-kernels; a 16-bit model rounds between the steps as transformers does, so it keeps the
-PyTorch ops (which are also the reference here: `--attention-backend torch` uses them).
-Kernels for bf16 that round where transformers' ops do were written and measured: the same
-bits as torch's ops, but workload A no faster (0.98x, four rounds), so they were not kept.
+be regrouped, so `silu_and_mul` leaves out fastmath's reassociation.
+
+bf16. A bf16 model rounds between the steps, as transformers' ops do: silu(gate) is rounded
+to bf16 before the product with up, x + residual before its norm, the normalized x before
+the product with the weight. The bf16 kernels keep every one of those roundings (`_to_bf16`:
+round to nearest even, what torch does) and compute between them in fp32, as torch does; so
+they give torch's bits, except where an fp32 result sits within a rounding of a bf16 halfway
+point (the exponential, or the sum of squares added in another order): then a bf16 step
+(two, rarely, for the norm: the normalized value's step carried through the weight's product).
+They read and write bf16 as its raw 16 bits (numpy has no bf16). Measured on the 2-core
+Intel Xeon with AMX of BENCHMARKS.md (where a bf16 matmul is fast, so the ops around it are
+not): at 2,048 rows, 0.30 against 1.16 ms for the add and norm and 0.89 against 1.28 ms for
+silu and mul; at 32 rows, 21 against 31 us and 21 against 22 us. (A RoPE kernel was measured
+too, reading the strided slice of qkv: 1.4x torch's four ops in fp32 at 2,048 rows, but 2x
+slower in bf16 and slower at decode sizes; not kept.)
+fp16 keeps the PyTorch ops (which are also the reference here: `--attention-backend torch`
+uses them).
 """
 
 import numba
@@ -86,7 +98,51 @@ def _add_rms_norm(x, residual, weight, eps, normed, new_residual):
             normed[t, j] = new_residual[t, j] * inverse_rms * weight[j]
 
 
-for _kernel in (_silu_and_mul, _add_rms_norm):
+@numba.njit(inline="always")
+def _from_bf16(bits):
+    """The fp32 value of a bf16 given as its 16 bits: they are the top half of the fp32."""
+    return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
+
+
+@numba.njit(inline="always")
+def _to_bf16(x):
+    """x rounded to the nearest bf16, ties to even, as its 16 bits (torch's rounding; x finite)."""
+    bits = np.float32(x).view(np.uint32)
+    return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+# Neither "arcp" nor "afn": a division and a square root must round as torch's do.
+@numba.njit(parallel=True, fastmath={"nsz", "contract"})
+def _silu_and_mul_bf16(gate_up, out):
+    """As _silu_and_mul, on bf16 bits: out = bf16(bf16(silu(gate)) * up), as transformers rounds."""
+    num_rows, width = out.shape
+    for t in prange(num_rows):
+        for j in range(width):
+            gate = _from_bf16(gate_up[t, j])
+            silu = _to_bf16(gate / (np.float32(1.0) + _exp(-gate)))
+            out[t, j] = _to_bf16(_from_bf16(silu) * _from_bf16(gate_up[t, width + j]))
+
+
+# "reassoc" for the sum of squares (vector lanes), as _add_rms_norm's.
+@numba.njit(parallel=True, fastmath={"reassoc", "nsz", "contract"})
+def _add_rms_norm_bf16(x, residual, weight, eps, normed, new_residual):
+    """As _add_rms_norm, on bf16 bits, with transformers' roundings:
+    new_residual = bf16(x + residual); normed = bf16(weight * bf16(new_residual / rms(new_residual)))."""
+    num_rows, hidden = x.shape
+    for t in prange(num_rows):
+        squares = np.float32(0.0)
+        for j in range(hidden):
+            total = _to_bf16(_from_bf16(x[t, j]) + _from_bf16(residual[t, j]))
+            new_residual[t, j] = total
+            value = _from_bf16(total)
+            squares += value * value
+        inverse_rms = np.float32(1.0) / np.sqrt(squares / np.float32(hidden) + eps)
+        for j in range(hidden):
+            unit = _to_bf16(_from_bf16(new_residual[t, j]) * inverse_rms)
+            normed[t, j] = _to_bf16(_from_bf16(weight[j]) * _from_bf16(unit))
+
+
+for _kernel in (_silu_and_mul, _add_rms_norm, _silu_and_mul_bf16, _add_rms_norm_bf16):
     try:
         _kernel.enable_caching()
     except RuntimeError:  # no writable cache folder: compile in each process instead
@@ -94,14 +150,22 @@ for _kernel in (_silu_and_mul, _add_rms_norm):
 
 
 def fusable(*tensors: torch.Tensor) -> bool:
-    """Whether these kernels take the tensors: contiguous fp32 on the CPU."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    """Whether these kernels take the tensors: contiguous, on the CPU, all fp32 or all bf16."""
+    return (len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in (torch.float32, torch.bfloat16)
+            and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors))
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's memory as numpy sees it: fp32 as is, bf16 as its raw 16 bits."""
+    tensor = tensor.detach()
+    return tensor.view(torch.int16).numpy().view(np.uint16) if tensor.dtype == torch.bfloat16 else tensor.numpy()
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2W] -> [T, W]: silu of the first half of each row times its second half (fusable tensors only)."""
-    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2)
-    _silu_and_mul(gate_up.numpy(), out.numpy())
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+    kernel = _silu_and_mul_bf16 if gate_up.dtype == torch.bfloat16 else _silu_and_mul
+    kernel(_numpy(gate_up), _numpy(out))
     return out
 
 
@@ -109,12 +173,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) * weight, x + residual) for [T, hidden] x and residual (fusable tensors only)."""
     normed, new_residual = torch.empty_like(x), torch.empty_like(x)
-    _add_rms_norm(x.numpy(), residual.numpy(), weight.detach().numpy(), np.float32(eps), normed.numpy(),
-                  new_residual.numpy())
+    kernel = _add_rms_norm_bf16 if x.dtype == torch.bfloat16 else _add_rms_norm
+    kernel(_numpy(x), _numpy(residual), _numpy(weight), np.float32(eps), _numpy(normed), _numpy(new_residual))
     return normed, new_residual
 
 
 def warm_up() -> None:
-    """Compile (or load from the disk cache) both kernels now, not in the first step that needs them."""
-    silu_and_mul(torch.zeros(1, 2))
-    add_rms_norm(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), 1e-6)
+    """Compile (or load from the disk cache) the kernels now, not in the first step that needs them."""
+    for dtype in (torch.float32, torch.bfloat16):
+        silu_and_mul(torch.zeros(1, 2, dtype=dtype))
+        add_rms_norm(torch.zeros(1, 1, dtype=dtype), torch.zeros(1, 1, dtype=dtype), torch.ones(1, dtype=dtype), 1e-6)

@@ -66,7 +66,7 @@ class RMSNorm(nn.Module):
                      fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): a residual add and the norm of its sum.
 
-        fused: in one pass, by cpu_elementwise's kernel, where it takes the tensors (fp32 on the CPU).
+        fused: in one pass, by cpu_elementwise's kernel, where it takes the tensors (fp32 or bf16 on the CPU).
         """
         if fused and cpu_elementwise.fusable(x, residual, self.weight):
             return cpu_elementwise.add_rms_norm(x, residual, self.weight, self.eps)
