@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tinyserve.engine.core.scheduler_output import NewRequestData, SchedulerOutput
+from tinyserve.engine.worker.cpu_memory import keep_freed_memory
 from tinyserve.engine.worker.cuda_graphs import DecodeGraphs
 from tinyserve.engine.worker.request_state import CachedRequestState
 from tinyserve.engine.worker.sampler import Sampler, top_logprobs
@@ -63,6 +64,8 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
+        if device.type == "cpu":
+            keep_freed_memory()  # a step's large activations reuse the last step's memory (cpu_memory.py)
         # One pool per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
         shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]

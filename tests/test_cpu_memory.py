@@ -1,0 +1,55 @@
+"""cpu_memory.keep_freed_memory: the large tensors one step frees are reused by the next without page faults.
+
+Each case runs in a process of its own (malloc's settings are the whole process's): a
+"step" makes a few activations of a 2,048-token prefill's size (gate_up's output is
+11 MB) and frees them, and the minor page faults of a step after five are counted. glibc
+alone, once it has seen blocks of that size freed, takes them from its heap, but then
+gives the heap's top back to the kernel whenever more than twice such a block is free.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+PROBE = """
+import json, resource, sys
+import torch
+from tinyserve.engine.worker.cpu_memory import keep_freed_memory
+kept = keep_freed_memory() if sys.argv[1] == "keep" else False
+
+def step():  # large activations, alive together, all freed at the step's end
+    x = torch.ones(2048, 512, dtype=torch.bfloat16)
+    gate_up = torch.cat([x] * 5, dim=1)
+    a, b = gate_up + 1, gate_up * 2
+    return (a * b).sum()
+
+for _ in range(5):  # the heap settles: a freed block is reused once one of its size has been freed
+    step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+step()
+print(json.dumps({"kept": kept, "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}))
+"""
+PAGES = 2048 * 2560 * 2 // 4096  # the 4 KiB pages of one of the step's largest tensors: 2,560
+
+
+def probe(mode: str, **env) -> dict:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+    done = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, timeout=120,
+                          env={**environment, "OMP_NUM_THREADS": "1", **env})
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_a_freed_activation_is_reused_without_faulting_its_pages_in_again():
+    plain, kept = probe("plain"), probe("keep")
+    assert plain["faults"] > PAGES // 2  # glibc gave the last step's back: its pages fault in again
+    assert kept["kept"] and kept["faults"] < PAGES // 20
+
+
+def test_a_users_own_malloc_settings_are_left_alone():
+    assert probe("keep", MALLOC_MMAP_THRESHOLD_="131072")["kept"] is False
+    assert probe("keep", GLIBC_TUNABLES="glibc.malloc.trim_threshold=131072")["kept"] is False
