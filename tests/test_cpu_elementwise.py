@@ -89,6 +89,18 @@ def test_bf16_silu_and_mul_gives_transformers_bits_for_every_bf16_gate():
         assert torch.equal(got, expected), int((got != expected).sum())
 
 
+def test_bf16_kernels_carry_a_nan_and_infinities_as_torch_does():
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0]).bfloat16()
+    gate_up = torch.stack([special, torch.full_like(special, 2.0)], dim=1)
+    got = cpu_elementwise.silu_and_mul(gate_up)[:, 0]
+    expected = torch.nn.functional.silu(special) * 2.0
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))  # NaN's bits too
+    x = torch.tensor([[float("nan"), 1.0], [3.0, 4.0]]).bfloat16()
+    normed, total = cpu_elementwise.add_rms_norm(x, torch.zeros_like(x), torch.ones(2).bfloat16(), 1e-6)
+    assert torch.isnan(total[0, 0]) and torch.isnan(normed[0]).all()  # a NaN row stays NaN
+    assert torch.equal(normed[1], RMSNorm(2, 1e-6).bfloat16()(x[1:])[0])
+
+
 @pytest.mark.parametrize("rows", [1, 32, 2048])
 def test_bf16_silu_and_mul_equals_torchs_at_model_sizes(rows):
     torch.manual_seed(rows)

@@ -106,7 +106,9 @@ def _from_bf16(bits):
 
 @numba.njit(inline="always")
 def _to_bf16(x):
-    """x rounded to the nearest bf16, ties to even, as its 16 bits (torch's rounding; x finite)."""
+    """x rounded to the nearest bf16, ties to even, as its 16 bits: torch's rounding, a NaN its one NaN."""
+    if x != x:
+        return np.uint16(0x7FC0)
     bits = np.float32(x).view(np.uint32)
     return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
