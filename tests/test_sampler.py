@@ -422,3 +422,14 @@ def test_unseeded_rows_draw_by_inverse_cdf_and_never_a_token_of_probability_zero
     assert inverse_cdf_sample(probs, uniforms).tolist() == [0, 0, 2, 2, 3]
     # a row that does not sum to one is drawn in proportion to its entries
     assert inverse_cdf_sample(torch.tensor([[0.0, 2.0, 2.0]]), torch.tensor([0.5])).tolist() == [2]
+
+
+def test_a_row_driven_to_nan_still_gets_a_token_id_of_the_vocabulary():
+    """A repetition penalty of 5e-324 (valid: above zero) divides logits to infinity: softmax gives NaN.
+    The engine must still answer with a token, seeded or not, rather than index past the vocabulary."""
+    values = [3.0, 1.0, 2.0, -1.0]
+    for seed in (None, 7):
+        request = make_request(prompt=(0, 1, 2), repetition_penalty=5e-324, temperature=1.0, seed=seed)
+        token = sample_one(values, request)
+        assert 0 <= token < len(values)
+    assert inverse_cdf_sample(torch.full((1, 4), float("nan")), torch.tensor([0.5])).tolist() == [3]

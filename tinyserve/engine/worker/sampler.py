@@ -124,11 +124,14 @@ def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     A token of probability 0 adds nothing to the running sum, so it never is the first to
     pass the target. u < 1, but u times the total may round up to the total: the target is
     kept just below it, so the last token of positive probability is the furthest one drawn.
+    A row of NaNs (logits driven to infinity, e.g. by a repetition penalty of 5e-324) passes
+    no target: it gets the last token id, a token all the same, as the exponential race
+    gives such a row one.
     """
     cumulative = probs.cumsum(dim=-1)
     total = cumulative[:, -1:]
     target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cumulative, target, right=True).flatten()
+    return torch.searchsorted(cumulative, target, right=True).flatten().clamp_(max=probs.shape[-1] - 1)
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, bitmask: bytes, rows: list[int]) -> torch.Tensor:
