@@ -18,7 +18,8 @@ there for the next step. The cost: the process keeps its largest step's working 
 of BENCHMARKS.md, a 2,048-token bf16 prefill step of the benchmark model: 8,700-13,300
 page faults and 107-118 ms without, none and 95-102 ms with. vLLM's CPU build does the
 same job differently where it finds tcmalloc (it preloads it), which keeps freed memory
-in caches of its own.
+in caches of its own. Whatever else the engine process allocates gains too: xgrammar
+compiled a 1,500-property JSON schema in 2.2 s instead of 7.0 there.
 
 A user's own settings win: with MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or
 GLIBC_TUNABLES in the environment nothing is changed. So does a C library without
