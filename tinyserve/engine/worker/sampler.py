@@ -62,9 +62,12 @@ class Sampler:
             drawn = torch.empty(len(random_rows), dtype=torch.long, device=logits.device)
             seeded = [i for i, generator in enumerate(generators) if generator is not None]
             unseeded = [i for i, generator in enumerate(generators) if generator is None]
-            for i in seeded:
-                q = torch.empty_like(probs[i]).exponential_(generator=generators[i])
-                drawn[i] = (probs[i] / q).argmax()
+            if seeded:
+                index = torch.tensor(seeded, device=logits.device)
+                q = torch.empty_like(probs[index])
+                for row, i in enumerate(seeded):
+                    q[row].exponential_(generator=generators[i])
+                drawn[index] = (probs[index] / q).argmax(dim=-1)
             if unseeded:
                 index = torch.tensor(unseeded, device=logits.device)
                 uniforms = torch.rand(len(unseeded), generator=self.generator, device=logits.device)
