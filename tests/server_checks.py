@@ -39,3 +39,14 @@ def sse_lines(response):
     if pending:
         yield pending.decode()
 
+
+TOKEN_CHUNK = re.compile(r'"finish_reason":\s*null')
+
+
+def is_token_chunk(line: str) -> bool:
+    """A streamed completion's chunk that carries tokens and nothing more: no error, no finish, no usage.
+
+    Read without parsing the JSON: a test's threads reading thousands of chunks a second would
+    otherwise starve its main thread (the GIL) of the time to watch them."""
+    return line.startswith("data: {") and '"error"' not in line and TOKEN_CHUNK.search(line) is not None \
+        and '"usage":{' not in line.replace(" ", "")

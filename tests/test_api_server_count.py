@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from tests.patience import patient
-from tests.server_checks import sse_lines, wait_until
+from tests.server_checks import is_token_chunk, sse_lines, wait_until
 from tests.shared_server import ENGINE_FLAGS, MODEL, model_folder
 from tinyserve.cli.main import main
 from tinyserve.engine.client_outputs import ClientOutputs
@@ -34,7 +34,6 @@ from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineC
 BURST_PROMPTS = [[9, 120, 33, 41, 7], [250, 3, 18, 77, 140, 201, 9], [5, 6, 7, 8], [100, 200, 300]] * 4
 STREAM_TOKENS = 1000  # seconds of decoding: the streams are still running when SIGTERM comes
 STREAMS_AT_ONCE, MAX_STREAMS = 4, 12  # opened four at a time until both API processes hold one
-UNFINISHED = re.compile(r'"finish_reason":\s*null')  # a token chunk's, not the last one's
 KILL_STREAM_TOKENS = 1500  # more steps than the 1000 messages a dead API process's socket queues
 
 
@@ -94,9 +93,7 @@ class Stream:
         finish, tokens = None, None
         try:
             for line in self.lines:
-                # Only the chunks that end the stream are parsed: a thread parsing each of
-                # thousands of token chunks a second starves the test's main thread (the GIL).
-                if line.startswith("data: {") and ('"usage":{' in line.replace(' ', '') or not UNFINISHED.search(line)):
+                if line.startswith("data: {") and not is_token_chunk(line):  # only the stream's last chunks
                     chunk = json.loads(line[6:])
                     for choice in chunk.get("choices", ()):
                         finish = choice.get("finish_reason") or finish

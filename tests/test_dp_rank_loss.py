@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.server_checks import long_context_model, sse_lines, wait_until
+from tests.server_checks import is_token_chunk, long_context_model, sse_lines, wait_until
 from tinyserve.frontend.dp_client import DPLoadBalancer
 from tinyserve.testing import ServerProcess
 from tinyserve.wire.messages import SchedulerStats
@@ -47,9 +47,9 @@ def stream(url: str, i: int, started: threading.Event, progress: list[int]) -> d
         for line in sse_lines(response):
             if not line.startswith("data: {"):
                 continue
-            if '"error"' not in line and ('"finish_reason": null' in line or '"finish_reason":null' in line):
-                started.set()  # a token, nothing more: not parsed, so that six fast streams leave the
-                progress[i] += 1  # test's main thread the time to watch them
+            if is_token_chunk(line):  # not parsed (server_checks.is_token_chunk)
+                started.set()
+                progress[i] += 1
                 continue
             chunk = json.loads(line.removeprefix("data: "))
             if "error" in chunk:
