@@ -2,8 +2,13 @@
 
 Each case runs in a process of its own (malloc's settings are the whole process's): a
 "step" makes a few activations of a 2,048-token prefill's size (gate_up's output is
-11 MB) and frees them, and the minor page faults of a step after five are counted. The
-control pins glibc's mmap threshold where it starts: each block then comes fresh from the
+11 MB) and frees them, and the minor page faults of each of twenty steps are
+counted after ten more. With the heap kept, a step now and then still takes one block's
+worth of fresh pages: the small blocks torch and Python allocate between the large ones
+are carved from the freed holes, a hole is left one block short, and the heap grows by a
+block. Which steps do it depends on the process's memory layout (on things as remote as
+the length of its environment's strings): most steps fault nothing, and in 60 layouts
+tried at most 4 of the 20 grew it, all in the first eight. The control pins glibc's mmap threshold where it starts: each block then comes fresh from the
 kernel and goes back to it. (Left alone, glibc moves its thresholds with what is freed, and
 whether a step's blocks come back fresh then depends on the process's history: in an engine
 they did, 8,700-13,300 faults a prefill step; in a small probe like this one, not always.)
@@ -33,11 +38,14 @@ def step():  # large activations, alive together, all freed at the step's end
     a, b = gate_up + 1, gate_up * 2
     return (a * b).sum()
 
-for _ in range(5):  # the heap settles: a freed block is reused once one of its size has been freed
+for _ in range(10):  # the heap settles: a freed block is reused once one of its size has been freed
     step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-step()
-print(json.dumps({"kept": kept, "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}))
+faults = []
+for _ in range(20):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"kept": kept, "faults": faults}))
 """
 PAGES = 2048 * 2560 * 2 // 4096  # the 4 KiB pages of one of the step's largest tensors: 2,560
 
@@ -53,8 +61,10 @@ def probe(mode: str, **env) -> dict:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_a_freed_activation_is_reused_without_faulting_its_pages_in_again():
     plain, kept = probe("plain"), probe("keep")
-    assert plain["faults"] > PAGES // 2  # each block given back when freed: its pages fault in again
-    assert kept["kept"] and kept["faults"] < PAGES // 20
+    assert min(plain["faults"]) > PAGES // 2  # each block given back when freed: its pages fault in again
+    assert kept["kept"]
+    assert sorted(kept["faults"])[10] < PAGES // 20, kept  # most steps fault nothing
+    assert sum(kept["faults"]) < sum(plain["faults"]) // 4, (kept, plain)  # the heap grows now and then, by a block
 
 
 def test_a_users_own_malloc_settings_are_left_alone():
