@@ -53,7 +53,9 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
         logits = self.process_logits(logits, requests)
-        sampled = logits.argmax(dim=-1)
+        # max's indices are argmax's (the first of equal maxima; a NaN counts as the largest), but
+        # torch's CPU argmax is a scalar loop: [64, 8192] fp32 on 2 threads, 125 us against 387.
+        sampled = logits.max(dim=-1).indices
         random_rows = [row for row, p in enumerate(params) if not p.is_greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
