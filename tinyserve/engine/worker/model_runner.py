@@ -128,9 +128,9 @@ class ModelRunner:
                 sampling_ids.append(scheduled.request_id)
 
         max_blocks = max(len(state.block_ids) for state in states)
-        block_tables = torch.zeros((len(seq_lens), max_blocks), dtype=torch.int32)
-        for i, state in enumerate(states):
-            block_tables[i, : len(state.block_ids)] = torch.tensor(state.block_ids, dtype=torch.int32)
+        # One tensor from the padded rows, not one per request copied in: a decode step of 64 requests made 128 small ops.
+        block_tables = torch.tensor([state.block_ids + [0] * (max_blocks - len(state.block_ids)) for state in states],
+                                    dtype=torch.int32)
 
         def on_device(values, dtype):
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
