@@ -2,16 +2,17 @@
 
 Each case runs in a process of its own (malloc's settings are the whole process's): a
 "step" makes a few activations of a 2,048-token prefill's size (gate_up's output is
-11 MB) and frees them, and the minor page faults of each of twenty steps are
-counted after ten more. With the heap kept, a step now and then still takes one block's
-worth of fresh pages: the small blocks torch and Python allocate between the large ones
-are carved from the freed holes, a hole is left one block short, and the heap grows by a
+11 MB) and frees them, and the minor page faults of each of twenty steps are counted,
+after ten more. With the heap kept, a step now and then still takes one block's worth
+of fresh pages: the small blocks torch and Python allocate between the large ones are
+carved from the freed holes, a hole is left one block short, and the heap grows by a
 block. Which steps do it depends on the process's memory layout (on things as remote as
 the length of its environment's strings): most steps fault nothing, and in 60 layouts
-tried at most 4 of the 20 grew it, all in the first eight. The control pins glibc's mmap threshold where it starts: each block then comes fresh from the
-kernel and goes back to it. (Left alone, glibc moves its thresholds with what is freed, and
-whether a step's blocks come back fresh then depends on the process's history: in an engine
-they did, 8,700-13,300 faults a prefill step; in a small probe like this one, not always.)
+tried at most 4 of the 20 grew it, all in the first eight. The control pins glibc's mmap
+threshold where it starts: each block then comes fresh from the kernel and goes back to
+it. (Left alone, glibc moves its thresholds with what is freed, and whether a step's
+blocks come back fresh then depends on the process's history: in an engine they did,
+8,700-13,300 faults a prefill step; in a small probe like this one, not always.)
 """
 
 import json

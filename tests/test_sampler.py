@@ -82,13 +82,14 @@ def test_greedy_picks_the_argmax_every_time():
         assert {sample_one(values, request, sampler) for _ in range(50)} == {3}
 
 
-
 def test_greedy_takes_the_first_of_equal_maxima_and_a_nan_as_the_largest_as_argmax_does():
     inf, nan = math.inf, math.nan
     rows = [[0.5, 2.0, 1.0, 2.0], [-inf, -inf, -inf, -inf], [1.0, inf, 3.0, inf], [1.0, nan, 3.0, nan],
             [nan, nan, nan, nan], [1.0, 1.0, 1.0, 1.0]]
     token_ids, _ = Sampler(CPU).sample(torch.tensor(rows), [make_request(temperature=0.0)] * len(rows))
     assert token_ids == [1, 0, 1, 1, 0, 0]  # torch.argmax's answers, worked out by hand
+
+
 def test_each_row_of_a_batch_uses_its_own_params():
     values = [1.0, 3.0, 2.0, 0.0, 0.5, -1.0, 0.0, 2.5]
     logits = torch.tensor([values] * 4, dtype=torch.float32)

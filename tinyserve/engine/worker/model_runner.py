@@ -128,7 +128,7 @@ class ModelRunner:
                 sampling_ids.append(scheduled.request_id)
 
         max_blocks = max(len(state.block_ids) for state in states)
-        # One tensor from the padded rows, not one per request copied in: a decode step of 64 requests made 128 small ops.
+        # One tensor from the padded rows, not one per request copied in (128 small ops for 64 decodes).
         block_tables = torch.tensor([state.block_ids + [0] * (max_blocks - len(state.block_ids)) for state in states],
                                     dtype=torch.int32)
 
