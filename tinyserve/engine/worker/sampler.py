@@ -53,9 +53,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
         logits = self.process_logits(logits, requests)
-        # max's indices are argmax's (the first of equal maxima; a NaN counts as the largest), but
-        # torch's CPU argmax is a scalar loop: [64, 8192] fp32 on 2 threads, 125 us against 387.
-        sampled = logits.max(dim=-1).indices
+        sampled = first_argmax(logits)
         random_rows = [row for row, p in enumerate(params) if not p.is_greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
@@ -66,10 +64,11 @@ class Sampler:
             unseeded = [i for i, generator in enumerate(generators) if generator is None]
             if seeded:
                 index = torch.tensor(seeded, device=logits.device)
-                q = torch.empty_like(probs[index])
+                seeded_probs = probs[index]
+                q = torch.empty_like(seeded_probs)
                 for row, i in enumerate(seeded):
                     q[row].exponential_(generator=generators[i])
-                drawn[index] = (probs[index] / q).argmax(dim=-1)
+                drawn[index] = first_argmax(seeded_probs / q)
             if unseeded:
                 index = torch.tensor(unseeded, device=logits.device)
                 uniforms = torch.rand(len(unseeded), generator=self.generator, device=logits.device)
@@ -119,6 +118,15 @@ class Sampler:
         if request.generator is None:
             request.generator = torch.Generator(device=self.device).manual_seed(seed)
         return request.generator
+
+
+def first_argmax(values: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dimension: the first of equal maxima, a NaN counted as the largest.
+
+    torch's `max` gives argmax's indices, and on a CPU in a third of the time: its argmax
+    is a scalar loop ([64, 8192] fp32 on 2 threads: 125 us against 387).
+    """
+    return values.max(dim=-1).indices
 
 
 def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
