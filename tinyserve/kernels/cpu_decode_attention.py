@@ -3,9 +3,9 @@
 One query token per sequence, against every key and value the sequence has cached:
 
     for each sequence s (in parallel, one per thread at a time):
-        scores[t, h, g] = q[s, h, g] . K[t, h] * scale     for t < seq_lens[s]  (block by block)
-        weights         = softmax over t                    (per query head)
-        out[s, h, g]    = sum_t weights[t, h, g] * V[t, h]  (block by block)
+        scores[h, g, t] = q[s, h, g] . K[t, h] * scale     for t < seq_lens[s]  (block by block)
+        weights[h, g]   = softmax(scores[h, g])             (a row per query head)
+        out[s, h, g]    = sum_t weights[h, g, t] * V[t, h]  (block by block)
 
 where token t of sequence s sits in block block_tables[s][t // block_size] at offset
 t % block_size, h is a KV head and g one of the query heads that share it (grouped-query
@@ -30,6 +30,17 @@ writable it compiles in every process): compiling takes ~3 s per KV-cache dtype,
 it back ~0.3 s. `why_unusable` runs the kernel once when the engine picks its backend, so
 a machine where numba cannot start its threads gets the reference backend instead.
 
+Where its time goes, and the two places the loops are written for the machine (measured on
+the 2-core Intel Xeon of BENCHMARKS.md, 64 sequences of 128-192 tokens, 4 KV heads of 64,
+bf16 cache, one thread: 1.35 ms a layer before, 0.98 after; 0.72 and 0.52 on two threads):
+- The softmax keeps each query head's scores in one contiguous row, so its three passes are
+  vector loops, and exponentiates with `_exp` (cpu_elementwise.py), which LLVM vectorizes:
+  numba's np.exp is a call per element. It had been a quarter of the kernel.
+- The weighted sum of the values is `_add_weighted_rows`, LLVM IR of our own: numba's loop
+  kept the sum in memory and made each multiply-add wait for the one before it.
+The score dot products stay numba's loop: an IR version with wider sums, or with the CPU's
+bf16 dot-product instruction, measured within 5 % of it.
+
 The cache's dtype. Keys and values are widened to fp32 one element at a time as they are
 read (`widen`): fp32 as is, bf16 by shifting its 16 bits into the top of an fp32 (a bf16 is
 the top half of one), fp16 and the fp8 formats through a table of what each bit pattern
@@ -43,8 +54,12 @@ import os
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
 from numba import prange, types
-from numba.extending import overload
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from tinyserve.kernels.cpu_elementwise import _NO_REASSOC, _exp
 
 # A layer whose threads several Python threads may launch at once (two engines in one process):
 # OpenMP or TBB. numba's third, "workqueue", aborts the process on a concurrent launch.
@@ -70,18 +85,106 @@ def _widen(code, table):
     return lambda code, table: table[code]  # fp16 or fp8, as bits: a table of their values
 
 
+def _array_data(context, builder, array_type, array):
+    """The address of an array's first element, in the LLVM IR numba is building."""
+    return cgutils.create_struct_proxy(array_type)(context, builder, value=array).data
+
+
+@intrinsic
+def _add_weighted_rows(typingctx, out, out_at, rows, rows_at, row_stride, weights, weights_at, count, width):
+    """out[out_at:][:width] += sum over i < count of weights[weights_at + i] * rows[rows_at + i * row_stride:][:width].
+
+    rows: the value cache, fp32 or bf16 bits (C-contiguous, as numpy sees it); width a multiple of 16.
+    Written as LLVM IR (numba's `intrinsic`: we emit the instructions, numba inlines them into the
+    kernel) because the loop numba compiles from Python keeps the sum in `out`, in memory, and
+    goes through one row at a time with a single chain of multiply-adds: each waits for the last
+    (4 cycles). Here the sum of 64 columns stays in four 16-wide registers across the rows, four
+    independent chains, and is stored once. The additions happen in the same order (row by row).
+    """
+    if any(array.layout != "C" for array in (out, rows, weights)):
+        return None  # the offsets count elements of C-contiguous arrays: anything else fails to compile
+    sig = types.void(out, out_at, rows, rows_at, row_stride, weights, weights_at, count, width)
+    bf16 = isinstance(rows.dtype, types.Integer)
+    i32, f32x16 = ir.IntType(32), ir.VectorType(ir.FloatType(), 16)
+    i16x16, i32x16 = ir.VectorType(ir.IntType(16), 16), ir.VectorType(ir.IntType(32), 16)
+
+    def codegen(context, builder, signature, args):
+        out_at, rows_at, row_stride, weights_at, count, width = args[1], args[3], args[4], args[6], args[7], args[8]
+        out0 = builder.gep(_array_data(context, builder, signature.args[0], args[0]), [out_at])
+        rows0 = builder.gep(_array_data(context, builder, signature.args[2], args[2]), [rows_at])
+        weights0 = builder.gep(_array_data(context, builder, signature.args[5], args[5]), [weights_at])
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32x16, [f32x16] * 3), "llvm.fma.v16f32")
+
+        def sixteen(offset):  # 16 elements of the rows, as fp32 (a bf16 is the top half of an fp32)
+            address = builder.gep(rows0, [offset])
+            if bf16:
+                bits = builder.zext(builder.load(builder.bitcast(address, i16x16.as_pointer()), align=2), i32x16)
+                return builder.bitcast(builder.shl(bits, ir.Constant(i32x16, [16] * 16)), f32x16)
+            return builder.load(builder.bitcast(address, f32x16.as_pointer()), align=4)
+
+        def columns(first, passes, registers):  # `passes` runs over 16 * registers columns each, from `first`
+            sums = [cgutils.alloca_once(builder, f32x16) for _ in range(registers)]
+            with cgutils.for_range(builder, passes) as each_pass:
+                start = builder.add(first, builder.mul(each_pass.index, ir.Constant(width.type, 16 * registers)))
+                targets = [builder.bitcast(builder.gep(out0, [builder.add(start, ir.Constant(width.type, 16 * k))]),
+                                           f32x16.as_pointer()) for k in range(registers)]
+                for total, target in zip(sums, targets):
+                    builder.store(builder.load(target, align=4), total)
+                with cgutils.for_range(builder, count) as row:
+                    weight = builder.load(builder.gep(weights0, [row.index]))
+                    weight = builder.insert_element(ir.Constant(f32x16, None), weight, ir.Constant(i32, 0))
+                    weight = builder.shuffle_vector(weight, ir.Constant(f32x16, None), ir.Constant(i32x16, [0] * 16))
+                    row_start = builder.add(builder.mul(row.index, row_stride), start)
+                    for k, total in enumerate(sums):
+                        values = sixteen(builder.add(row_start, ir.Constant(width.type, 16 * k)))
+                        builder.store(builder.call(fma, [weight, values, builder.load(total)]), total)
+                for total, target in zip(sums, targets):
+                    builder.store(builder.load(total), target, align=4)
+
+        fours = builder.udiv(width, ir.Constant(width.type, 64))
+        columns(ir.Constant(width.type, 0), fours, 4)  # 64 columns a pass
+        rest = builder.udiv(builder.urem(width, ir.Constant(width.type, 64)), ir.Constant(width.type, 16))
+        columns(builder.mul(fours, ir.Constant(width.type, 64)), rest, 1)  # then 16 a pass
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(fastmath=True)
+def _largest(row):
+    largest = row[0]
+    for t in range(1, row.shape[0]):
+        largest = max(largest, row[t])
+    return largest
+
+
+@numba.njit(fastmath=_NO_REASSOC)  # _exp's two-part ln 2 must not be regrouped
+def _exponentiate(row, largest):
+    for t in range(row.shape[0]):
+        row[t] = _exp(row[t] - largest)
+
+
+@numba.njit(fastmath=True)
+def _normalise(row):
+    total = np.float32(0.0)
+    for t in range(row.shape[0]):
+        total += row[t]
+    for t in range(row.shape[0]):
+        row[t] /= total
+
+
 # fastmath: LLVM may reorder sums (vector multiply-adds) and assume no NaN or infinity; keys,
 # values and scores are finite (an fp8_e5m2 cache could hold an infinity: its result is undefined).
 @numba.njit(parallel=True, fastmath=True)
 def _paged_decode(query, k_cache, v_cache, table, block_tables, seq_lens, scale, out):
-    """query/out [n, Hkv, G, D] fp32; k_cache/v_cache [num_blocks, block_size, Hkv, D] (codes)."""
+    """query/out [n, Hkv, G, D] fp32; k_cache/v_cache [num_blocks, block_size, Hkv, D] (codes), C-contiguous."""
     num_seqs, num_kv_heads, group, head_dim = query.shape
     block_size = k_cache.shape[1]
     for s in prange(num_seqs):
         seq_len = seq_lens[s]
         num_blocks = (seq_len + block_size - 1) // block_size
         q = query[s]
-        scores = np.empty((seq_len, num_kv_heads, group), dtype=np.float32)
+        scores = np.empty((num_kv_heads, group, seq_len), dtype=np.float32)  # a row per query head
         # 1. Scores, one block of keys at a time (each block read front to back, once).
         for b in range(num_blocks):
             keys = k_cache[block_tables[s, b]]
@@ -91,31 +194,34 @@ def _paged_decode(query, k_cache, v_cache, table, block_tables, seq_lens, scale,
                         dot = np.float32(0.0)
                         for d in range(head_dim):
                             dot += q[h, g, d] * widen(keys[i, h, d], table)
-                        scores[b * block_size + i, h, g] = dot * scale
+                        scores[h, g, b * block_size + i] = dot * scale
         # 2. Softmax over the sequence, per query head: subtract the largest score, exponentiate, normalise.
         for h in range(num_kv_heads):
             for g in range(group):
-                largest = scores[0, h, g]
-                for t in range(1, seq_len):
-                    largest = max(largest, scores[t, h, g])
-                total = np.float32(0.0)
-                for t in range(seq_len):
-                    weight = np.exp(scores[t, h, g] - largest)
-                    scores[t, h, g] = weight
-                    total += weight
-                for t in range(seq_len):
-                    scores[t, h, g] /= total
+                row = scores[h, g]
+                _exponentiate(row, _largest(row))
+                _normalise(row)
         # 3. The weighted sum of the values, one block at a time.
         o = out[s]
         o[:] = 0.0
         for b in range(num_blocks):
-            values = v_cache[block_tables[s, b]]
-            for i in range(min(block_size, seq_len - b * block_size)):
+            block = block_tables[s, b]
+            count = min(block_size, seq_len - b * block_size)
+            if table is None and head_dim % 16 == 0:  # fp32 or bf16: sixteen columns at a time, in registers
                 for h in range(num_kv_heads):
                     for g in range(group):
-                        weight = scores[b * block_size + i, h, g]
-                        for d in range(head_dim):
-                            o[h, g, d] += weight * widen(values[i, h, d], table)
+                        _add_weighted_rows(out, ((s * num_kv_heads + h) * group + g) * head_dim,
+                                           v_cache, (block * block_size * num_kv_heads + h) * head_dim,
+                                           num_kv_heads * head_dim, scores, (h * group + g) * seq_len + b * block_size,
+                                           count, head_dim)
+            else:
+                values = v_cache[block]
+                for i in range(count):
+                    for h in range(num_kv_heads):
+                        for g in range(group):
+                            weight = scores[h, g, b * block_size + i]
+                            for d in range(head_dim):
+                                o[h, g, d] += weight * widen(values[i, h, d], table)
 
 
 try:
@@ -154,6 +260,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     num_kv_heads = kv_cache.shape[-2]
     rows = query.float().reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).contiguous()
     out = torch.empty_like(rows)
+    kv_cache = kv_cache.contiguous()  # as the engine allocates it (a no-op): the kernel's offsets assume it
     k_codes, table = _codes(kv_cache[0])
     v_codes, _ = _codes(kv_cache[1])
     _paged_decode(rows.numpy(), k_codes, v_codes, table, block_tables, seq_lens, np.float32(scale), out.numpy())
