@@ -55,6 +55,7 @@ import numba
 import numpy as np
 import torch
 from llvmlite import ir
+from llvmlite.binding import llvm_version_info
 from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
@@ -150,6 +151,39 @@ def _add_weighted_rows(typingctx, out, out_at, rows, rows_at, row_stride, weight
     return sig, codegen
 
 
+# llvm.prefetch takes a pointer, and LLVM names its overloads by pointer type: "p0" once pointers are opaque.
+_PREFETCH = "llvm.prefetch.p0" if llvm_version_info[0] >= 17 else "llvm.prefetch.p0i8"
+
+
+@intrinsic
+def _prefetch(typingctx, array, at, count):
+    """Ask the CPU to start loading array[at : at + count] into its caches: a hint, with no result and no fault.
+
+    A sequence's blocks lie anywhere in the cache, so the CPU cannot guess where the next one
+    is, and each block read from memory waits for its first lines. The kernel names the next
+    block while it works on this one. Measured as in the module's docstring, but with each of
+    eight layers' caches read in turn, as a step reads them: 1.2-1.3 ms a layer without, 0.9-1.0 with.
+    """
+    if array.layout != "C":
+        return None
+    sig = types.void(array, at, count)
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+
+    def codegen(context, builder, signature, args):
+        start = builder.bitcast(builder.gep(_array_data(context, builder, signature.args[0], args[0]), [args[1]]), i8p)
+        prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                                  _PREFETCH)
+        nbytes = builder.mul(args[2], ir.Constant(args[2].type, signature.args[0].dtype.bitwidth // 8))
+        line, zero = ir.Constant(nbytes.type, 64), ir.Constant(nbytes.type, 0)
+        with cgutils.for_range_slice(builder, zero, nbytes, line) as (at, _):  # one 64-byte line at a time
+            # a read (0), to be kept in every cache level (3), of data (1)
+            flags = [ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)]
+            builder.call(prefetch, [builder.gep(start, [at]), *flags])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @numba.njit(fastmath=True)
 def _largest(row):
     largest = row[0]
@@ -185,8 +219,13 @@ def _paged_decode(query, k_cache, v_cache, table, block_tables, seq_lens, scale,
         num_blocks = (seq_len + block_size - 1) // block_size
         q = query[s]
         scores = np.empty((num_kv_heads, group, seq_len), dtype=np.float32)  # a row per query head
-        # 1. Scores, one block of keys at a time (each block read front to back, once).
+        # 1. Scores, one block of keys at a time (each block read front to back, once), the next one on its way.
+        block_elements = block_size * num_kv_heads * head_dim
         for b in range(num_blocks):
+            if b + 1 < num_blocks:
+                _prefetch(k_cache, block_tables[s, b + 1] * block_elements, block_elements)
+            else:  # the values' first block
+                _prefetch(v_cache, block_tables[s, 0] * block_elements, block_elements)
             keys = k_cache[block_tables[s, b]]
             for i in range(min(block_size, seq_len - b * block_size)):
                 for h in range(num_kv_heads):
@@ -207,6 +246,10 @@ def _paged_decode(query, k_cache, v_cache, table, block_tables, seq_lens, scale,
         for b in range(num_blocks):
             block = block_tables[s, b]
             count = min(block_size, seq_len - b * block_size)
+            if b + 1 < num_blocks:
+                _prefetch(v_cache, block_tables[s, b + 1] * block_elements, block_elements)
+            elif s + 1 < num_seqs:  # the next sequence's first keys (this thread's next, mostly)
+                _prefetch(k_cache, block_tables[s + 1, 0] * block_elements, block_elements)
             if table is None and head_dim % 16 == 0:  # fp32 or bf16: sixteen columns at a time, in registers
                 for h in range(num_kv_heads):
                     for g in range(group):
