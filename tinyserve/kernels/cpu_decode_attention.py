@@ -30,14 +30,18 @@ writable it compiles in every process): compiling takes ~3 s per KV-cache dtype,
 it back ~0.3 s. `why_unusable` runs the kernel once when the engine picks its backend, so
 a machine where numba cannot start its threads gets the reference backend instead.
 
-Where its time goes, and the two places the loops are written for the machine (measured on
+Where its time goes, and the three places the loops are written for the machine (measured on
 the 2-core Intel Xeon of BENCHMARKS.md, 64 sequences of 128-192 tokens, 4 KV heads of 64,
 bf16 cache, one thread: 1.35 ms a layer before, 0.98 after; 0.72 and 0.52 on two threads):
 - The softmax keeps each query head's scores in one contiguous row, so its three passes are
   vector loops, and exponentiates with `_exp` (cpu_elementwise.py), which LLVM vectorizes:
   numba's np.exp is a call per element. It had been a quarter of the kernel.
-- The weighted sum of the values is `_add_weighted_rows`, LLVM IR of our own: numba's loop
+- The weighted sum of the values is `add_weighted_rows` (cpu_ir.py), LLVM IR of our own: numba's loop
   kept the sum in memory and made each multiply-add wait for the one before it.
+- The next block is prefetched (`prefetch`, cpu_ir.py) while the kernel works on this one: a
+  sequence's blocks lie anywhere in the cache, so the CPU cannot guess where the next one is.
+  With each of eight layers' caches read in turn, as a step reads them, a bf16 layer took
+  1.2-1.3 ms without it and 0.9-1.0 with it (two threads).
 The score dot products stay numba's loop: an IR version with wider sums, or with the CPU's
 bf16 dot-product instruction, measured within 5 % of it.
 
@@ -54,13 +58,11 @@ import os
 import numba
 import numpy as np
 import torch
-from llvmlite import ir
-from llvmlite.binding import llvm_version_info
 from numba import prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
 from tinyserve.kernels.cpu_elementwise import _NO_REASSOC, _exp
+from tinyserve.kernels.cpu_ir import add_weighted_rows, prefetch
 
 # A layer whose threads several Python threads may launch at once (two engines in one process):
 # OpenMP or TBB. numba's third, "workqueue", aborts the process on a concurrent launch.
@@ -84,104 +86,6 @@ def _widen(code, table):
     if isinstance(table, types.NoneType):  # bf16, as its bits: they are the top half of the fp32
         return lambda code, table: np.uint32(np.uint32(code) << np.uint32(16)).view(np.float32)
     return lambda code, table: table[code]  # fp16 or fp8, as bits: a table of their values
-
-
-def _array_data(context, builder, array_type, array):
-    """The address of an array's first element, in the LLVM IR numba is building."""
-    return cgutils.create_struct_proxy(array_type)(context, builder, value=array).data
-
-
-@intrinsic
-def _add_weighted_rows(typingctx, out, out_at, rows, rows_at, row_stride, weights, weights_at, count, width):
-    """out[out_at:][:width] += sum over i < count of weights[weights_at + i] * rows[rows_at + i * row_stride:][:width].
-
-    rows: the value cache, fp32 or bf16 bits (C-contiguous, as numpy sees it); width a multiple of 16.
-    Written as LLVM IR (numba's `intrinsic`: we emit the instructions, numba inlines them into the
-    kernel) because the loop numba compiles from Python keeps the sum in `out`, in memory, and
-    goes through one row at a time with a single chain of multiply-adds: each waits for the last
-    (4 cycles). Here the sum of 64 columns stays in four 16-wide registers across the rows, four
-    independent chains, and is stored once. The additions happen in the same order (row by row).
-    """
-    if any(array.layout != "C" for array in (out, rows, weights)):
-        return None  # the offsets count elements of C-contiguous arrays: anything else fails to compile
-    sig = types.void(out, out_at, rows, rows_at, row_stride, weights, weights_at, count, width)
-    bf16 = isinstance(rows.dtype, types.Integer)
-    i32, f32x16 = ir.IntType(32), ir.VectorType(ir.FloatType(), 16)
-    i16x16, i32x16 = ir.VectorType(ir.IntType(16), 16), ir.VectorType(ir.IntType(32), 16)
-
-    def codegen(context, builder, signature, args):
-        out_at, rows_at, row_stride, weights_at, count, width = args[1], args[3], args[4], args[6], args[7], args[8]
-        out0 = builder.gep(_array_data(context, builder, signature.args[0], args[0]), [out_at])
-        rows0 = builder.gep(_array_data(context, builder, signature.args[2], args[2]), [rows_at])
-        weights0 = builder.gep(_array_data(context, builder, signature.args[5], args[5]), [weights_at])
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32x16, [f32x16] * 3), "llvm.fma.v16f32")
-
-        def sixteen(offset):  # 16 elements of the rows, as fp32 (a bf16 is the top half of an fp32)
-            address = builder.gep(rows0, [offset])
-            if bf16:
-                bits = builder.zext(builder.load(builder.bitcast(address, i16x16.as_pointer()), align=2), i32x16)
-                return builder.bitcast(builder.shl(bits, ir.Constant(i32x16, [16] * 16)), f32x16)
-            return builder.load(builder.bitcast(address, f32x16.as_pointer()), align=4)
-
-        def columns(first, passes, registers):  # `passes` runs over 16 * registers columns each, from `first`
-            sums = [cgutils.alloca_once(builder, f32x16) for _ in range(registers)]
-            with cgutils.for_range(builder, passes) as each_pass:
-                start = builder.add(first, builder.mul(each_pass.index, ir.Constant(width.type, 16 * registers)))
-                targets = [builder.bitcast(builder.gep(out0, [builder.add(start, ir.Constant(width.type, 16 * k))]),
-                                           f32x16.as_pointer()) for k in range(registers)]
-                for total, target in zip(sums, targets):
-                    builder.store(builder.load(target, align=4), total)
-                with cgutils.for_range(builder, count) as row:
-                    weight = builder.load(builder.gep(weights0, [row.index]))
-                    weight = builder.insert_element(ir.Constant(f32x16, None), weight, ir.Constant(i32, 0))
-                    weight = builder.shuffle_vector(weight, ir.Constant(f32x16, None), ir.Constant(i32x16, [0] * 16))
-                    row_start = builder.add(builder.mul(row.index, row_stride), start)
-                    for k, total in enumerate(sums):
-                        values = sixteen(builder.add(row_start, ir.Constant(width.type, 16 * k)))
-                        builder.store(builder.call(fma, [weight, values, builder.load(total)]), total)
-                for total, target in zip(sums, targets):
-                    builder.store(builder.load(total), target, align=4)
-
-        fours = builder.udiv(width, ir.Constant(width.type, 64))
-        columns(ir.Constant(width.type, 0), fours, 4)  # 64 columns a pass
-        rest = builder.udiv(builder.urem(width, ir.Constant(width.type, 64)), ir.Constant(width.type, 16))
-        columns(builder.mul(fours, ir.Constant(width.type, 64)), rest, 1)  # then 16 a pass
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-# llvm.prefetch takes a pointer, and LLVM names its overloads by pointer type: "p0" once pointers are opaque.
-_PREFETCH = "llvm.prefetch.p0" if llvm_version_info[0] >= 17 else "llvm.prefetch.p0i8"
-
-
-@intrinsic
-def _prefetch(typingctx, array, at, count):
-    """Ask the CPU to start loading array[at : at + count] into its caches: a hint, with no result and no fault.
-
-    A sequence's blocks lie anywhere in the cache, so the CPU cannot guess where the next one
-    is, and each block read from memory waits for its first lines. The kernel names the next
-    block while it works on this one. Measured as in the module's docstring, but with each of
-    eight layers' caches read in turn, as a step reads them: 1.2-1.3 ms a layer without, 0.9-1.0 with.
-    """
-    if array.layout != "C":
-        return None
-    sig = types.void(array, at, count)
-    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-
-    def codegen(context, builder, signature, args):
-        start = builder.bitcast(builder.gep(_array_data(context, builder, signature.args[0], args[0]), [args[1]]), i8p)
-        prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                                  _PREFETCH)
-        nbytes = builder.mul(args[2], ir.Constant(args[2].type, signature.args[0].dtype.bitwidth // 8))
-        line, zero = ir.Constant(nbytes.type, 64), ir.Constant(nbytes.type, 0)
-        with cgutils.for_range_slice(builder, zero, nbytes, line) as (at, _):  # one 64-byte line at a time
-            # a read (0), to be kept in every cache level (3), of data (1)
-            flags = [ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)]
-            builder.call(prefetch, [builder.gep(start, [at]), *flags])
-        return context.get_dummy_value()
-
-    return sig, codegen
 
 
 @numba.njit(fastmath=True)
@@ -223,9 +127,9 @@ def _paged_decode(query, k_cache, v_cache, table, block_tables, seq_lens, scale,
         block_elements = block_size * num_kv_heads * head_dim
         for b in range(num_blocks):
             if b + 1 < num_blocks:
-                _prefetch(k_cache, block_tables[s, b + 1] * block_elements, block_elements)
+                prefetch(k_cache, block_tables[s, b + 1] * block_elements, block_elements)
             else:  # the values' first block
-                _prefetch(v_cache, block_tables[s, 0] * block_elements, block_elements)
+                prefetch(v_cache, block_tables[s, 0] * block_elements, block_elements)
             keys = k_cache[block_tables[s, b]]
             for i in range(min(block_size, seq_len - b * block_size)):
                 for h in range(num_kv_heads):
@@ -247,13 +151,13 @@ def _paged_decode(query, k_cache, v_cache, table, block_tables, seq_lens, scale,
             block = block_tables[s, b]
             count = min(block_size, seq_len - b * block_size)
             if b + 1 < num_blocks:
-                _prefetch(v_cache, block_tables[s, b + 1] * block_elements, block_elements)
+                prefetch(v_cache, block_tables[s, b + 1] * block_elements, block_elements)
             elif s + 1 < num_seqs:  # the next sequence's first keys (this thread's next, mostly)
-                _prefetch(k_cache, block_tables[s + 1, 0] * block_elements, block_elements)
+                prefetch(k_cache, block_tables[s + 1, 0] * block_elements, block_elements)
             if table is None and head_dim % 16 == 0:  # fp32 or bf16: sixteen columns at a time, in registers
                 for h in range(num_kv_heads):
                     for g in range(group):
-                        _add_weighted_rows(out, ((s * num_kv_heads + h) * group + g) * head_dim,
+                        add_weighted_rows(out, ((s * num_kv_heads + h) * group + g) * head_dim,
                                            v_cache, (block * block_size * num_kv_heads + h) * head_dim,
                                            num_kv_heads * head_dim, scores, (h * group + g) * seq_len + b * block_size,
                                            count, head_dim)
