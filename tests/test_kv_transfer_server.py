@@ -112,7 +112,12 @@ def test_one_trace_holds_the_router_the_prefill_and_the_decode_and_its_kv_transf
 
     wait_until(lambda: len(routes()) == 2, 30, "the router wrote a route span for each leg")
     assert sorted(s.attributes[schema.ROUTER_PD_LEG] for s in routes()) == ["decode", "prefill"]
-    [decode_prefill] = [s for s in spans_in(decode) if s.name == schema.PREFILL and s.trace_id == trace_id]
+
+    def decode_prefills() -> list:  # the engine's request spans go out when it exports, after the transfer's
+        return [s for s in spans_in(decode) if s.name == schema.PREFILL and s.trace_id == trace_id]
+
+    wait_until(lambda: decode_prefills(), 30, "the decode server wrote the request's prefill span")
+    [decode_prefill] = decode_prefills()
     assert decode_prefill.attributes[schema.KV_TRANSFER_NUM_RECEIVED_TOKENS] == num_prompt - 1
     chunks = [event.attributes[schema.CHUNK_TOKENS] for event in decode_prefill.events
               if event.name == schema.EVENT_PREFILL_CHUNK]
