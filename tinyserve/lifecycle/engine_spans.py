@@ -27,10 +27,11 @@ operator it interrupts waits for the core it took.
 import queue
 import threading
 
-from opentelemetry import trace
+from opentelemetry.sdk.trace import Event
 from opentelemetry.trace import Link, Status, StatusCode
 
 from tinyserve.lifecycle import schema
+from tinyserve.lifecycle.ended_spans import EndedSpans, span_context_of
 from tinyserve.lifecycle.engine_records import (
     FinishedRequest,
     StepSpanInput,
@@ -53,6 +54,7 @@ class EngineSpanBuilder:
         self.engine_index = engine_index
         self.structured_outputs_backend = structured_outputs_backend
         self.tracer = get_tracer()
+        self.spans = EndedSpans(self.tracer)  # every span here has ended before it is built
         self.inline = inline
         self._pending: list[tuple] = []  # inline: records not built yet
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -180,68 +182,55 @@ class EngineSpanBuilder:
     def _request_spans(self, request: FinishedRequest) -> None:
         self._links.pop(request.request_id, None)
         timelines = self.timelines.links_of(request.request_id)
-        parent = extract_context(request.trace_context)
+        parent = span_context_of(extract_context(request.trace_context))
         times = request.times
         common = {schema.REQUEST_ID: request.request_id, schema.ENGINE_INDEX: self.engine_index}
         end = times.finished_time
         scheduled = times.first_scheduled_time or end
-        queue_span = self.tracer.start_span(schema.QUEUE, context=parent, start_time=_ns(times.queued_time),
-                                            attributes={**common, schema.QUEUE_DEPTH_AT_ARRIVAL: request.queue_depth_at_arrival,
-                                                        **({schema.GEN_AI_REQUEST_SEED: request.seed}
-                                                           if request.seed is not None else {}), **request.attributes})
-        queue_span.end(end_time=_ns(scheduled))
+        self.spans.record(schema.QUEUE, parent, _ns(times.queued_time), _ns(scheduled), {
+            **common, schema.QUEUE_DEPTH_AT_ARRIVAL: request.queue_depth_at_arrival,
+            **({schema.GEN_AI_REQUEST_SEED: request.seed} if request.seed is not None else {}), **request.attributes})
         if request.structured_output_kind is not None and times.structured_output_start is not None:
-            grammar = self.tracer.start_span(schema.STRUCTURED_OUTPUT, context=parent, attributes={
-                **common, schema.STRUCTURED_OUTPUT_KIND: request.structured_output_kind,
-                schema.STRUCTURED_OUTPUT_CACHE_HIT: times.structured_output_cache_hit,
-                schema.STRUCTURED_OUTPUT_BACKEND: self.structured_outputs_backend,
-            }, start_time=_ns(times.structured_output_start))
-            grammar.end(end_time=_ns(times.structured_output_end or end))
+            self.spans.record(schema.STRUCTURED_OUTPUT, parent, _ns(times.structured_output_start),
+                              _ns(times.structured_output_end or end), {
+                                  **common, schema.STRUCTURED_OUTPUT_KIND: request.structured_output_kind,
+                                  schema.STRUCTURED_OUTPUT_CACHE_HIT: times.structured_output_cache_hit,
+                                  schema.STRUCTURED_OUTPUT_BACKEND: self.structured_outputs_backend})
         if times.first_scheduled_time is None:  # aborted while waiting: nothing else happened
             return
         first_token = times.first_token_time or end
-        prefill = self.tracer.start_span(schema.PREFILL, context=parent, start_time=_ns(scheduled), attributes={
+        events = [Event(schema.EVENT_PREFILL_CHUNK, {schema.CHUNK_TOKENS: num_tokens}, _ns(chunk_time))
+                  for chunk_time, num_tokens in times.prefill_chunks if chunk_time <= first_token]
+        events += [Event(schema.EVENT_PREEMPTED, None, _ns(preempted))
+                   for preempted in times.preemption_times if preempted <= first_token]
+        self.spans.record(schema.PREFILL, parent, _ns(scheduled), _ns(first_token), {
             **common, schema.NUM_CACHED_TOKENS: request.num_cached_tokens, schema.NUM_PROMPT_TOKENS: request.num_prompt_tokens,
             **request.prefill_attributes,
-        }, links=timelines)
-        for chunk_time, num_tokens in times.prefill_chunks:
-            if chunk_time <= first_token:
-                prefill.add_event(schema.EVENT_PREFILL_CHUNK, {schema.CHUNK_TOKENS: num_tokens}, timestamp=_ns(chunk_time))
-        decode_preemptions = []
-        for preempted in times.preemption_times:
-            if preempted <= first_token:
-                prefill.add_event(schema.EVENT_PREEMPTED, timestamp=_ns(preempted))
-            else:
-                decode_preemptions.append(preempted)
-        self._end(prefill, first_token, request.finish_reason if times.first_token_time is None else None)
+        }, timelines, events, self._status(request.finish_reason if times.first_token_time is None else None))
         if times.first_token_time is None:
             return
-        decode = self.tracer.start_span(schema.DECODE, context=parent, start_time=_ns(first_token), attributes={
+        self.spans.record(schema.DECODE, parent, _ns(first_token), _ns(end), {
             **common,
             schema.NUM_OUTPUT_TOKENS: request.num_output_tokens,
             schema.TOKEN_TIMES: [_ns(t) for t in times.token_times],
             schema.NUM_PREEMPTIONS: len(times.preemption_times),
             schema.FINISH_REASON: request.finish_reason,
             **request.decode_attributes,
-        }, links=timelines)
-        for preempted in decode_preemptions:
-            decode.add_event(schema.EVENT_PREEMPTED, timestamp=_ns(preempted))
-        self._end(decode, end, request.finish_reason)
+        }, timelines, [Event(schema.EVENT_PREEMPTED, None, _ns(preempted))
+                       for preempted in times.preemption_times if preempted > first_token],
+            self._status(request.finish_reason))
 
     @staticmethod
     def _link_to(trace_context: dict[str, str]) -> Link | None:
         context = extract_context(trace_context)
         if context is None:
             return None
-        # No attributes on the link: the step's request ids list the same requests in the same
-        # order, and attributes here would be copied and checked again for every step span.
-        return Link(trace.get_current_span(context).get_span_context())
+        # No attributes on the link: the step's request ids list the same requests in the same order.
+        return Link(span_context_of(context))
 
     @staticmethod
-    def _end(span, end_time: float, finish_reason: str | None) -> None:
-        if finish_reason == "abort":
-            span.set_status(Status(StatusCode.ERROR, "aborted"))
-        span.end(end_time=_ns(end_time))
+    def _status(finish_reason: str | None) -> Status:
+        return Status(StatusCode.ERROR, "aborted") if finish_reason == "abort" else Status(StatusCode.UNSET)
 
     def _step_spans(self, record: StepSpanInput, served_contexts: dict[str, dict[str, str]]) -> None:
         out = record.scheduler_output
@@ -282,9 +271,7 @@ class EngineSpanBuilder:
         times = record.times
         timeline = self.timelines.context_for(times.start, times.end,
                                               [s.request_id for s in out.scheduled if s.request_id in served_contexts])
-        step = self.tracer.start_span(schema.STEP, context=timeline, start_time=_ns(times.start),
-                                      attributes=attributes, links=links)
-        step_context = trace.set_span_in_context(step)
+        step = self.spans.record(schema.STEP, timeline, _ns(times.start), _ns(times.end), attributes, links)
         phases = [(schema.SCHEDULE, times.start, times.scheduled, None),
                   (schema.EXECUTE, times.scheduled, times.executed, None if times.cpu_threads is None else {
                       schema.EXECUTE_CPU_THREADS: times.cpu_threads, schema.EXECUTE_CPU_TIME: times.execute_cpu_s}),
@@ -292,7 +279,5 @@ class EngineSpanBuilder:
         if times.ranks:  # one execute per rank, each with its own clock
             phases[1:2] = [(schema.EXECUTE, r.start, r.end, r.attributes(times.ranks)) for r in times.ranks]
         for name, start, end, phase_attributes in phases:
-            self.tracer.start_span(name, context=step_context, start_time=_ns(start),
-                                   attributes=phase_attributes).end(end_time=_ns(end))
-        step.end(end_time=_ns(times.end))
+            self.spans.record(name, step, _ns(start), _ns(end), phase_attributes)
 

@@ -87,7 +87,7 @@ class CappedOTLPJsonFileExporter(OTLPJsonFileExporter):
         yield from self._lines([s for s in spans if _group(s) in first])
         yield from self._lines([s for s in spans if _group(s) not in first])
 
-    def _write_steps(self, line: str) -> None:
+    def _write_steps(self, line: bytes) -> None:
         """Append to the newest segment (starting one when it is full), then drop the oldest
         segments of the run while it is over the cap (this one too, once it is the last)."""
         if self._segment_file is None or self._segment_size + len(line) > self.segment_bytes:
@@ -129,8 +129,8 @@ def _group(span: ReadableSpan) -> int:
     return span.context.trace_id
 
 
-def _line(spans: Sequence[ReadableSpan]) -> str:
-    return msgspec.json.encode(spans_to_otlp_json(spans)).decode() + "\n"
+def _line(spans: Sequence[ReadableSpan]) -> bytes:
+    return msgspec.json.encode(spans_to_otlp_json(spans)) + b"\n"
 
 
 def folder_bytes(run_dir: Path, steps: bool = True) -> int:

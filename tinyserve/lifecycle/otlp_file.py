@@ -35,13 +35,14 @@ _FLAG_IS_REMOTE = 0x200
 
 def spans_to_otlp_json(spans: Sequence[ReadableSpan]) -> dict:
     """One ExportTraceServiceRequest: spans grouped by resource, then by instrumentation scope."""
-    # Grouped by identity: a process has one resource and one scope, shared by all its
-    # spans, and hashing a Resource serialises its attributes every time.
+    # Resources grouped by identity: a process has one, shared by all its spans, and hashing a
+    # Resource serialises its attributes every time. Scopes by value (name, version, schema URL):
+    # the SDK's spans and ended_spans.py's carry equal scopes in two objects.
     by_resource: dict[int, tuple] = {}
     links: dict[int, dict] = {}  # a step links to the same few request spans again and again
     for span in spans:
         resource, by_scope = by_resource.setdefault(id(span.resource), (span.resource, {}))
-        scope, rendered = by_scope.setdefault(id(span.instrumentation_scope), (span.instrumentation_scope, []))
+        scope, rendered = by_scope.setdefault(span.instrumentation_scope, (span.instrumentation_scope, []))
         rendered.append(_span(span, links))
     resource_spans = []
     for resource, by_scope in by_resource.values():
@@ -117,7 +118,37 @@ def _with_attributes(out: dict, attributes, dropped: int = 0) -> dict:
 
 
 def _value(value) -> dict:
-    """One attribute value as an OTLP AnyValue."""
+    """One attribute value as an OTLP AnyValue (the common types by their exact type, the rest in _any_value)."""
+    kind = type(value)
+    if kind is str:
+        return {"stringValue": value}
+    if kind is int:
+        return {"intValue": str(value)}
+    if kind is float:
+        return _double(value)
+    if kind is bool:
+        return {"boolValue": value}
+    if (kind is tuple or kind is list) and value:
+        # Token ids, timestamps, request ids, flags: long lists of one type, rendered without a call per item.
+        kinds = {type(item) for item in value}
+        if kinds == {int}:
+            return {"arrayValue": {"values": [{"intValue": str(item)} for item in value]}}
+        if kinds == {str}:
+            return {"arrayValue": {"values": [{"stringValue": item} for item in value]}}
+        if kinds == {bool}:
+            return {"arrayValue": {"values": [{"boolValue": item} for item in value]}}
+        return {"arrayValue": {"values": [_value(item) for item in value]}}
+    return _any_value(value)
+
+
+def _double(value: float) -> dict:
+    if math.isfinite(value):
+        return {"doubleValue": value}
+    return {"doubleValue": "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")}
+
+
+def _any_value(value) -> dict:
+    """What _value has no fast path for: None, subclasses of the common types, bytes, other sequences, mappings."""
     if value is None:
         return {}
     if isinstance(value, bool):  # before int: bool is an int in Python
@@ -127,21 +158,11 @@ def _value(value) -> dict:
     if isinstance(value, int):
         return {"intValue": str(value)}
     if isinstance(value, float):
-        if math.isfinite(value):
-            return {"doubleValue": value}
-        return {"doubleValue": "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")}
+        return _double(value)
     if isinstance(value, bytes):
         return {"bytesValue": base64.b64encode(value).decode("ascii")}
     if isinstance(value, Sequence):
-        if not value:
-            return {"arrayValue": {}}
-        # Token ids, timestamps, request ids: long lists of one type, rendered without a call per item.
-        kinds = {type(item) for item in value}
-        if kinds == {int}:
-            return {"arrayValue": {"values": [{"intValue": str(item)} for item in value]}}
-        if kinds == {str}:
-            return {"arrayValue": {"values": [{"stringValue": item} for item in value]}}
-        return {"arrayValue": {"values": [_value(item) for item in value]}}
+        return {"arrayValue": {"values": [_value(item) for item in value]} if value else {}}
     if isinstance(value, Mapping):
         items = [{"key": str(key), "value": _value(item)} for key, item in value.items()]
         return {"kvlistValue": {"values": items} if items else {}}
@@ -150,7 +171,7 @@ def _value(value) -> dict:
 
 def open_owner_only(path: Path):
     """Open a trace file for appending, 0600 like the run folder's 0700: the spans carry prompts and outputs."""
-    return open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a", encoding="utf-8")
+    return open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")  # msgspec's UTF-8 bytes, as they are
 
 
 class OTLPJsonFileExporter(SpanExporter):
@@ -164,11 +185,11 @@ class OTLPJsonFileExporter(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if not spans:
             return SpanExportResult.SUCCESS
-        line = msgspec.json.encode(spans_to_otlp_json(spans)).decode()  # compact, several times faster than json
+        line = msgspec.json.encode(spans_to_otlp_json(spans))  # compact, several times faster than json
         with self._lock:
             if self._file.closed:
                 return SpanExportResult.FAILURE
-            self._file.write(line + "\n")
+            self._file.write(line + b"\n")
             self._file.flush()
             self.num_exported += len(spans)
         return SpanExportResult.SUCCESS

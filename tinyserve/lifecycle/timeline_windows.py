@@ -10,9 +10,8 @@ request's prefill and decode spans link to the timelines that hold its steps (`l
 Used by the span builder's thread only (or the caller's, offline): no locks.
 """
 
-from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Link
+from opentelemetry.trace import Link, SpanContext
 
 from tinyserve.lifecycle import schema
 
@@ -29,8 +28,8 @@ class TimelineWindows:
         self._start = self._end = 0.0  # its first step's start, its last step's end
         self._timelines_of: dict[str, list] = {}  # per running request, the timelines its steps are in
 
-    def context_for(self, start: float, end: float, request_ids) -> Context:
-        """The context a step from start to end is started in (the open window's, or a new one's once the
+    def context_for(self, start: float, end: float, request_ids) -> SpanContext:
+        """The parent of a step from start to end (the open window's, or a new one's once the
         window has run TIMELINE_WINDOW_S); the step's traced requests are noted as served in it."""
         if self._window is not None and start - self._start >= schema.TIMELINE_WINDOW_S:
             self.end()
@@ -44,7 +43,7 @@ class TimelineWindows:
             seen = self._timelines_of.setdefault(request_id, [])
             if not seen or seen[-1] != window:
                 seen.append(window)
-        return trace.set_span_in_context(self._window)
+        return window
 
     def links_of(self, request_id: str) -> list[Link]:
         """Links to the timelines a finished request's steps are in (forgotten here)."""

@@ -32,14 +32,15 @@ from tinyserve.lifecycle.otlp_capped import CappedOTLPJsonFileExporter
 from tinyserve.lifecycle.otlp_file import OTLPJsonFileExporter
 
 try:  # the installed distribution's version; lifecycle imports nothing else of tinyserve
-    _VERSION = importlib.metadata.version("tinyserve")
+    VERSION = importlib.metadata.version("tinyserve")
 except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
-    _VERSION = "unknown"
+    VERSION = "unknown"
 
 logger = logging.getLogger(__name__)
 
 _QUEUE_SIZE = 1 << 20  # spans held before export: far more than any run produces between flushes
-_MAX_LINKS = 1024  # a step serving 256 requests keeps every link
+MAX_LINKS = 1024  # a step serving 256 requests keeps every link
+TRACER_NAME = "tinyserve"  # the instrumentation scope of every span tinyserve makes
 _propagator = TraceContextTextMapPropagator()
 _provider: TracerProvider | None = None
 
@@ -63,9 +64,9 @@ def setup_tracing(service_name: str, trace_file: str | Path | None = None, otlp_
     if trace_file is None and otlp_endpoint is None:
         return False
     provider = TracerProvider(
-        resource=Resource.create({"service.name": service_name, "service.version": _VERSION,
+        resource=Resource.create({"service.name": service_name, "service.version": VERSION,
                                   schema.RESOURCE_HOST: host_name(), **(resource or {})}),
-        span_limits=SpanLimits(max_links=_MAX_LINKS, max_attributes=256, max_events=4096, max_span_attributes=256),
+        span_limits=SpanLimits(max_links=MAX_LINKS, max_attributes=256, max_events=4096, max_span_attributes=256),
     )
     if trace_file is not None:
         exporter = OTLPJsonFileExporter(trace_file) if max_bytes is None else \
@@ -97,7 +98,7 @@ def tracing_enabled() -> bool:
 def get_tracer() -> trace.Tracer:
     if _provider is None:
         return trace.NoOpTracer()
-    return _provider.get_tracer("tinyserve", _VERSION)
+    return _provider.get_tracer(TRACER_NAME, VERSION)
 
 
 def flush_tracing() -> None:
@@ -170,7 +171,7 @@ def write_manifest(run_dir: Path, *, model: str | None, served_model_name: str, 
     node: which machine wrote the folder: {"host", "headless", "ranks"} (`trace merge` reads it).
     """
     manifest = {
-        "tinyserve_version": _VERSION,
+        "tinyserve_version": VERSION,
         "model": model,
         "model_fingerprint": model_fingerprint,
         "served_model_name": served_model_name,
