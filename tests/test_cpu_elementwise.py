@@ -9,9 +9,12 @@ import numba
 import numpy as np
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from tinyserve.kernels import cpu_elementwise
-from tinyserve.models.llama import RMSNorm
+from tinyserve.kernels.backend import get_attention_backend
+from tinyserve.models.llama import LlamaForCausalLM, RMSNorm
+from tinyserve.models.rope import RotaryEmbedding
 
 
 @numba.njit
@@ -125,3 +128,38 @@ def test_bf16_add_and_norm_rounds_where_transformers_does(rows):
     steps = bf16_steps(fused_normed, normed)
     assert steps.max() <= 2
     assert (steps > 0).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 32, 2048])
+def test_rotate_gives_ropes_bits_for_the_heads_at_the_front_of_each_row(rows, dtype):
+    """q and k at the front of each row of a qkv projection, v after them: RotaryEmbedding.rotate's
+    bits, in fp32 (each product rounded before the sum) and in bf16 (each of torch's ops rounded)."""
+    torch.manual_seed(rows)
+    rope = RotaryEmbedding(64, 4096, {"rope_type": "default", "rope_theta": 10000.0})
+    cos_sin = rope.lookup(torch.randint(0, 4096, (rows,)), dtype)
+    qkv = (torch.randn(rows, 16 * 64) * 3).to(dtype)
+    qkv[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+    assert cpu_elementwise.fusable(qkv, *cos_sin)
+    got = cpu_elementwise.rotate(cos_sin, qkv, 12, 64)
+    expected = RotaryEmbedding.rotate(cos_sin, qkv[:, :12 * 64].view(rows, 12, 64))
+    assert got.shape == (rows, 12, 64) and got.dtype == dtype
+    assert torch.equal(got.nan_to_num(), expected.nan_to_num())
+    assert torch.equal(got.isnan(), expected.isnan())
+
+
+@pytest.mark.parametrize("backend, kernel_calls", [("cpu", 1), ("torch", 0)])
+def test_the_model_rotates_with_the_kernel_on_the_cpu_backend_only(backend, kernel_calls, monkeypatch):
+    calls = []
+    real = cpu_elementwise.rotate
+    monkeypatch.setattr(cpu_elementwise, "rotate", lambda *args: calls.append(args) or real(*args))
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = LlamaForCausalLM(config, get_attention_backend(backend, torch.device("cpu"), 64))
+    attention = model.layers[0].self_attn
+    cos_sin = model.rotary_emb.lookup(torch.arange(3), torch.float32)
+    qkv = torch.randn(3, 8 * 16)
+    calls.clear()  # the CPU backend warms its kernels up when it is made
+    rotated = attention._rotate(cos_sin, qkv, 6)
+    assert torch.equal(rotated, RotaryEmbedding.rotate(cos_sin, qkv[:, :6 * 16].view(3, 6, 16)))
+    assert len(calls) == kernel_calls

@@ -1,8 +1,9 @@
-"""The elementwise steps between a layer's matmuls, fused, on the CPU: two numba kernels.
+"""The elementwise steps between a layer's matmuls, fused, on the CPU: three numba kernels.
 
 Each decoder layer does, besides its four matmuls and attention:
 
     h = h + attention_out;  x = rms_norm(h) * w        (twice a layer: before attention, before the MLP)
+    q, k = rope(q), rope(k)                            (x * cos + rotate_half(x) * sin, models/rope.py)
     y = silu(gate) * up                                (SwiGLU, between gate_up_proj and down_proj)
 
 In PyTorch that is five ops (an add, the fused rms_norm, which is itself pow, mean,
@@ -37,9 +38,15 @@ point (the exponential, or the sum of squares added in another order): then a bf
 They read and write bf16 as its raw 16 bits (numpy has no bf16). Measured on the 2-core
 Intel Xeon with AMX of BENCHMARKS.md (where a bf16 matmul is fast, so the ops around it are
 not): at 2,048 rows, 0.30 against 1.16 ms for the add and norm and 0.89 against 1.28 ms for
-silu and mul; at 32 rows, 21 against 31 us and 21 against 22 us. (A RoPE kernel was measured
-too, reading the strided slice of qkv: 1.4x torch's four ops in fp32 at 2,048 rows, but 2x
-slower in bf16 and slower at decode sizes; not kept.)
+silu and mul; at 32 rows, 21 against 31 us and 21 against 22 us.
+
+RoPE. `rotate` reads q and k where the qkv projection left them, the front of each row, and
+writes them rotated: one pass where torch makes four (two products, the roll, the sum), each
+product rounded before the sum as torch rounds it, so the bits are RotaryEmbedding.rotate's in
+fp32 and bf16 alike. On the same Xeon, q and k of 12 heads of 64: at 2,048 rows 0.41 against
+1.2 ms in bf16 and 0.38 against 1.7 ms in fp32; at 64 rows 32 against 70 us and 16 against 52.
+Its loops take each half of a head as a slice: indexed as base + half + j, the same loop ran
+5x slower, unvectorized.
 fp16 keeps the PyTorch ops (which are also the reference here: `--attention-backend torch`
 uses them).
 """
@@ -144,7 +151,43 @@ def _add_rms_norm_bf16(x, residual, weight, eps, normed, new_residual):
             normed[t, j] = _to_bf16(_from_bf16(weight[j]) * _from_bf16(unit))
 
 
-for _kernel in (_silu_and_mul, _add_rms_norm, _silu_and_mul_bf16, _add_rms_norm_bf16):
+# No fastmath "contract": torch rounds each product before the sum, and so must these.
+@numba.njit(parallel=True, fastmath={"nsz"})
+def _rotate(rows, num_heads, head_dim, cos, signed_sin, out):
+    """out[t, h] = x * cos[t] + [x2 | x1] * signed_sin[t] for x = [x1 | x2], head h of rows[t] (h < num_heads).
+
+    Each half is a slice of its own: with plain indices (base + half + j) numba's index checks
+    keep LLVM from vectorizing the loop, with slices they do not (5x at 2,048 rows).
+    """
+    half = head_dim // 2
+    for t in prange(rows.shape[0]):
+        cos1, cos2, sin1, sin2 = cos[t, :half], cos[t, half:], signed_sin[t, :half], signed_sin[t, half:]
+        for h in range(num_heads):
+            x1, x2 = rows[t, h * head_dim:h * head_dim + half], rows[t, h * head_dim + half:(h + 1) * head_dim]
+            out1, out2 = out[t, h * head_dim:h * head_dim + half], out[t, h * head_dim + half:(h + 1) * head_dim]
+            for j in range(half):
+                out1[j] = x1[j] * cos1[j] + x2[j] * sin1[j]
+                out2[j] = x2[j] * cos2[j] + x1[j] * sin2[j]
+
+
+@numba.njit(parallel=True, fastmath={"nsz"})
+def _rotate_bf16(rows, num_heads, head_dim, cos, signed_sin, out):
+    """As _rotate, on bf16 bits, rounding as torch's three bf16 ops do: each product, then their sum."""
+    half = head_dim // 2
+    for t in prange(rows.shape[0]):
+        cos1, cos2, sin1, sin2 = cos[t, :half], cos[t, half:], signed_sin[t, :half], signed_sin[t, half:]
+        for h in range(num_heads):
+            x1, x2 = rows[t, h * head_dim:h * head_dim + half], rows[t, h * head_dim + half:(h + 1) * head_dim]
+            out1, out2 = out[t, h * head_dim:h * head_dim + half], out[t, h * head_dim + half:(h + 1) * head_dim]
+            for j in range(half):
+                a, b = _from_bf16(x1[j]), _from_bf16(x2[j])
+                out1[j] = _to_bf16(_from_bf16(_to_bf16(a * _from_bf16(cos1[j])))
+                                   + _from_bf16(_to_bf16(b * _from_bf16(sin1[j]))))
+                out2[j] = _to_bf16(_from_bf16(_to_bf16(b * _from_bf16(cos2[j])))
+                                   + _from_bf16(_to_bf16(a * _from_bf16(sin2[j]))))
+
+
+for _kernel in (_silu_and_mul, _add_rms_norm, _silu_and_mul_bf16, _add_rms_norm_bf16, _rotate, _rotate_bf16):
     try:
         _kernel.enable_caching()
     except RuntimeError:  # no writable cache folder: compile in each process instead
@@ -180,8 +223,23 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return normed, new_residual
 
 
+def rotate(cos_sin: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor, num_heads: int,
+           head_dim: int) -> torch.Tensor:
+    """RotaryEmbedding.rotate of the first num_heads heads of each row of rows [T, W]: [T, num_heads, head_dim].
+
+    cos_sin: RotaryEmbedding.lookup's, [T, 1, head_dim] each (fusable tensors only, all of them).
+    """
+    num_tokens = rows.shape[0]
+    cos, signed_sin = (table.reshape(num_tokens, head_dim) for table in cos_sin)
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=rows.dtype)
+    kernel = _rotate_bf16 if rows.dtype == torch.bfloat16 else _rotate
+    kernel(_numpy(rows), num_heads, head_dim, _numpy(cos), _numpy(signed_sin), _numpy(out).reshape(num_tokens, -1))
+    return out
+
+
 def warm_up() -> None:
     """Compile (or load from the disk cache) the kernels now, not in the first step that needs them."""
     for dtype in (torch.float32, torch.bfloat16):
         silu_and_mul(torch.zeros(1, 2, dtype=dtype))
         add_rms_norm(torch.zeros(1, 1, dtype=dtype), torch.zeros(1, 1, dtype=dtype), torch.ones(1, dtype=dtype), 1e-6)
+        rotate((torch.ones(1, 1, 2, dtype=dtype), torch.zeros(1, 1, 2, dtype=dtype)), torch.ones(1, 2, dtype=dtype), 1, 2)

@@ -91,9 +91,10 @@ class LlamaAttention(nn.Module):
     """
 
     def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding, backend: AttentionBackend,
-                 tp: TensorParallel | None = None):
+                 tp: TensorParallel | None = None, fused: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
+        self.fused = fused  # RoPE in one pass, by cpu_elementwise's kernel, where it takes the tensors
         # Under tensor parallelism, this rank's heads only (tensor_parallel.py).
         split = split_heads(config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank) if tp else None
         self.num_heads = split.num_heads if split else config.num_attention_heads
@@ -130,17 +131,22 @@ class LlamaAttention(nn.Module):
         if self.q_norm is None:
             # q and k sit side by side in each row of qkv: rotated as one tensor of
             # heads + kv_heads heads, half the ops of rotating them one by one.
-            qk = self.rotary_emb.rotate(rope, qkv[:, : -self.qkv_sizes[2]].view(num_tokens, heads + kv_heads, -1))
-            q, k = qk.split([heads, kv_heads], dim=1)
+            q, k = self._rotate(rope, qkv, heads + kv_heads).split([heads, kv_heads], dim=1)
         else:  # Qwen3 normalizes each head of q and k first, with a weight of its own for each
             q, k, _ = qkv.split(self.qkv_sizes, dim=-1)
             q = self.q_norm(q.reshape(num_tokens, heads, self.head_dim))
             k = self.k_norm(k.reshape(num_tokens, kv_heads, self.head_dim))
-            q, k = self.rotary_emb.rotate(rope, q), self.rotary_emb.rotate(rope, k)
+            q, k = self._rotate(rope, q.view(num_tokens, -1), heads), self._rotate(rope, k.view(num_tokens, -1), kv_heads)
         # Keys are cached *after* RoPE: a cached key never needs its position again.
         self.backend.write_kv(k, v, kv_cache, metadata)
         out = self.backend.attention(q, kv_cache, metadata, scale=self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def _rotate(self, rope: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor, num_heads: int) -> torch.Tensor:
+        """RoPE on the first num_heads heads of each row of rows [T, W]: [T, num_heads, head_dim]."""
+        if self.fused and cpu_elementwise.fusable(rows, *rope):
+            return cpu_elementwise.rotate(rope, rows, num_heads, self.head_dim)
+        return self.rotary_emb.rotate(rope, rows[:, :num_heads * self.head_dim].view(rows.shape[0], num_heads, -1))
 
 
 class LlamaMLP(nn.Module):
@@ -177,7 +183,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.fused = fused
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, backend, tp)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, backend, tp, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp, fused)
 

@@ -21,6 +21,7 @@ the cos/sin tables repeat their frequencies the same way: [f0..f(d/2-1), f0..f(d
 table whose first half is negated, [-sin | sin], once at start-up. (-x2) * sin and
 x2 * (-sin) are the same number in floating point, so the result is rotate_half's, bit
 for bit: 20-30 % faster over a decode batch's q and k, the same count of multiplications.
+On the CPU backend, kernels/cpu_elementwise.py's `rotate` computes it in one pass, to the same bits.
 
 Supported `rope_type`s: "default", "linear" (positions divided by a factor) and
 "llama3" (Llama 3.1's long-context rescaling of the low frequencies).
