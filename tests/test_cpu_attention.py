@@ -20,12 +20,13 @@ from tinyserve import LLM, SamplingParams
 
 from tinyserve.config import KV_CACHE_DTYPES
 from tinyserve.kernels.backend import default_attention_backend, get_attention_backend
-from tinyserve.kernels.cpu_backend import CpuAttentionBackend
+from tinyserve.kernels.cpu_backend import CpuAttentionBackend, plan_cpu_step
 from tinyserve.kernels.torch_attention import TorchAttentionBackend, decode_seqs
 
-# A prefill chunk after a cached prefix, a fresh prompt, and decodes of lengths around the block edges.
-SEQ_LENS = [40, 13, 30, 17, 16, 1, 64, 33]
-QUERY_LENS = [11, 13, 1, 1, 1, 1, 1, 1]
+# A prefill chunk after a cached prefix, three fresh prompts of one length and two of another (each
+# run attended to at once: fresh_runs), and decodes of lengths around the block edges.
+SEQ_LENS = [40, 13, 13, 13, 21, 21, 30, 17, 16, 1, 64, 33]
+QUERY_LENS = [11, 13, 13, 13, 21, 21, 1, 1, 1, 1, 1, 1]
 # The kernel sums in fp32 and rounds its result to bf16 once: within half a bf16 step (2^-8 of the
 # value) of the exact fp32 attention, plus what fp32 sums in another order move it (~1e-6).
 # The reference's bf16 SDPA rounds between its stages where the CPU has bf16 instructions
@@ -61,6 +62,22 @@ def test_bf16_decodes_are_fp32_attention_rounded_once_and_prefills_are_the_refer
     exact = TorchAttentionBackend().attention(batch.query.float(), kv_cache, batch.metadata, batch.scale)
     torch.testing.assert_close(out[decodes].float(), exact[decodes], **BF16_ROUNDING)
     torch.testing.assert_close(out[prefills], reference(batch, dtype)[prefills], rtol=0, atol=0)  # the same code
+
+
+def test_whole_prompts_of_one_length_side_by_side_are_attended_to_together_in_bf16():
+    batch = make_paged_batch(SEQ_LENS, QUERY_LENS, seed=3, head_dim=32)
+    plan = plan_cpu_step(batch.metadata, torch.bfloat16)
+    assert [[row for _, _, row in run] for run in plan.fresh_runs] == [[1, 2, 3], [4, 5]]
+    assert [row for _, _, row in plan.prefills] == [0]  # the chunk after a cached prefix: one at a time
+    fp32 = plan_cpu_step(batch.metadata, torch.float32)  # where one call was measured slower
+    assert fp32.fresh_runs == [] and [row for _, _, row in fp32.prefills] == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_run_of_long_bf16_prompts_gives_the_references_bits():
+    batch = make_paged_batch([300, 300, 5], [300, 300, 1], seed=4, head_dim=32, dtype=torch.bfloat16)
+    assert len(plan_cpu_step(batch.metadata, torch.bfloat16).fresh_runs) == 1
+    out = CpuAttentionBackend().attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+    assert torch.equal(out[:600], reference(batch)[:600])
 
 
 @pytest.mark.parametrize(("num_kv_heads", "queries_per_kv", "head_dim", "block_size"),

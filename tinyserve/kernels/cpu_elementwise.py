@@ -242,4 +242,5 @@ def warm_up() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         silu_and_mul(torch.zeros(1, 2, dtype=dtype))
         add_rms_norm(torch.zeros(1, 1, dtype=dtype), torch.zeros(1, 1, dtype=dtype), torch.ones(1, dtype=dtype), 1e-6)
-        rotate((torch.ones(1, 1, 2, dtype=dtype), torch.zeros(1, 1, 2, dtype=dtype)), torch.ones(1, 2, dtype=dtype), 1, 2)
+        cos_sin = (torch.ones(1, 1, 2, dtype=dtype), torch.zeros(1, 1, 2, dtype=dtype))
+        rotate(cos_sin, torch.ones(1, 2, dtype=dtype), 1, 2)

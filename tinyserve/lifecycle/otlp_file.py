@@ -171,7 +171,8 @@ def _any_value(value) -> dict:
 
 def open_owner_only(path: Path):
     """Open a trace file for appending, 0600 like the run folder's 0700: the spans carry prompts and outputs."""
-    return open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")  # msgspec's UTF-8 bytes, as they are
+    # Binary: the exporters write msgspec's UTF-8 bytes as they are.
+    return open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
 
 
 class OTLPJsonFileExporter(SpanExporter):

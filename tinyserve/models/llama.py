@@ -136,7 +136,8 @@ class LlamaAttention(nn.Module):
             q, k, _ = qkv.split(self.qkv_sizes, dim=-1)
             q = self.q_norm(q.reshape(num_tokens, heads, self.head_dim))
             k = self.k_norm(k.reshape(num_tokens, kv_heads, self.head_dim))
-            q, k = self._rotate(rope, q.view(num_tokens, -1), heads), self._rotate(rope, k.view(num_tokens, -1), kv_heads)
+            q = self._rotate(rope, q.view(num_tokens, -1), heads)
+            k = self._rotate(rope, k.view(num_tokens, -1), kv_heads)
         # Keys are cached *after* RoPE: a cached key never needs its position again.
         self.backend.write_kv(k, v, kv_cache, metadata)
         out = self.backend.attention(q, kv_cache, metadata, scale=self.scale)
