@@ -9,11 +9,13 @@ It is the reference backend with one part replaced: decode attention, where the
 reference copies every decode's keys and values out of the pool before SDPA reads them
 (cpu_decode_attention.py says what that costs). A prefill has many queries per key, so
 there the copy is small beside the attention itself, and SDPA's flash kernel, blocked for
-the cache, stays. tests/test_cpu_attention.py holds the two backends to the same numbers.
+the cache, stays; in bf16 a step's whole prompts of one length, side by side, go to it in
+one call instead of one each (attend_fresh_run). tests/test_cpu_attention.py holds the two
+backends to the same numbers.
 
 Handed this backend, the model fuses its elementwise steps too: each residual add with the
-RMSNorm after it, and SwiGLU's silu with its product (cpu_elementwise.py, whose kernels the
-backend compiles or loads when it is made).
+RMSNorm after it, RoPE, and SwiGLU's silu with its product (cpu_elementwise.py, whose kernels
+the backend compiles or loads when it is made).
 
 As the reference does, the first layer of a step works out what the batch looks like
 (which rows are decodes, their block tables and lengths as the kernel reads them), and
@@ -90,9 +92,9 @@ def attend_fresh_run(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Ten
     out[first:end].view(n, length, num_heads, head_dim).copy_(attended.transpose(1, 2))
 
 
-def plan_cpu_step(metadata: AttentionMetadata, dtype: torch.dtype = torch.bfloat16) -> CpuStepPlan:
-    """The step's decodes as the kernel reads them (numpy views of the step's tensors), and its prefills
-    (runs of whole prompts apart when attention computes in bf16, dtype: attend_fresh_run)."""
+def plan_cpu_step(metadata: AttentionMetadata, dtype: torch.dtype) -> CpuStepPlan:
+    """The step's decodes as the kernel reads them (numpy views of the step's tensors), and its prefills,
+    runs of whole prompts apart where attention computes in bf16 (dtype, compute_dtype's: attend_fresh_run)."""
     if metadata.is_decode_only:  # the flat batch is the decodes, one row each
         return CpuStepPlan(None, metadata.block_tables.contiguous().numpy(), metadata.seq_lens.numpy(), [], [])
     decodes = decode_seqs(metadata)
