@@ -151,21 +151,23 @@ def _add_rms_norm_bf16(x, residual, weight, eps, normed, new_residual):
             normed[t, j] = _to_bf16(_from_bf16(weight[j]) * _from_bf16(unit))
 
 
+@numba.njit(inline="always")
+def _halves(array, t, h, head_dim):
+    """Head h of row t of array, as its two halves: slices, where plain indices (base + half + j) would
+    have numba check each index and keep LLVM from vectorizing the loop over them (5x at 2,048 rows)."""
+    start, half = h * head_dim, head_dim // 2
+    return array[t, start:start + half], array[t, start + half:start + head_dim]
+
+
 # No fastmath "contract": torch rounds each product before the sum, and so must these.
 @numba.njit(parallel=True, fastmath={"nsz"})
 def _rotate(rows, num_heads, head_dim, cos, signed_sin, out):
-    """out[t, h] = x * cos[t] + [x2 | x1] * signed_sin[t] for x = [x1 | x2], head h of rows[t] (h < num_heads).
-
-    Each half is a slice of its own: with plain indices (base + half + j) numba's index checks
-    keep LLVM from vectorizing the loop, with slices they do not (5x at 2,048 rows).
-    """
-    half = head_dim // 2
+    """out[t, h] = x * cos[t] + [x2 | x1] * signed_sin[t] for x = [x1 | x2], head h of rows[t] (h < num_heads)."""
     for t in prange(rows.shape[0]):
-        cos1, cos2, sin1, sin2 = cos[t, :half], cos[t, half:], signed_sin[t, :half], signed_sin[t, half:]
+        (cos1, cos2), (sin1, sin2) = _halves(cos, t, 0, head_dim), _halves(signed_sin, t, 0, head_dim)
         for h in range(num_heads):
-            x1, x2 = rows[t, h * head_dim:h * head_dim + half], rows[t, h * head_dim + half:(h + 1) * head_dim]
-            out1, out2 = out[t, h * head_dim:h * head_dim + half], out[t, h * head_dim + half:(h + 1) * head_dim]
-            for j in range(half):
+            (x1, x2), (out1, out2) = _halves(rows, t, h, head_dim), _halves(out, t, h, head_dim)
+            for j in range(head_dim // 2):
                 out1[j] = x1[j] * cos1[j] + x2[j] * sin1[j]
                 out2[j] = x2[j] * cos2[j] + x1[j] * sin2[j]
 
@@ -173,13 +175,11 @@ def _rotate(rows, num_heads, head_dim, cos, signed_sin, out):
 @numba.njit(parallel=True, fastmath={"nsz"})
 def _rotate_bf16(rows, num_heads, head_dim, cos, signed_sin, out):
     """As _rotate, on bf16 bits, rounding as torch's three bf16 ops do: each product, then their sum."""
-    half = head_dim // 2
     for t in prange(rows.shape[0]):
-        cos1, cos2, sin1, sin2 = cos[t, :half], cos[t, half:], signed_sin[t, :half], signed_sin[t, half:]
+        (cos1, cos2), (sin1, sin2) = _halves(cos, t, 0, head_dim), _halves(signed_sin, t, 0, head_dim)
         for h in range(num_heads):
-            x1, x2 = rows[t, h * head_dim:h * head_dim + half], rows[t, h * head_dim + half:(h + 1) * head_dim]
-            out1, out2 = out[t, h * head_dim:h * head_dim + half], out[t, h * head_dim + half:(h + 1) * head_dim]
-            for j in range(half):
+            (x1, x2), (out1, out2) = _halves(rows, t, h, head_dim), _halves(out, t, h, head_dim)
+            for j in range(head_dim // 2):
                 a, b = _from_bf16(x1[j]), _from_bf16(x2[j])
                 out1[j] = _to_bf16(_from_bf16(_to_bf16(a * _from_bf16(cos1[j])))
                                    + _from_bf16(_to_bf16(b * _from_bf16(sin1[j]))))
