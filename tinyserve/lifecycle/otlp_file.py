@@ -151,14 +151,9 @@ def _any_value(value) -> dict:
     """What _value has no fast path for: None, subclasses of the common types, bytes, other sequences, mappings."""
     if value is None:
         return {}
-    if isinstance(value, bool):  # before int: bool is an int in Python
-        return {"boolValue": value}
-    if isinstance(value, str):
-        return {"stringValue": value}
-    if isinstance(value, int):
-        return {"intValue": str(value)}
-    if isinstance(value, float):
-        return _double(value)
+    for kind in (bool, str, int, float):  # bool before int: bool is an int in Python
+        if isinstance(value, kind):
+            return _value(kind(value))
     if isinstance(value, bytes):
         return {"bytesValue": base64.b64encode(value).decode("ascii")}
     if isinstance(value, Sequence):
