@@ -184,6 +184,7 @@ def test_bench_serve_completions_at_infinite_rate(server, tmp_path, capsys):
         (8, 0, MODEL, "/v1/completions")
     # Token-id prompts: the server counts exactly the dataset's tokens; ignore_eos: exactly max_tokens out.
     assert result["input_lens"] == [16] * 8 and result["output_lens"] == [6] * 8
+    assert [len(gaps) for gaps in result["itls"]] == [5] * 8  # a chunk per token, held-back text or not
     assert result["request_rate"] == "inf" and result["goodput"] == {"ttft": 2000.0, "tpot": 300.0}
     _assert_summary_matches_the_requests(result)
     good = sum(t <= 2.0 and (e - t) / (n - 1) <= 0.3

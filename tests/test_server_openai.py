@@ -145,6 +145,24 @@ def test_stop_string_is_honoured_and_not_emitted(client):
         assert stop not in text and finish == ["stop"]
 
 
+NEVER_SEEN = "\u2603" * 40  # a stop string the model does not write: the detokenizer holds back 39 characters
+
+
+def test_a_token_whose_text_is_held_back_still_streams_a_chunk(client):
+    """As vLLM: every generated token gets its chunk, with empty text while its text is held back (a
+    possible stop string, half a character). A client's first chunk is the first token, not the first text."""
+    kwargs = dict(model=MODEL, max_tokens=8, temperature=0, stop=[NEVER_SEEN])
+    full = client.completions.create(prompt="Although never is", **kwargs).choices[0].text
+    chunks = list(client.completions.create(prompt="Although never is", stream=True, **kwargs))
+    assert len(chunks) == 8 and chunks[0].choices[0].text == ""
+    assert "".join(c.choices[0].text for c in chunks) == full
+    full = client.chat.completions.create(messages=MESSAGES, **kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(messages=MESSAGES, stream=True, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len(chunks[1:]) == 8 and chunks[1].choices[0].delta.content == ""
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full
+
+
 def test_vllm_extra_sampling_fields_are_accepted(client):
     response = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0.8, seed=3,

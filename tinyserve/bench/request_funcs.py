@@ -6,9 +6,11 @@ The timestamps are the ones vLLM's serving benchmark records (time.perf_counter,
     │◄── TTFT ───►│◄──── ITL[0] ────►│◄ ITL[1] ►│
     │◄─────────────────────── latency (E2EL) ──────────────────►│
 
-A token chunk is a server-sent event `data: {...}` whose first choice carries text or a
-finish reason. A chat stream opens with a bare {"role": "assistant"} delta, which is not
-a token and does not stop the TTFT clock. The last event before `data: [DONE]` holds the
+A token chunk is a server-sent event `data: {...}` with a choice, as vLLM's benchmark counts
+them: its text may be empty (a token whose text the server holds back, half a character or
+a possible stop string, still gets its chunk from vLLM's server and ours). A chat stream
+opens with a bare {"role": "assistant"} delta, sent with the first token; it is not a token
+itself, and the first token's own chunk follows it at once. The last event before `data: [DONE]` holds the
 server's "usage" (requested with stream_options.include_usage): the token counts come
 from there, not from re-tokenizing the text. A server that sends no usage gets its
 output counted as one token per token chunk, which undercounts when a chunk holds
@@ -104,9 +106,9 @@ async def send_request(client: httpx.AsyncClient, base_url: str, request: Reques
                 choices = chunk.get("choices")
                 if not choices:
                     continue
+                if "role" in (choices[0].get("delta") or {}):
+                    continue  # the chat stream's opening role delta: no token of its own
                 text = _choice_text(request.endpoint, choices[0])
-                if not text and choices[0].get("finish_reason") is None:
-                    continue  # the chat stream's opening role delta: no token yet
                 now = time.perf_counter()
                 if num_token_chunks == 0:
                     output.ttft = now - start

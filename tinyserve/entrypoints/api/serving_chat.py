@@ -6,7 +6,7 @@ adds the request, and answers with one body, or with `chat_stream`'s SSE chunks.
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -144,35 +144,45 @@ class ChatAnswer:
 
 async def chat_stream(answer: ChatAnswer, stream, include_usage: bool, echoed: str = "",
                       continuous_usage: bool = False) -> AsyncIterator[str]:
-    """Stage ⑨ for a streamed chat: a role chunk per choice (and the echoed text's, with echo), then each
-    RequestOutput's delta as chunks. With continuous_usage (vLLM's continuous_usage_stats) every chunk
-    carries the usage so far: the prompt's tokens and its own choice's generated ones, as vLLM counts."""
+    """Stage ⑨ for a streamed chat: with the first RequestOutput, as vLLM, a role chunk per choice (and the
+    echoed text's, with echo); then each RequestOutput's delta as chunks. A client's first chunk is thus the
+    first token's. With continuous_usage (vLLM's continuous_usage_stats) every chunk carries the usage so
+    far: the prompt's tokens and its own choice's generated ones, as vLLM counts."""
     generated = [0] * answer.n  # per choice
 
     def so_far(index: int) -> dict:
         return {"usage": running_usage(answer.num_prompt_tokens, generated[index])} if continuous_usage else {}
 
-    for index in range(answer.n):
-        yield answer.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}], **so_far(index))
-        if echoed:
-            yield answer.chunk([{"index": index, "delta": {"content": echoed}, "logprobs": None,
+    def opening() -> Iterator[str]:
+        for index in range(answer.n):
+            yield answer.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None}], **so_far(index))
+            if echoed:
+                yield answer.chunk([{"index": index, "delta": {"content": echoed}, "logprobs": None,
+                                     "finish_reason": None}], **so_far(index))
+
     num_generated = num_cached = 0
+    opened = False
     calls = [answer.make_calls() for _ in range(answer.n)] if answer.make_calls else None
     async for output in stream:
+        if not opened:
+            opened = True
+            for chunk in opening():
+                yield chunk
         num_cached = output.num_cached_tokens
         for c in output.outputs:
             num_generated += len(c.token_ids)
             generated[c.index] += len(c.token_ids)
-            if not c.text and not c.finished() and c.logprobs is None:
-                continue  # nothing to show yet (e.g. held back: half a character, maybe a stop string)
+            if not c.text and not c.finished() and c.logprobs is None and (calls or not c.token_ids):
+                # Nothing new. Without tool calls, a token whose text is held back (half a character, maybe a
+                # stop string) still gets its chunk, {"content": ""}, as in vLLM; the tool-call reader waits.
+                continue
             finish_reason = c.finish_reason
             if calls:  # the text read as content and tool calls (tool_calls.py)
                 deltas = calls[c.index].feed(c.text, c.finished()) or [{}]
                 finish_reason = calls[c.index].finish_reason(c.finish_reason)
             else:
-                deltas = [{"content": c.text} if c.text else {}]
+                deltas = [{"content": c.text} if c.text or not c.finished() else {}]
             for i, delta in enumerate(deltas):
                 last = i == len(deltas) - 1
                 yield answer.chunk([{"index": c.index, "delta": delta,
@@ -180,5 +190,8 @@ async def chat_stream(answer: ChatAnswer, stream, include_usage: bool, echoed: s
                                      "finish_reason": finish_reason if last else None,
                                      **({"stop_reason": c.stop_reason} if c.finished() and last else {})}],
                                    **so_far(c.index))
+    if not opened:  # a stream that ended without an output still opens
+        for chunk in opening():
+            yield chunk
     if include_usage:
         yield answer.chunk([], usage=usage(answer.num_prompt_tokens, num_generated, num_cached))

@@ -216,8 +216,9 @@ async def _completion_stream(body, streams, processed, request_id, created, mode
                 if body.echo and index not in echoed:
                     echoed.add(index)
                     prefix = echo_texts[prompt_index]
-                if not c.text and not prefix and not c.finished() and not c.logprobs:
-                    continue
+                if not c.text and not prefix and not c.token_ids and not c.finished() and not c.logprobs:
+                    continue  # nothing new. A token whose text is held back (half a character, maybe a stop
+                    # string) still gets its chunk, with "text": "", as in vLLM: its first token is its first chunk
                 # The echoed prompt's tokens come first, in the chunk that carries the prompt text.
                 logprobs = completion_logprobs(c, next_offsets.get(index, 0), item if prefix else None, tokenizer,
                                                as_token_id)
