@@ -64,9 +64,9 @@ def server_processes(pid: int) -> list[psutil.Process]:
 
 def server_cpu(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) of a server's API process and of everything below it (its engines)."""
-    api = psutil.Process(pid)
+    api, *children = server_processes(pid)
     engines = 0.0
-    for child in server_processes(pid)[1:]:
+    for child in children:
         try:
             times = child.cpu_times()
             engines += times.user + times.system
