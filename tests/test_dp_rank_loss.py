@@ -28,18 +28,15 @@ pytestmark = pytest.mark.server  # a real `tinyserve serve` on loopback
 
 MODEL = "tiny"
 STREAMS = 6
-MAX_TOKENS = 6000  # the streams still run when the last reaches its engine, on a busy 2-core machine (3000: not always)
-# The kill comes while every stream is short of this: mid-stream, with hundreds of tokens to go. (Half way was
-# too early on a fast CPU: the API process, busy streaming five, got the sixth's first token out after the
-# others' 4,000th.)
-KILL_BEFORE = MAX_TOKENS * 4 // 5
+MAX_TOKENS = 3000
+KILL_BEFORE = MAX_TOKENS * 4 // 5  # the kill comes while every stream is short of this: hundreds of tokens to go
 FLAGS = ("--served-model-name", MODEL, "--num-kv-blocks", "2048", "--data-parallel-size", "2")
 
 
-def stream(url: str, i: int, started: threading.Event, progress: list[int]) -> dict:
+def stream(url: str, i: int, sent: threading.Event, started: threading.Event, progress: list[int]) -> dict:
     """One streamed completion: its status, the tokens it reported, its finish reason or error message.
-    `started` is set once its first chunk arrived, when it is surely held by an engine; progress[i]
-    counts its chunks so far.
+    `sent` is set once its response headers arrived (the server sends them once the request went to an
+    engine), `started` once its first chunk arrived; progress[i] counts its chunks so far.
 
     While it runs, only the events in each network read are counted (an event cut in two by a read is
     missed: progress may fall a few short); the lines are parsed once it ended. Six threads going line by
@@ -51,6 +48,7 @@ def stream(url: str, i: int, started: threading.Event, progress: list[int]) -> d
     pieces = []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
         outcome["status"] = response.status_code
+        sent.set()
         for piece in response.iter_bytes():
             pieces.append(piece)
             progress[i] += piece.count(b"data: {")
@@ -92,12 +90,24 @@ def kill_engine_1_mid_stream(proc: ServerProcess) -> tuple[list[dict], float]:
     """Start STREAMS streams, SIGKILL engine 1 while every one of them is short of KILL_BEFORE and engine 1
     runs some; each stream's outcome, and how many engine 1 ran at the last look before the kill.
 
+    Both engines are stopped (SIGSTOP) until every request has been sent to one, so that all begin
+    decoding together: started one by one, on a busy 2-core machine the first streams were thousands
+    of tokens ahead before the last one's request reached the server.
     Whether a stream reached an engine, and how far it got, is read on the client's side (its chunks),
     not from the engines' gauges, which lag: the tiny model decodes thousands of tokens a second, and a
     stream the gauges still showed running could be over by the kill."""
-    started, progress = [threading.Event() for _ in range(STREAMS)], [0] * STREAMS
+    sent, started = [threading.Event() for _ in range(STREAMS)], [threading.Event() for _ in range(STREAMS)]
+    progress = [0] * STREAMS
+    engines = [engine_process(proc, 0), engine_process(proc, 1)]
     with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
-        futures = [pool.submit(stream, proc.url, i, started[i], progress) for i in range(STREAMS)]
+        for engine in engines:
+            engine.suspend()
+        try:
+            futures = [pool.submit(stream, proc.url, i, sent[i], started[i], progress) for i in range(STREAMS)]
+            wait_until(lambda: all(event.is_set() for event in sent), 60, "every request was sent to an engine")
+        finally:
+            for engine in engines:
+                engine.resume()
         seen = []
 
         def all_arrived_and_engine_1_runs() -> bool:
