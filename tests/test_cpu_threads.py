@@ -2,18 +2,21 @@
 
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.required_tools import missing
+from tests.server_checks import wait_until
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM, SamplingParams
 from tinyserve.config import EngineArgs
 from tinyserve.engine.worker import cpu_threads
 from tinyserve.engine.worker.cpu_threads import (
-    FIRST_PROBE_INTERVAL_S, MAX_PROBE_INTERVAL_S, MIN_STEPS, SHORT_WINDOWS_TO_DROP, SHORTFALL, WINDOW_S,
-    ThreadGovernor,
+    FIRST_PROBE_INTERVAL_S, IDLE_S, MAX_PROBE_INTERVAL_S, MIN_STEPS, SHORT_WINDOWS_TO_DROP, SHORTFALL, WINDOW_S,
+    ThreadGovernor, process_is_running,
 )
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.otlp_json import read_spans
@@ -132,6 +135,58 @@ def test_failed_probes_come_twice_as_rarely_up_to_a_limit():
     # Each gap: the probe's two steps, then the interval of execute time since it failed.
     assert gaps == pytest.approx([e + 2 * STEP_S for e in expected], abs=WINDOW_S + STEP_S)  # give or take a window
     assert len(probes) >= 5  # and the last gaps are at the limit, not growing
+
+
+def test_the_first_step_after_idle_leaves_a_running_feeder_a_core(monkeypatch):
+    clock, feeder_runs = [100.0], [True]
+    monkeypatch.setattr(cpu_threads, "time", SimpleNamespace(monotonic=lambda: clock[0], time=time.time))
+    monkeypatch.setattr(cpu_threads, "process_is_running", lambda pid: pid == 4321 and feeder_runs[0])
+    governor = ThreadGovernor(3)
+    assert governor.threads_for_next_step() == 3  # no feeder watched: the offline LLM, a Ray actor
+    governor.watch_feeder(4321)
+    assert governor.threads_for_next_step() == 2  # idle since it began, the feeder taking in a burst
+    governor.observe(0.1, 0.2, threads=2)
+    assert governor.threads_for_next_step() == 3  # busy: the governor's count, whatever the feeder does
+    clock[0] += IDLE_S * 0.9
+    assert governor.threads_for_next_step() == 3
+    clock[0] += IDLE_S * 0.2
+    assert governor.threads_for_next_step() == 2
+    feeder_runs[0] = False  # a lone request: the feeder sent it and waits
+    assert governor.threads_for_next_step() == 3
+    feeder_runs[0] = True
+    drop_a_thread(governor, 1.0)
+    clock[0] += IDLE_S * 2
+    assert governor.threads == 2 and governor.threads_for_next_step() == 1
+    drop_a_thread(governor, 0.5)
+    clock[0] += IDLE_S * 2
+    assert governor.threads == 1 and governor.threads_for_next_step() == 1  # never below one
+
+
+def test_a_step_run_at_another_count_is_not_judged():
+    governor = ThreadGovernor(2)
+    for _ in range(20 * MIN_STEPS):  # one thread's CPU, on one thread: no sign of cores taken from two
+        governor.observe(STEP_S, STEP_S, threads=1)
+    assert governor.threads == 2 and governor.changes == []
+    for _ in range(SHORT_WINDOWS_TO_DROP * MIN_STEPS):
+        governor.observe(STEP_S, STEP_S, threads=2)  # the same CPU on two threads: a core was taken
+    assert governor.threads == 1
+
+
+def test_a_running_process_is_told_from_a_sleeping_one():
+    busy = subprocess.Popen([sys.executable, "-c", BUSY])
+    asleep = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        # A busy loop is on a CPU or waiting for one (R) whenever it is looked at; a sleeper only while
+        # it starts up, so wait for it to settle, with room for a slow start.
+        wait_until(lambda: process_is_running(busy.pid) and not process_is_running(asleep.pid), 60,
+                   "the busy loop runs and the sleeper sleeps")
+        assert all(process_is_running(busy.pid) for _ in range(20))
+        assert not any(process_is_running(asleep.pid) for _ in range(20))
+    finally:
+        for process in (busy, asleep):
+            process.kill()
+            process.wait()
+    assert not process_is_running(busy.pid)  # reaped: no such process
 
 
 def test_engine_cores_is_what_the_first_engine_found(monkeypatch):

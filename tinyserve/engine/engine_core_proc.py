@@ -88,6 +88,7 @@ def run_engine_core(
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
     proc = EngineCoreProc(engine_index, input_address, output_address)
+    proc.feeder_pid = parent_pid  # the API process that started it sends it requests (worker/cpu_threads.py)
     proc.wake_on_signals()
     serve_engine(proc, args, model_info, num_threads)
 
@@ -155,6 +156,7 @@ class EngineCoreProc:
         self.input_addresses = input_addresses
         self.clients = ClientOutputs(len(output_addresses))
         self.engine_core: EngineCore | None = None
+        self.feeder_pid: int | None = None  # the process that sends it requests, where it is this one's parent
         self.context = zmq.Context()
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
@@ -198,6 +200,8 @@ class EngineCoreProc:
         except Exception:
             self._fail("EngineCore() raised")
         self.engine_core.wake_loop = lambda: self.input_queue.put((_WAKE, None))
+        if self.feeder_pid is not None and self.engine_core.thread_governor is not None:
+            self.engine_core.thread_governor.watch_feeder(self.feeder_pid)
         self.input_thread.start()
         # READY only once the client can send to us: a request sent to a socket with no
         # peer yet would be refused (core_client._send), and over TCP the connection
