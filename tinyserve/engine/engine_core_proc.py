@@ -88,7 +88,9 @@ def run_engine_core(
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
     proc = EngineCoreProc(engine_index, input_address, output_address)
-    proc.feeder_pid = parent_pid  # the API process that started it sends it requests (worker/cpu_threads.py)
+    # The process that feeds it requests, for worker/cpu_threads.py: its parent, the API process (with
+    # --api-server-count, or on a headless node, the process that started the engines).
+    proc.feeder_pid = parent_pid
     proc.wake_on_signals()
     serve_engine(proc, args, model_info, num_threads)
 
