@@ -173,13 +173,15 @@ def test_a_step_run_at_another_count_is_not_judged():
 
 
 def test_a_running_process_is_told_from_a_sleeping_one():
-    busy = subprocess.Popen([sys.executable, "-c", BUSY])
-    asleep = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    ready = "print('ready', flush=True)\n"  # once started up: reading its modules, a process sleeps now and then
+    busy = subprocess.Popen([sys.executable, "-c", ready + BUSY], stdout=subprocess.PIPE, text=True)
+    asleep = subprocess.Popen([sys.executable, "-c", ready + "import time; time.sleep(600)"], stdout=subprocess.PIPE,
+                              text=True)
     try:
-        # A busy loop is on a CPU or waiting for one (R) whenever it is looked at; a sleeper only while
-        # it starts up, so wait for it to settle, with room for a slow start.
-        wait_until(lambda: process_is_running(busy.pid) and not process_is_running(asleep.pid), 60,
-                   "the busy loop runs and the sleeper sleeps")
+        assert busy.stdout.readline() == asleep.stdout.readline() == "ready\n"
+        # A busy loop is on a CPU or waiting for one (R) whenever it is looked at; the sleeper once it is in
+        # its sleep, a moment after it printed.
+        wait_until(lambda: not process_is_running(asleep.pid), 60, "the sleeper sleeps")
         assert all(process_is_running(busy.pid) for _ in range(20))
         assert not any(process_is_running(asleep.pid) for _ in range(20))
     finally:
