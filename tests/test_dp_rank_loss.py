@@ -9,10 +9,12 @@ server drains engine 0's requests (as on SIGTERM) and then exits with status 1.
 """
 
 import concurrent.futures
+import contextlib
 import json
 import re
 import signal
 import threading
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -28,34 +30,27 @@ pytestmark = pytest.mark.server  # a real `tinyserve serve` on loopback
 
 MODEL = "tiny"
 STREAMS = 6
-MAX_TOKENS = 3000
-KILL_BEFORE = MAX_TOKENS * 4 // 5  # the kill comes while every stream is short of this: hundreds of tokens to go
+MAX_TOKENS = 7000  # the context is 8,192: as long as it allows, so that no stream ends within one look
+RUN_S = 0.01  # how long the engines run between looks: a few steps, where a stream takes thousands
 FLAGS = ("--served-model-name", MODEL, "--num-kv-blocks", "2048", "--data-parallel-size", "2")
 
 
-def stream(url: str, i: int, sent: threading.Event, started: threading.Event, progress: list[int]) -> dict:
+def stream(url: str, i: int, sent: threading.Event, go: threading.Event) -> dict:
     """One streamed completion: its status, the tokens it reported, its finish reason or error message.
     `sent` is set once its response headers arrived (the server sends them once the request went to an
-    engine), `started` once its first chunk arrived; progress[i] counts its chunks so far.
+    engine); its body is read only once `go` is set (the server holds what the engine sends meanwhile).
 
-    While it runs, only the events in each network read are counted (an event cut in two by a read is
-    missed: progress may fall a few short); the lines are parsed once it ended. Six threads going line by
-    line through thousands of chunks a second (a chunk for every token) kept the test's main thread, which
-    watches them, from the GIL until they were past KILL_BEFORE."""
+    Six threads reading thousands of chunks a second (a chunk for every token) kept the test's main
+    thread, which watches the engines, from the GIL for seconds."""
     body = {"model": MODEL, "prompt": f"story {i}", "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     outcome = {"status": None, "tokens": None, "finish_reason": None, "error": None}
-    pieces = []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
         outcome["status"] = response.status_code
         sent.set()
-        for piece in response.iter_bytes():
-            pieces.append(piece)
-            progress[i] += piece.count(b"data: {")
-            if progress[i]:
-                started.set()
-    whole = b"".join(pieces)
-    for line in sse_lines(SimpleNamespace(iter_bytes=lambda: iter([whole]))):
+        assert go.wait(timeout=300), "never told to read"
+        lines = list(sse_lines(response))
+    for line in lines:
         if not line.startswith("data: {") or is_token_chunk(line):
             continue
         chunk = json.loads(line.removeprefix("data: "))
@@ -87,57 +82,68 @@ def engine_process(proc: ServerProcess, index: int) -> psutil.Process:
 
 
 def kill_engine_1_mid_stream(proc: ServerProcess) -> tuple[list[dict], float]:
-    """Start STREAMS streams, SIGKILL engine 1 while every one of them is short of KILL_BEFORE and engine 1
-    runs some; each stream's outcome, and how many engine 1 ran at the last look before the kill.
+    """Start STREAMS streams, SIGKILL engine 1 while every one of them is mid-stream; each stream's outcome,
+    and how many engine 1 held at the kill.
 
-    Both engines are stopped (SIGSTOP) until every request has been sent to one, so that all begin
-    decoding together: started one by one, on a busy 2-core machine the first streams were thousands
-    of tokens ahead before the last one's request reached the server.
-    Whether a stream reached an engine, and how far it got, is read on the client's side (its chunks),
-    not from the engines' gauges, which lag: the tiny model decodes thousands of tokens a second, and a
-    stream the gauges still showed running could be over by the kill."""
-    sent, started = [threading.Event() for _ in range(STREAMS)], [threading.Event() for _ in range(STREAMS)]
-    progress = [0] * STREAMS
+    Both engines are stopped (SIGSTOP) until every request has been sent to one (started one by one, on a
+    busy 2-core machine the first streams were thousands of tokens ahead before the last one's request
+    reached the server), then run for moments of RUN_S (a stream needs hundreds of them) until the gauges,
+    read while the engines are stopped and so no longer moving, show every stream held and none ended.
+    The gauges lag the engines (the API process works through their outputs after them), so they are
+    read only while the engines are stopped: then they count exactly what each engine holds."""
+    sent, go = [threading.Event() for _ in range(STREAMS)], threading.Event()
     engines = [engine_process(proc, 0), engine_process(proc, 1)]
+    seen = []
+
+    def settled() -> dict:
+        """The gauges, once two reads 0.3 s apart agree (the engines stopped, the API process caught up)."""
+        previous = None
+        while (now := by_engine(proc.url)) != previous:
+            previous = now
+            time.sleep(0.3)
+        seen.append(now)
+        return now
+
+    def held(counts: dict) -> float:
+        return sum(counts["running"].values()) + sum(counts["waiting"].values())
+
     with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
-        for engine in engines:
-            engine.suspend()
         try:
-            futures = [pool.submit(stream, proc.url, i, sent[i], started[i], progress) for i in range(STREAMS)]
+            for engine in engines:
+                engine.suspend()
+            futures = [pool.submit(stream, proc.url, i, sent[i], go) for i in range(STREAMS)]
             wait_until(lambda: all(event.is_set() for event in sent), 60, "every request was sent to an engine")
+            for _ in range(50):
+                for engine in engines:
+                    engine.resume()
+                time.sleep(RUN_S)
+                for engine in engines:
+                    engine.suspend()
+                counts = settled()
+                if held(counts) == STREAMS or any(counts["finished"].values()):
+                    break
+            assert held(counts) == STREAMS and not any(counts["finished"].values()), counts
+            on_engine_1 = counts["running"].get("1", 0) + counts["waiting"].get("1", 0)
+            assert on_engine_1 >= 1, counts
+            engines[1].send_signal(signal.SIGKILL)  # stopped: it dies all the same
+        except AssertionError as error:
+            raise AssertionError(f"{error}; by engine: {seen[-3:]}") from None
         finally:
             for engine in engines:
-                engine.resume()
-        seen = []
-
-        def all_arrived_and_engine_1_runs() -> bool:
-            if not all(event.is_set() for event in started):
-                return False
-            if max(progress) >= KILL_BEFORE:
-                raise AssertionError(f"a stream passed {KILL_BEFORE} tokens before every stream had begun: {progress}")
-            seen.append(by_engine(proc.url))
-            return seen[-1]["running"].get("1", 0) > 0 and max(progress) < KILL_BEFORE
-
-        try:
-            wait_until(all_arrived_and_engine_1_runs, 60, "every stream reached an engine and engine 1 runs some")
-        except AssertionError as error:
-            ended = [future.result() for future in futures if future.done()]
-            begun = sum(event.is_set() for event in started)
-            raise AssertionError(f"{error}; {begun} streams had a token; by engine: {seen[-3:]}; "
-                                 f"ended already: {ended}") from None
-        on_engine_1 = seen[-1]["running"]["1"]
-        engine_process(proc, 1).send_signal(signal.SIGKILL)
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    engine.resume()
+            go.set()
         return [future.result(timeout=180) for future in futures], on_engine_1
 
 
 def check_only_the_dead_ranks_streams_failed(outcomes: list[dict], on_engine_1: float, output: str) -> None:
     failed = [o for o in outcomes if o["error"] is not None]
     finished = [o for o in outcomes if o["error"] is None]
-    assert 1 <= len(failed) <= on_engine_1, (on_engine_1, outcomes)  # one may have finished since the last look
+    assert len(failed) == on_engine_1, (on_engine_1, outcomes)  # every stream was mid-stream at the kill
     for outcome in failed:
         assert outcome["status"] == 200 and outcome["error"]["code"] == 503, outcome
         assert "engine 1 died" in outcome["error"]["message"] and "killed by SIGKILL" in outcome["error"]["message"]
-    for outcome in finished:  # engine 0's, and any of engine 1's done before the kill: every token
+    for outcome in finished:  # engine 0's: every token
         assert outcome["tokens"] == MAX_TOKENS and outcome["finish_reason"] == "length", outcome
     # The log counts what was lost, and where: exactly the streams that failed.
     [lost] = re.findall(r"engine 1 died: .*?; (\d+) in-flight request\(s\) lost on it", output)
