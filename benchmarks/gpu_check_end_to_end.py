@@ -180,8 +180,8 @@ def step_phases(folder: str, prompts: list[list[int]], new_tokens: int, dtype_na
     """One more generate of the largest batch with CUDA graphs, traced: where a decode step's time goes
     (the engine's schedule, execute and update spans, and the time between steps, outside EngineCore.step)."""
     from tinyserve import LLM
-    from tinyserve.lifecycle import load_run
     from tinyserve.lifecycle.tracing import shutdown_tracing
+    from tinyserve.trace_reading import load_run
 
     with tempfile.TemporaryDirectory(prefix="tinyserve-gpu-check-trace-") as traces:
         try:

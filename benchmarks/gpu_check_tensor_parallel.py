@@ -56,8 +56,8 @@ def run_engine(folder: str, trace_dir: str, prompts: list[list[int]], new_tokens
 
     while_up(llm) runs before the shutdown, while the engine's process group is there."""
     from tinyserve import LLM
-    from tinyserve.lifecycle import load_run
     from tinyserve.lifecycle.tracing import shutdown_tracing
+    from tinyserve.trace_reading import load_run
 
     try:
         llm = LLM(folder, dtype=dtype, device=device.type, enforce_eager=True, enable_prefix_caching=False,

@@ -31,7 +31,7 @@ import torch
 import zmq
 
 from tinyserve.config import EngineArgs, ModelInfo
-from tinyserve.engine.engine_core import EngineCore
+from tinyserve.assemble import build_engine_core
 from tinyserve.frontend.core_client import MPClient
 from tinyserve.wire.messages import (
     EngineCoreOutput,
@@ -107,7 +107,7 @@ def requests(batch: int, max_tokens: int, eos: list[int]) -> list[EngineCoreRequ
 
 
 def inprocess_step_times(args: EngineArgs, info: ModelInfo, batch: int, max_tokens: int) -> list[float]:
-    engine = EngineCore(args, model_info=info)
+    engine = build_engine_core(args, model_info=info)
     for request in requests(batch, max_tokens, info.eos_token_ids):
         engine.add_request(request)
     times = []

@@ -38,8 +38,8 @@ import httpx
 import psutil
 
 from tinyserve.lifecycle import schema
-from tinyserve.lifecycle.otlp_json import read_spans
 from tinyserve.testing import ServerProcess
+from tinyserve.trace_reading.otlp_json import read_spans
 
 MODEL_NAME = "soak"
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")

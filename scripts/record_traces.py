@@ -29,7 +29,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -41,6 +41,8 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout that is not pip
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, recording_servers.py
 
 from recording_servers import HEAD_HOST, NODE_HOST, SERVER_ENV, deployment, run_folder  # noqa: E402
+
+from tinyserve.trace_reading.replay import ADAPTERS_FOLDER  # noqa: E402  where replay reads a run's adapters
 
 MODEL = "tinyserve-default"
 RECORDING_FILE = "recording.json"
@@ -71,6 +73,7 @@ class Request:
     body: dict
     headers: dict | None = None
     disconnect_after: int | None = None  # a streaming client that leaves after this many lines of the stream
+    backend: int | None = None  # sent to this rank's server directly, past the router in front (routed_ranks)
 
 
 @dataclass
@@ -230,24 +233,62 @@ ROUTER_POLICIES = {"prefix-aware": ["--policy", "prefix-aware", "--kv-events", "
                    "round-robin": ["--policy", "round_robin"]}
 
 
+SECOND_WAVE_S = 6.0  # well after the first wave's prefills, on a busy two-core machine too
+
+
 def shared_prefix_workload() -> list[Request]:
-    """4 system prompts of ~1,200 characters, each with 5 questions: 20 chats, shuffled, one every 50 ms."""
+    """4 system prompts of ~1,200 characters, each with 5 questions: 20 chats in two waves.
+
+    The first wave, two chats of each prompt back to back (20 ms apart), is routed before any backend has
+    computed a prompt: the second chat of each can follow only its prompt's pending blocks. The second wave,
+    the other three of each, shuffled, one every 50 ms, starts SECOND_WAVE_S later, when the first wave's
+    blocks are stored and published: there the router matches the backends' BlockStored events."""
     rng = random.Random(5)
     systems = [f"Reviewer {p}. Judge every answer by these rules: {zen_text(rng, 1200)}" for p in range(4)]
-    chats = [(p, q) for p in range(4) for q in range(5)]
-    rng.shuffle(chats)
-    return [Request(0.05 * i, "/v1/chat/completions", {
+    first = [(p, q) for p in range(4) for q in range(2)]
+    second = [(p, q) for p in range(4) for q in range(2, 5)]
+    rng.shuffle(second)
+    times = [0.02 * i for i in range(len(first))] + [SECOND_WAVE_S + 0.05 * i for i in range(len(second))]
+    return [Request(at, "/v1/chat/completions", {
         "model": MODEL, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "stream": True,
         "messages": [{"role": "system", "content": systems[p]}, {"role": "user", "content": f"Question {q}: "
                                                                  f"{zen_text(rng, 60)}"}]})
-            for i, (p, q) in enumerate(chats)]
+            for at, (p, q) in zip(times, first + second)]
 
 
 def routed_by(policy: str) -> Recording:
-    return Recording(f"router-{policy}", f"20 chats sharing 4 system prompts (5 each, interleaved) on two "
-                     f"--data-parallel-rank servers behind `tinyserve router --policy {ROUTER_POLICIES[policy][1]}`; "
+    return Recording(f"router-{policy}", f"20 chats sharing 4 system prompts (5 each) in two waves "
+                     f"{SECOND_WAVE_S:.0f} s apart, on two --data-parallel-rank servers behind "
+                     f"`tinyserve router --policy {ROUTER_POLICIES[policy][1]}`; "
                      "the router's and both ranks' run folders merged", ROUTER_RANK_FLAGS, shared_prefix_workload(),
                      routed_ranks=2, router=ROUTER_POLICIES[policy])
+
+
+LEAST_LOAD_FLAGS = ["--max-num-seqs", "1"]  # one seat each: a request waits whenever another runs there
+LEAST_LOAD_WAVE_S = 1.5  # after both probes have answered, on a busy two-core machine too
+
+
+def least_load_workload() -> list[Request]:
+    """Two backends made to report different loads, then requests the router places by those reports.
+
+    Two probes through the router at once (one to each backend: the second finds the first in flight); then
+    4 completions sent straight to rank 0's server, past the router, which queue there behind its probe. Each
+    probe's answer brings its backend's ORCA report: rank 0's counts the 4 waiting, rank 1's none. At
+    LEAST_LOAD_WAVE_S, 6 completions through the router, 20 ms apart, placed by those reports and the
+    router's own requests in flight. Every answer is whole (not streamed): only those carry the report."""
+    rng = random.Random(19)
+    probes = [completion(0.01 * i, zen_text(rng, 60), 16) for i in range(2)]
+    direct = [replace(completion(0.1 + 0.01 * i, zen_text(rng, 60), 12), backend=0) for i in range(4)]
+    wave = [completion(LEAST_LOAD_WAVE_S + 0.02 * i, zen_text(rng, 60), 8) for i in range(6)]
+    return probes + direct + wave
+
+
+def least_load() -> Recording:
+    return Recording("router-least-load", "two --data-parallel-rank servers of one seat each behind `tinyserve "
+                     "router --policy least_load`: a probe to each, 4 completions sent straight to rank 0 (past the "
+                     "router), then 6 through the router, placed by the two backends' ORCA load reports; the "
+                     "router's and both ranks' run folders merged", LEAST_LOAD_FLAGS, least_load_workload(),
+                     routed_ranks=2, router=["--policy", "least_load"])
 
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
@@ -306,6 +347,20 @@ def lora() -> Recording:
                      workload, adapters=("sql", "chat"))
 
 
+def lora_gate() -> Recording:
+    """Requests of two adapters arriving together on a server with one adapter slot (--max-loras 1): a chat
+    request waits while sql requests run, and base-model requests that came after it start before it."""
+    rng = random.Random(23)
+    models = ["sql", "chat", MODEL, "sql", MODEL, "chat"]
+    workload = [Request(0.02 * i, "/v1/completions", {
+        "model": model, "prompt": zen_text(rng, 80), "max_tokens": 16 if model == "sql" else 8,
+        "temperature": 0.0, "ignore_eos": True}) for i, model in enumerate(models)]
+    return Recording("lora-gate", "6 completions within 0.1 s, two each under the base model and two LoRA "
+                     "adapters (recorded-lora's), on a server with one adapter slot (--max-loras 1): the scheduler "
+                     "holds a request back while the other adapter runs", ["--enable-lora", "--max-loras", "1",
+                     "--max-lora-rank", "8", "--max-num-batched-tokens", "128"], workload, adapters=("sql", "chat"))
+
+
 SPECULATIVE_CONFIG = {"method": "draft_model", "num_speculative_tokens": 3}  # the built-in draft
 
 
@@ -342,13 +397,15 @@ def pd_colocated() -> Recording:
 
 def pd_disaggregated() -> Recording:
     return Recording("pd-disaggregated", "the same workload on a prefill server and a decode server (--kv-transfer-"
-                     "config kv_producer and kv_consumer) behind `tinyserve router --prefill --decode`; the decode "
-                     "server's run, and the prefill server's in its prefill/ folder", PD_FLAGS, pd_workload(), disaggregated=True, warm_up_chars=1600)
+                     "config kv_producer and kv_consumer) behind `tinyserve router --prefill --decode`; the router's and "
+                     "the decode server's runs merged, and the prefill server's in its prefill/ folder", PD_FLAGS, pd_workload(), disaggregated=True, warm_up_chars=1600)
 
 
 def make_adapter(folder: Path, seed: int) -> Path:
     """A rank-8 LoRA adapter of the built-in model on every projection, made by PEFT (random A and B from `seed`;
-    PEFT starts B at zero, which would change nothing), saved in PEFT's format into `folder`."""
+    PEFT starts B at zero, which would change nothing), saved in PEFT's format into `folder`: the same bytes
+    of weights from the same seed on every machine. The run keeps a copy (adapters/<name>/); of what PEFT
+    writes it keeps the weights and the config, whose base model is named, not the path it had here."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -364,12 +421,21 @@ def make_adapter(folder: Path, seed: int) -> Path:
             if ".lora_A." in name or ".lora_B." in name:
                 param.copy_(0.05 * torch.randn(param.shape, generator=generator))
     peft_model.save_pretrained(folder)
+    (folder / "README.md").unlink(missing_ok=True)  # PEFT's empty model card
+    config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    config["base_model_name_or_path"] = BASE_MODEL_NAME
+    config["target_modules"] = sorted(config["target_modules"])  # PEFT writes a set: its order varies by process
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return folder
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+BASE_MODEL_NAME = "tinyserve built-in model (tinyserve/models/default-model)"
 
 
 RECORDINGS = {r.name: r for r in (lifecycle(), mixed(), kv_tight(), kv_roomy(), kv_no_prefix_cache(), load(5), load(25),
                                   load(75), load_dp(), load_api2(), load_tp(), multi_node(), external_lb(), cases(), node_lost(),
-                                  pooling(), lora(), spec_decode(), routed_by("prefix-aware"),
+                                  pooling(), lora(), lora_gate(), spec_decode(), least_load(), routed_by("prefix-aware"),
                                   routed_by("round-robin"), pd_colocated(), pd_disaggregated(),
                                   pipeline())}
 
@@ -377,9 +443,11 @@ RECORDINGS = {r.name: r for r in (lifecycle(), mixed(), kv_tight(), kv_roomy(), 
 # ---- the server and the client ------------------------------------------------------------
 
 
-async def send(client: httpx.AsyncClient, start: float, request: Request, allow_errors: bool = False) -> None:
+async def send(client: httpx.AsyncClient, start: float, request: Request, allow_errors: bool = False,
+               backends: list[str] = ()) -> None:
     await asyncio.sleep(max(0.0, start + request.at_s - time.monotonic()))
-    async with client.stream("POST", request.path, json=request.body, headers=request.headers) as response:
+    url = request.path if request.backend is None else backends[request.backend] + request.path
+    async with client.stream("POST", url, json=request.body, headers=request.headers) as response:
         if request.disconnect_after is not None:  # read a few lines, then close the connection mid-stream
             lines = response.aiter_lines()
             for _ in range(request.disconnect_after):
@@ -390,11 +458,13 @@ async def send(client: httpx.AsyncClient, start: float, request: Request, allow_
         raise RuntimeError(f"{request.path} answered {response.status_code}: {body[:500]!r}")
 
 
-async def drive(url: str, workload: list[Request], kill_node=None, kill_at_s: float | None = None) -> None:
-    """Send the workload; with kill_node, kill the headless node kill_at_s into it (its requests may then fail)."""
+async def drive(url: str, workload: list[Request], kill_node=None, kill_at_s: float | None = None,
+                backends: list[str] = ()) -> None:
+    """Send the workload; with kill_node, kill the headless node kill_at_s into it (its requests may then fail).
+    backends: each rank's own URL, behind the router at `url` (a request with a backend goes there)."""
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         start = time.monotonic()
-        sends = [send(client, start, request, allow_errors=kill_node is not None) for request in workload]
+        sends = [send(client, start, request, kill_node is not None, backends) for request in workload]
         if kill_node is not None:
             async def kill() -> None:
                 await asyncio.sleep(kill_at_s)
@@ -406,13 +476,14 @@ async def drive(url: str, workload: list[Request], kill_node=None, kill_at_s: fl
 def as_logged(request: Request) -> dict:
     """A request as recording.json keeps it: headers and disconnect_after only where it has them."""
     return {key: value for key, value in asdict(request).items()
-            if value is not None or key not in ("headers", "disconnect_after")}
+            if value is not None or key not in ("headers", "disconnect_after", "backend")}
 
 
-def run_workload(url: str, workload: list[Request], kill_node=None, kill_at_s: float | None = None) -> None:
+def run_workload(url: str, workload: list[Request], kill_node=None, kill_at_s: float | None = None,
+                 backends: list[str] = ()) -> None:
     """Drive the workload on an event loop of its own thread: the caller may be running one (a Jupyter kernel is)."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        pool.submit(asyncio.run, drive(url, workload, kill_node, kill_at_s)).result()
+        pool.submit(asyncio.run, drive(url, workload, kill_node, kill_at_s, backends)).result()
 
 
 def chat_once(url: str, chat: dict) -> None:
@@ -456,7 +527,7 @@ def engine_count(flags: list[str]) -> int:
 def drop_requests(run_dir: Path, response_ids: set[str]) -> None:
     """Remove these requests from a run folder: their traces, and the step traces that served only them."""
     from tinyserve.lifecycle import schema
-    from tinyserve.lifecycle.otlp_json import read_spans
+    from tinyserve.trace_reading.otlp_json import read_spans
 
     files = sorted(run_dir.glob("*.jsonl"))
     spans = [span for path in files for span in read_spans(path)]
@@ -490,7 +561,7 @@ def drop_requests(run_dir: Path, response_ids: set[str]) -> None:
 def keep_prefill_run(scratch: Path, run_dir: Path, warm_up_prompt: str) -> None:
     """A disaggregated run's prefill server's own run, in its prefill/ folder (a run of its own: its requests
     are the decode server's again), the warm-up taken out as from the decode server's."""
-    from tinyserve.lifecycle import load_run
+    from tinyserve.trace_reading import load_run
 
     prefill = next((scratch / "prefill").iterdir())
     drop_requests(prefill, {r.request_id for r in load_run(prefill).requests if r.inputs.prompt == warm_up_prompt})
@@ -508,7 +579,7 @@ def record(name: str, out_dir: str | Path) -> Path:
                     for seed, name in enumerate(recording.adapters, start=1)]
         flags = [*recording.flags, *(["--lora-modules", *adapters] if adapters else [])]
         with deployment(Path(scratch), flags, recording.headless_flags, recording.routed_ranks,
-                        recording.router, recording.disaggregated) as (url, kill_node):
+                        recording.router, recording.disaggregated) as (url, kill_node, backends):
             long_prompt = zen_text(random.Random(0), recording.warm_up_chars) if recording.warm_up_chars else "Warm up."
             warm_up_ids = warm_up(url, engines=max(recording.routed_ranks, engine_count(recording.flags)),
                                   pooling="pooling" in recording.flags, prompt=long_prompt)
@@ -517,11 +588,13 @@ def record(name: str, out_dir: str | Path) -> Path:
             elif recording.kill_node_at_s is not None:
                 run_workload(url, recording.workload, kill_node, recording.kill_node_at_s)
             else:
-                run_workload(url, recording.workload)
+                run_workload(url, recording.workload, backends=backends)
         run_dir = run_folder(Path(scratch))
         drop_requests(run_dir, {i for warm_up_id in warm_up_ids for i in (warm_up_id, f"{warm_up_id}-0")})
         if recording.disaggregated:
             keep_prefill_run(Path(scratch), run_dir, long_prompt)
+        if adapters:  # the run replays anywhere: its adapters go with it, where replay looks for them
+            shutil.copytree(Path(scratch) / "adapters", run_dir / ADAPTERS_FOLDER)
         if target.exists():
             shutil.rmtree(target)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -530,7 +603,7 @@ def record(name: str, out_dir: str | Path) -> Path:
     hosts = recording.headless_flags is not None  # one machine plays two hosts: their spans say which
     command = [*env, *([f"OTEL_RESOURCE_ATTRIBUTES=host.name={HEAD_HOST}"] if hosts else []),
                "tinyserve", "serve", "--trace", "--trace-dir", "traces", *map(shlex.quote, recording.flags),
-               *(["--lora-modules", *(f"{name}=ADAPTERS/{name}" for name in recording.adapters)]
+               *(["--lora-modules", *(f"{name}=adapters/{name}" for name in recording.adapters)]
                  if recording.adapters else [])]
     if recording.routed_ranks:
         front = ["nginx  # least_conn in front (scripts/recording_servers.py)"] if recording.router is None else [
@@ -541,16 +614,18 @@ def record(name: str, out_dir: str | Path) -> Path:
                     "&")] + front
     if recording.disaggregated:
         command = [part for role in ("kv_producer", "kv_consumer") for part in
-                   (*command, "--kv-transfer-config", f"'{{\"kv_role\": \"{role}\"}}'", "--port", str(8001 + (role == "kv_consumer")), "&")]
-        command += ["tinyserve", "router", "--prefill", "http://127.0.0.1:8001", "--decode", "http://127.0.0.1:8002",
-                    "# the decode server's run"]
+                   ("TINYSERVE_KV_TRANSFER_SECRET=$SECRET", *command, "--kv-transfer-config",
+                    f"'{{\"kv_role\": \"{role}\"}}'", "--port", str(8001 + (role == "kv_consumer")), "&")]
+        command += ["tinyserve", "router", "--trace", "--trace-dir", "traces", "--prefill", "http://127.0.0.1:8001",
+                    "--decode", "http://127.0.0.1:8002", "# the router's and the decode server's runs merged"]
     if recording.headless_flags is not None:
         command += ["&", *env, f"OTEL_RESOURCE_ATTRIBUTES=host.name={NODE_HOST}", "tinyserve", "serve", "--headless",
                     "--trace", "--trace-dir", "traces", *recording.headless_flags]
         if recording.kill_node_at_s is not None:
             command += [f"# the node killed with SIGKILL {recording.kill_node_at_s} s into the workload"]
     if recording.adapters:
-        command += ["# ADAPTERS/<name>: random PEFT adapters, seeded (scripts/record_traces.py: make_adapter)"]
+        command += ["# adapters/<name>: random PEFT adapters, seeded (scripts/record_traces.py: make_adapter), "
+                    "copied into the run folder; the spans log the temporary folder they were served from"]
     about = {
         "name": name, "description": recording.description, "command": " ".join(command),
         "model_fingerprint": model_fingerprint(), "python": sys.version.split()[0],

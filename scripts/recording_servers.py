@@ -2,14 +2,16 @@
 
     one server          tinyserve serve --trace FLAGS                     → its run folder
     head + headless     tinyserve serve --trace FLAGS (the head)          → both folders, merged
-                        tinyserve serve --headless --trace NODE_FLAGS       (lifecycle/merge.py)
+                        tinyserve serve --headless --trace NODE_FLAGS       (trace_reading/merge.py)
     ranks behind nginx  tinyserve serve --trace FLAGS --data-parallel-rank R, for each R,
                         and nginx (least_conn) in front                   → every rank's folder, merged
     ranks behind the    the same ranks, and `tinyserve router --trace ROUTER_FLAGS` in front
       router                                                              → the router's and the ranks' folders, merged
     prefill + decode    tinyserve serve --trace FLAGS --kv-transfer-config kv_producer, and
-                        the same with kv_consumer, `tinyserve router --prefill --decode` in
-                        front                                             → the decode server's folder
+                        the same with kv_consumer, `tinyserve router --trace --prefill --decode`
+                        in front                                          → the router's and the decode
+                                                                            server's folders, merged (the
+                                                                            prefill server's kept beside)
 
 Every process traces into a folder of its own under the scratch directory; `run_folder`
 turns what they wrote into the one run folder the notebooks load. Each is stopped with
@@ -20,6 +22,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import secrets
 import signal
 import shutil
 import subprocess
@@ -50,10 +53,12 @@ def server_env(host_name: str | None = None) -> dict:
     return env
 
 
-def start_server(trace_dir: Path, flags: list[str], host_name: str | None = None) -> ServerProcess:
-    """`tinyserve serve --trace` on the built-in model, in a process group of its own; returns once /health answers."""
+def start_server(trace_dir: Path, flags: list[str], host_name: str | None = None,
+                 env: dict | None = None) -> ServerProcess:
+    """`tinyserve serve --trace` on the built-in model, in a process group of its own; returns once /health answers.
+    env: variables of its own, beside server_env's."""
     return ServerProcess(None, "--trace", "--trace-dir", str(trace_dir), *flags, startup_timeout=300,
-                         env=server_env(host_name))
+                         env={**server_env(host_name), **(env or {})})
 
 
 def stop_server(server: ServerProcess) -> None:
@@ -66,13 +71,18 @@ def stop_server(server: ServerProcess) -> None:
 @contextlib.contextmanager
 def deployment(scratch: Path, flags: list[str], headless_flags: list[str] | None = None, routed_ranks: int = 0,
                router: list[str] | None = None, disaggregated: bool = False):
-    """Yield (the URL to send the workload to, a function that kills the headless node, or None), with every
-    process tracing under scratch/; stop them all after (a node killed on purpose is not waited for).
+    """Yield (the URL to send the workload to, a function that kills the headless node, or None, the URL of each
+    rank's server behind the router or nginx, or []), with every process tracing under scratch/; stop them all
+    after (a node killed on purpose is not waited for).
     router: the ranks are behind `tinyserve router` with these flags instead of nginx.
     disaggregated: a prefill server and a decode server behind `tinyserve router --prefill --decode`."""
     if routed_ranks or disaggregated:
-        with (routed(scratch, flags, routed_ranks, router) if routed_ranks else prefill_decode(scratch, flags)) as url:
-            yield url, None
+        if disaggregated:
+            with prefill_decode(scratch, flags) as url:
+                yield url, None, []
+            return
+        with routed(scratch, flags, routed_ranks, router) as (url, backends):
+            yield url, None, backends
         return
     node = None
     if headless_flags is not None:  # first: the head answers /health only once the node's ranks are ready
@@ -90,7 +100,7 @@ def deployment(scratch: Path, flags: list[str], headless_flags: list[str] | None
     try:
         server = start_server(scratch / "traces", flags, HEAD_HOST if headless_flags is not None else None)
         try:
-            yield server.url, (kill_node if node is not None else None)
+            yield server.url, (kill_node if node is not None else None), []
         finally:
             stop_server(server)
     finally:
@@ -109,7 +119,7 @@ def deployment(scratch: Path, flags: list[str], headless_flags: list[str] | None
 @contextlib.contextmanager
 def routed(scratch: Path, flags: list[str], num_ranks: int, router: list[str] | None = None):
     """One server per rank (--data-parallel-rank R), each tracing into scratch/rank-R, and nginx in front
-    (or `tinyserve router ROUTER_FLAGS`, tracing into scratch/router)."""
+    (or `tinyserve router ROUTER_FLAGS`, tracing into scratch/router). Yields (the front's URL, each rank's)."""
     binary = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
     if binary is None and router is None:
         raise RuntimeError("recording behind a router needs nginx (Debian: apt-get install nginx)")
@@ -124,7 +134,7 @@ def routed(scratch: Path, flags: list[str], num_ranks: int, router: list[str] | 
             front = RouterProcess([server.url for server in servers], "--trace", "--trace-dir", str(scratch / "router"),
                                   *router)
         try:
-            yield front.url
+            yield front.url, [server.url for server in servers]
         finally:
             front.stop()
     finally:
@@ -138,12 +148,16 @@ PD_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 @contextlib.contextmanager
 def prefill_decode(scratch: Path, flags: list[str]):
     """A prefill server and a decode server (--kv-transfer-config), tracing into scratch/prefill and
-    scratch/decode, and `tinyserve router --prefill URL --decode URL` in front (disaggregated prefill)."""
+    scratch/decode, and `tinyserve router --prefill URL --decode URL` in front (disaggregated prefill),
+    tracing into scratch/router: its spans are the parents of both legs, so one trace holds all three. The
+    two servers share a secret made for the recording (TINYSERVE_KV_TRANSFER_SECRET: they are peers)."""
+    secret = {"TINYSERVE_KV_TRANSFER_SECRET": secrets.token_hex(16)}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         servers = list(pool.map(lambda role: start_server(scratch / role, [
-            *flags, "--kv-transfer-config", json.dumps({"kv_role": PD_ROLES[role]})]), PD_ROLES))
+            *flags, "--kv-transfer-config", json.dumps({"kv_role": PD_ROLES[role]})], env=secret), PD_ROLES))
     try:
-        router = RouterProcess([], "--prefill", servers[0].url, "--decode", servers[1].url)
+        router = RouterProcess([], "--trace", "--trace-dir", str(scratch / "router"), "--prefill", servers[0].url,
+                               "--decode", servers[1].url)
         try:
             yield router.url
         finally:
@@ -155,10 +169,10 @@ def prefill_decode(scratch: Path, flags: list[str]):
 
 def run_folder(scratch: Path) -> Path:
     """The recording's one run folder: the server's, or those of a head and its node (or of every rank) merged."""
-    from tinyserve.lifecycle.merge import merge_runs
+    from tinyserve.trace_reading.merge import merge_runs
 
     if (scratch / "decode").exists():  # disaggregated: the decode server's run holds every request's tokens
-        return next((scratch / "decode").iterdir())
+        return merge_runs([*sorted(scratch.glob("router/*")), next((scratch / "decode").iterdir())], scratch / "merged")
     folders = [*sorted(scratch.glob("router/*")), *sorted(scratch.glob("rank-*/*"))] or \
         [*(scratch / "traces").iterdir(), *(scratch / "node").glob("*")]
     return folders[0] if len(folders) == 1 else merge_runs(folders, scratch / "merged")

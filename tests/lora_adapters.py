@@ -62,3 +62,24 @@ def peft_greedy(folder, adapter, prompt: list[int]) -> list[int]:
     with torch.no_grad():
         out = peft_model(folder, adapter).generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)
     return out[0, len(prompt):].tolist()
+
+
+def tampered_adapter(source, destination, *, config: dict | None = None, fill: float | None = None):
+    """A copy of the adapter folder `source` at `destination` (a path), as an attacker would edit it: `config`'s
+    fields set in its adapter_config.json (json writes NaN as NaN), every lora_B weight set to `fill`."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    destination = pathlib.Path(destination)
+    shutil.copytree(source, destination, dirs_exist_ok=True)
+    if config:
+        config_file = destination / "adapter_config.json"
+        config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **config}))
+    if fill is not None:
+        weights_file = destination / "adapter_model.safetensors"
+        weights = load_file(weights_file)
+        save_file({key: torch.full_like(value, fill) if ".lora_B." in key else value
+                   for key, value in weights.items()}, weights_file)
+    return destination

@@ -1,5 +1,6 @@
 """Helpers for tests that watch a real server from outside: its Prometheus metrics, and waiting on a condition."""
 
+import os
 import re
 import time
 
@@ -50,3 +51,12 @@ def is_token_chunk(line: str) -> bool:
     otherwise starve its main thread (the GIL) of the time to watch them."""
     return line.startswith("data: {") and '"error"' not in line and TOKEN_CHUNK.search(line) is not None \
         and '"usage":{' not in line.replace(" ", "")
+
+
+def group_is_gone(pgid: int) -> bool:
+    """No process of the group `pgid` is left (a server started in a session of its own, and its children)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False

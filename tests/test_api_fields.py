@@ -246,6 +246,33 @@ def test_x_api_key_is_accepted_wherever_a_bearer_key_is(keyed_server):
             assert response.status_code == status, (path, headers, response.text)
 
 
+def test_every_route_that_runs_the_model_or_the_tokenizer_wants_the_key(keyed_server):
+    """/pooling and /tokenize answered without the key /v1/embeddings wants (hardening-4, Medium 10): a client
+    without it could run the model and the tokenizer. Each such route is a 401 without the key, served with it;
+    the routes of load balancers and scrapers stay open."""
+    routes = [("POST", "/tokenize", {"model": MODEL, "prompt": "hello"}, 200),
+              ("POST", "/detokenize", {"model": MODEL, "tokens": [5, 6]}, 200),
+              ("GET", "/tokenizer_info", None, 200),
+              ("POST", "/pooling", {"model": MODEL, "input": "hello"}, 400),  # a generating server: --runner, named
+              ("POST", "/v1/embeddings", {"model": MODEL, "input": "hello"}, 400),
+              ("POST", "/invocations", {"model": MODEL, "prompt": "hi", "max_tokens": 1}, 200)]
+    for method, path, body, served in routes:
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"x-api-key": "sk-wrong"}):
+            refused = httpx.request(method, f"{keyed_server.url}{path}", json=body, headers=headers, timeout=30)
+            assert refused.status_code == 401, (path, headers, refused.text)
+            assert refused.json()["error"]["message"] == "invalid or missing API key"
+        response = httpx.request(method, f"{keyed_server.url}{path}", json=body, headers={"x-api-key": KEY},
+                                 timeout=60)
+        assert response.status_code == served, (path, response.text)
+        assert path != "/pooling" or "--runner" in response.text
+    for path in ("/health", "/ping", "/load", "/version", "/metrics"):
+        assert httpx.get(f"{keyed_server.url}{path}", timeout=30).status_code == 200, path
+    document = httpx.get(f"{keyed_server.url}/openapi.json", timeout=30).json()
+    for path in ("/pooling", "/tokenize", "/detokenize", "/tokenizer_info"):
+        [operation] = document["paths"][path].values()
+        assert "401" in operation["responses"] and operation["security"], path
+
+
 def test_every_response_carries_the_clients_request_id_or_a_new_one(keyed_server):
     url = f"{keyed_server.url}/v1/models"
     for headers, status in (({"x-api-key": KEY}, 200), ({}, 401)):

@@ -26,13 +26,14 @@ from tests.shared_server import ENGINE_FLAGS, MODEL, model_folder
 from tinyserve.cli.main import main
 from tinyserve.engine.client_outputs import ClientOutputs
 from tinyserve.lifecycle import schema
-from tinyserve.lifecycle.run import load_run
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.testing import ServerProcess
+from tinyserve.trace_reading.run import load_run
 from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
 BURST_PROMPTS = [[9, 120, 33, 41, 7], [250, 3, 18, 77, 140, 201, 9], [5, 6, 7, 8], [100, 200, 300]] * 4
-STREAM_TOKENS = 1000  # seconds of decoding: the streams are still running when SIGTERM comes
+STREAM_TOKENS = 2000  # seconds of decoding: the streams are still running when SIGTERM comes (at 1000, on two
+# busy cores, the first stream opened had ended 0.2 s before SIGTERM, while the last ones were opened)
 STREAMS_AT_ONCE, MAX_STREAMS = 4, 12  # opened four at a time until both API processes hold one
 KILL_STREAM_TOKENS = 1500  # more steps than the 1000 messages a dead API process's socket queues
 

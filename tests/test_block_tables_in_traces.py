@@ -10,8 +10,8 @@ import pytest
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM, SamplingParams
 from tinyserve.frontend.input_processor import ProcessedPrompt
-from tinyserve.lifecycle import load_run
 from tinyserve.lifecycle.tracing import shutdown_tracing
+from tinyserve.trace_reading import load_run
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_a_request_that_holds_no_blocks_has_no_table(recorded):
 
 
 def test_the_block_map_colours_each_block_by_its_owner_and_greys_shared_ones(recorded):
-    from tinyserve.lifecycle.plots_blocks import plot_block_map
+    from tinyserve.trace_reading.plots_blocks import plot_block_map
 
     run, engine_tables, _ = recorded
     figure = plot_block_map(run)
@@ -113,7 +113,8 @@ def test_the_block_map_colours_each_block_by_its_owner_and_greys_shared_ones(rec
 
 
 def test_a_preempted_request_waits_then_recomputes_as_prefill_in_the_kv_pressure_plot(recorded):
-    from tinyserve.lifecycle import plots_extra, schema
+    from tinyserve.lifecycle import schema
+    from tinyserve.trace_reading import plots_extra
 
     run, _, _ = recorded
     steps = run.engine_steps(0)

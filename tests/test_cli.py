@@ -6,6 +6,7 @@ exactly what the server answers.
 """
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from tests.patience import patient
 from tests.shared_server import ENGINE_FLAGS, MODEL, model_folder
 from tinyserve.cli.main import main
 from tinyserve.testing import free_port
@@ -21,7 +23,7 @@ from tinyserve.testing import free_port
 
 def tinyserve(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tinyserve.cli.main", *args], input=stdin,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=patient(60))  # run-batch builds an engine
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +79,18 @@ def test_unreachable_server_is_one_clear_line_and_exit_1():
     assert "Traceback" not in result.stderr
     [line] = result.stderr.splitlines()
     assert line.startswith("error: cannot reach the server at") and url in line
+    assert "--url" in line and "TINYSERVE_URL" in line  # how to point it at `make serve PORT=...`
+
+
+@pytest.mark.parametrize("command", ["chat", "complete"])
+def test_the_clients_find_the_server_at_tinyserve_url(command, monkeypatch):
+    from tinyserve.cli.main import build_parser
+
+    monkeypatch.delenv("TINYSERVE_URL", raising=False)
+    assert build_parser().parse_args([command]).url == "http://localhost:8000/v1"
+    monkeypatch.setenv("TINYSERVE_URL", "http://127.0.0.1:8080/v1")  # as `make chat PORT=8080` sets it
+    assert build_parser().parse_args([command]).url == "http://127.0.0.1:8080/v1"
+    assert build_parser().parse_args([command, "--url", "http://h:1/v1"]).url == "http://h:1/v1"
 
 
 @pytest.mark.server
@@ -283,3 +297,33 @@ def test_serve_help_describes_the_external_load_balancing_flags(capsys):
     assert "external load balancing:" in help_text
     assert "--data-parallel-rank R serve data-parallel rank R of --data-parallel-size alone" in help_text
     assert "--enable-server-load-tracking count the generation requests in flight, for GET /load" in help_text
+
+
+def test_run_batch_reads_a_line_holding_unicode_line_breaks_as_one_line(tmp_path):
+    from tinyserve.cli.run_batch import _read_lines
+
+    body = {**COMPLETION_BODY, "prompt": "a\x85b\u2028c"}
+    lines = [batch_line("one", "/v1/completions", body), batch_line("two", "/v1/completions", COMPLETION_BODY)]
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(json.dumps(json.loads(line), ensure_ascii=False) for line in lines) + "\n",
+                    encoding="utf-8")
+    assert "\x85" in path.read_text(encoding="utf-8")  # raw, as a JSON writer may leave it
+    read = _read_lines(str(path))
+    assert [number for number, _ in read] == [1, 2]
+    assert json.loads(read[0][1])["body"]["prompt"] == "a\x85b\u2028c"
+
+
+def test_a_sigterm_swallowed_during_start_up_still_stops_the_server_before_it_serves():
+    from tinyserve.cli import start_up_sigterm
+
+    try:
+        try:
+            start_up_sigterm.exit_on_sigterm(signal.SIGTERM, None)  # as if it came during an import with a bare `except:`
+        except BaseException:  # noqa: BLE001 - what such a library does
+            pass
+        with pytest.raises(SystemExit) as exited:
+            start_up_sigterm.exit_if_sigterm_received()
+        assert exited.value.code == 0
+    finally:
+        start_up_sigterm.received.clear()
+    start_up_sigterm.exit_if_sigterm_received()  # without a SIGTERM it returns

@@ -19,7 +19,7 @@ from tinyserve.engine.worker.cpu_threads import (
     ThreadGovernor, process_is_running,
 )
 from tinyserve.lifecycle import schema
-from tinyserve.lifecycle.otlp_json import read_spans
+from tinyserve.trace_reading.otlp_json import read_spans
 
 STEP_S = WINDOW_S / MIN_STEPS  # steps this long end a window every MIN_STEPS steps
 

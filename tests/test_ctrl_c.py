@@ -16,22 +16,22 @@ from pathlib import Path
 
 import pytest
 
-from tinyserve.lifecycle import load_run
 from tinyserve.testing import free_port
+from tinyserve.trace_reading import load_run
 
 pytestmark = pytest.mark.server
 
 ROOT = Path(__file__).resolve().parents[1]
 STARTED = b"Application startup complete."
-ENGINES_STARTING = b"Waiting for application startup."
+ENGINES_STARTING = b"Started server process"  # uvicorn's first line: the engines are loading
 
 
 def make_serve_in_a_terminal(trace_dir: Path, interrupt_after: bytes, delay_s: float = 0.0,
-                             timeout_s: float = 120) -> tuple[int, str]:
+                             timeout_s: float = 300) -> tuple[int, str]:
     """Run `make serve` (this environment, its set-up taken as done) under a new pty; press
     Ctrl-C `delay_s` after `interrupt_after` is printed; return make's exit status and output."""
     venv = Path(sys.prefix)
-    command = ["make", "-s", "-C", str(ROOT), "-o", str(venv / ".installed"), "serve", f"VENV={venv}",
+    command = ["make", "-s", "-C", str(ROOT), "-o", str(venv / ".serve-installed"), "serve", f"VENV={venv}",
                f"PORT={free_port()}", f"SERVE_ARGS=--trace-dir {trace_dir}"]
     pid, fd = pty.fork()
     if pid == 0:  # the child: make, with the pty as its controlling terminal

@@ -20,8 +20,8 @@ import pytest
 from tests.server_checks import long_context_model, metric, sse_lines, wait_until
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.lifecycle import schema
-from tinyserve.lifecycle.otlp_json import read_spans
 from tinyserve.testing import ServerProcess
+from tinyserve.trace_reading.otlp_json import read_spans
 
 pytestmark = pytest.mark.server  # a real `tinyserve serve` on loopback
 

@@ -55,7 +55,8 @@ def loop():
     loop.close()
 
 
-def run(loop, coroutine, timeout: float = 60.0):
+def run(loop, coroutine, timeout: float = patient(40)):
+    """Run `coroutine` on `loop`, failing after `timeout` s (two engines starting took over 60 s on a busy machine)."""
     return loop.run_until_complete(asyncio.wait_for(coroutine, timeout))
 
 

@@ -6,8 +6,8 @@ import httpx
 import pytest
 
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
-from tinyserve.lifecycle.otlp_json import read_spans
 from tinyserve.testing import ServerProcess
+from tinyserve.trace_reading.otlp_json import read_spans
 
 pytestmark = pytest.mark.server
 

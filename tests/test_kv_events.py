@@ -177,3 +177,69 @@ def test_the_replay_socket_resends_the_batches_a_subscriber_missed_then_the_end_
     finally:
         replay.close(linger=0)
         publisher.shutdown()
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses of the sockets that listen on `port` (any process), from /proc/net/tcp and tcp6."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, _, hex_port = local.rpartition(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    found.add({"0100007F": "127.0.0.1", "00000000": "0.0.0.0"}.get(address, address))
+    return found
+
+
+def test_a_wildcard_endpoint_binds_bind_host_and_loopback_by_default():
+    from tinyserve.kv_events.config import bound_endpoint, with_server_host
+
+    assert bound_endpoint("tcp://*:5557", None) == "tcp://127.0.0.1:5557"
+    assert bound_endpoint("tcp://*:5557", "10.1.2.3") == "tcp://10.1.2.3:5557"
+    assert bound_endpoint("tcp://*:5557", "::1") == "tcp://[::1]:5557"
+    for every in ("0.0.0.0", "*", "::"):
+        assert bound_endpoint("tcp://*:5557", every) == "tcp://*:5557"
+    assert bound_endpoint("tcp://10.0.0.9:5557", None) == "tcp://10.0.0.9:5557"  # connected to, as it is
+    assert bound_endpoint("ipc:///tmp/kv", None) == "ipc:///tmp/kv"
+    assert with_server_host({"endpoint": "tcp://*:1"}, "0.0.0.0")["bind_host"] == "0.0.0.0"
+    assert with_server_host({"bind_host": "127.0.0.1"}, "0.0.0.0")["bind_host"] == "127.0.0.1"
+    with pytest.raises(ValueError, match="bind_host"):
+        KVEventsConfig.from_dict({"bind_host": 5})
+
+
+@pytest.mark.server
+def test_a_servers_event_sockets_listen_on_its_host_not_on_every_interface():
+    """The events carry every prompt's token ids: with the default `tcp://*:5557` a subscriber anywhere on the
+    network rebuilt other users' prompts while HTTP listened on 127.0.0.1 (hardening-4, Medium 8). Both
+    sockets (events and replay) now listen where HTTP does, and a subscriber on loopback still gets the events."""
+    import json
+
+    import httpx
+    import zmq
+
+    from tests import shared_server
+    from tests.server_checks import wait_until
+    from tinyserve.testing import ServerProcess, free_port
+
+    pub_port, replay_port = free_port(), free_port()
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub_port}",
+              "replay_endpoint": f"tcp://*:{replay_port}", "topic": "kv"}
+    server = ServerProcess(shared_server.model_folder(), "--kv-events-config", json.dumps(config),
+                           "--served-model-name", "tiny")
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    try:
+        assert listening_addresses(pub_port) == {"127.0.0.1"}, listening_addresses(pub_port)
+        assert listening_addresses(replay_port) == {"127.0.0.1"}, listening_addresses(replay_port)
+        sub.connect(f"tcp://127.0.0.1:{pub_port}")
+        sub.setsockopt_string(zmq.SUBSCRIBE, "kv")
+
+        def stored() -> bool:
+            body = {"model": "tiny", "prompt": list(range(40, 80)), "max_tokens": 1}
+            assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+            return bool(sub.poll(500))
+
+        wait_until(stored, 30, "a subscriber on loopback receives the events")
+    finally:
+        sub.close(linger=0)
+        server.stop()

@@ -69,6 +69,15 @@ def test_lifecycle_and_kernels_import_nothing_else_of_tinyserve(package):
     assert {name: bad for name, bad in offenders.items() if bad} == {}
 
 
+def test_trace_reading_imports_only_the_lifecycle_of_tinyserve():
+    """Reading a run back needs the record's schema and nothing of the server: replay is handed its engine."""
+    allowed = ("tinyserve.trace_reading", "tinyserve.lifecycle")
+    reading = [name for name in MODULES if in_package(name, "tinyserve.trace_reading")]
+    offenders = {name: sorted(m for m in tinyserve_imports(name) if not any(in_package(m, p) for p in allowed))
+                 for name in reading}
+    assert reading and {name: bad for name, bad in offenders.items() if bad} == {}
+
+
 @pytest.mark.parametrize("name", ["tinyserve.engine.core.scheduler", "tinyserve.engine.core.kv_cache_manager",
                                   "tinyserve.engine.core.block_pool"])
 def test_scheduler_and_kv_cache_import_no_torch_numpy_or_zmq(name):
@@ -124,11 +133,13 @@ def test_arrows_point_one_way_at_any_depth(lower, upper):
 
 
 MAX_FUNCTION_LINES = 60  # STYLE: a longer function is two ideas; name the halves
-FUNCTION_RULE_PACKAGES = ("tinyserve.engine", "tinyserve.frontend", "tinyserve.wire", "tinyserve.models")
+FUNCTION_RULE_PACKAGES = ("tinyserve.engine", "tinyserve.frontend", "tinyserve.wire", "tinyserve.models",
+                          "tinyserve.entrypoints.api")
 
 
 def test_no_function_in_the_lifecycles_packages_is_over_60_lines():
-    """engine/, frontend/, wire/ and models/ are read function by function (docs/reading_path.md)."""
+    """engine/, frontend/, wire/, models/ and the HTTP layer (entrypoints/api/) are read function by function
+    (docs/reading_path.md)."""
     too_long = {}
     for name, path in MODULES.items():
         if not name.startswith(FUNCTION_RULE_PACKAGES):
@@ -203,3 +214,75 @@ def test_lifecycle_functions_read_no_clock_and_touch_no_span_outside_one_with(mo
                     if isinstance(n, (ast.Name, ast.Attribute)) and "span" in (n.id if isinstance(n, ast.Name) else n.attr)})
     withs = [n for n in body.body if isinstance(n, (ast.With, ast.AsyncWith))]
     assert (clocks, spans, len(withs) <= 1) == ([], [], True)
+
+
+# The layers: capabilities beside the core, each a package with one EngineLayer in its layer.py
+# (engine/layers.py), put together at one assembly point (tinyserve/assemble.py).
+LAYER_PACKAGES = ("tinyserve.spec_decode", "tinyserve.pipeline_parallel", "tinyserve.distributed", "tinyserve.lora",
+                  "tinyserve.kv_events", "tinyserve.reasoning")
+CORE = [name for name in MODULES if in_package(name, "tinyserve.engine") or name == "tinyserve.config"]
+
+
+def in_a_layer(name: str) -> bool:
+    return any(in_package(name, package) for package in LAYER_PACKAGES)
+
+
+def test_the_engine_and_its_arguments_import_no_layer():
+    """The core never knows its layers, at any depth (imports inside functions count): the assembly
+    point hands the engine what each layer adds."""
+    offenders = {name: sorted(m for m in tinyserve_imports(name) if in_a_layer(m))
+                 for name in CORE}
+    assert CORE and {name: bad for name, bad in offenders.items() if bad} == {}
+
+
+def test_every_layer_says_what_it_adds_in_one_layer_module_that_the_assembly_lists():
+    assembly = tinyserve_imports("tinyserve.assemble", top_level_only=True)
+    layer_modules = sorted(name for name in MODULES if name.endswith(".layer") and in_a_layer(name))
+    assert layer_modules and set(layer_modules) <= assembly
+    assert not any(name.endswith(".attach") for name in MODULES)
+
+
+# What a layer must not assign to: another object's engine, scheduler, runner, recorder or KV cache.
+ENGINE_PARTS = {"engine", "engine_core", "scheduler", "model_runner", "runner", "recorder", "kv_cache_manager", "pool"}
+
+
+def _assigned_through(target: ast.expr) -> list[str]:
+    """The names an attribute assignment reaches its object through: `engine.scheduler.x = ...` -> engine, scheduler."""
+    names, node = [], target.value
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        names.append(node.id)
+    return names[::-1]
+
+
+def test_no_layer_assigns_to_the_engine_or_its_parts():
+    """A layer's seams are constructor arguments and named hook lists, never an attribute set afterwards
+    (`engine.step_fn = ...`, `engine.scheduler.x = ...`, `self.runner.y = ...`)."""
+    offenders = []
+    for name, path in MODULES.items():
+        if not in_a_layer(name):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                if isinstance(target, ast.Attribute) and ENGINE_PARTS & set(_assigned_through(target)):
+                    offenders.append(f"{name}:{node.lineno} {ast.unparse(target)}")
+    assert offenders == []
+
+
+def test_no_function_on_the_reading_path_takes_spans():
+    """Lifecycle functions record what happened on an observer found by request id (frontend/request_observers.py)
+    or on the step's record; none is handed a spans object to thread through."""
+    from tests.test_reading_path import definition, entries
+
+    taking_spans = []
+    for path, qualname, _ in entries():
+        function = definition(path, qualname)
+        arguments = function.args
+        names = [a.arg for a in arguments.posonlyargs + arguments.args + arguments.kwonlyargs]
+        if "spans" in names:
+            taking_spans.append(f"{path}:{qualname}")
+    assert entries() and taking_spans == []

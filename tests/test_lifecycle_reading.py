@@ -18,12 +18,13 @@ from tests.synthetic_trace import (
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM, SamplingParams
 from tinyserve.cli.main import main
-from tinyserve.lifecycle import plots, schema
-from tinyserve.lifecycle.export import to_jaeger, to_perfetto
-from tinyserve.lifecycle.otlp_json import STATUS_ERROR, read_spans
-from tinyserve.lifecycle.replay import Divergence, first_divergence, replay_run
-from tinyserve.lifecycle.run import load_run
-from tinyserve.lifecycle.summary import percentile, summarize
+from tinyserve.lifecycle import schema
+from tinyserve.trace_reading import plots
+from tinyserve.trace_reading.export import to_jaeger, to_perfetto
+from tinyserve.trace_reading.otlp_json import STATUS_ERROR, read_spans
+from tinyserve.trace_reading.replay import Divergence, first_divergence, replay_run
+from tinyserve.trace_reading.run import load_run
+from tinyserve.trace_reading.summary import percentile, summarize
 
 MS = 1e-3
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tests.hf_reference import MAX_TOKENS
-from tests.lora_adapters import peft_adapter, peft_greedy
+from tests.lora_adapters import peft_adapter, peft_greedy, tampered_adapter
 from tests.tiny_checkpoints import tiny_checkpoint, tiny_model_with_tokenizer
 from tinyserve import LLM, SamplingParams
-from tinyserve.config import EngineArgs
+from tinyserve.assemble import engine_args
 from tinyserve.lora.request import LoRARequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -68,7 +68,7 @@ def test_more_adapters_than_slots_take_turns_and_are_read_again_once_evicted():
     expected = [peft_greedy(folder, path, p) for path in paths for p in prompt_list]
 
     llm = LLM(str(folder), enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8)
-    manager = llm.engine_core.lora_manager
+    manager = llm.engine_core.hooks.parts["lora"]
     seen = batches_seen(llm)
     assert generate(llm, prompt_list * 2, [lora for lora in loras for _ in prompt_list]) == expected
     assert all(len(batch - {None}) <= 1 for batch in seen)  # one slot: one adapter at a time, the other waits
@@ -87,7 +87,7 @@ def test_adapters_stay_loaded_up_to_max_cpu_loras():
     llm = LLM(str(folder), enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=8)
     for lora in [*loras, *loras]:
         generate(llm, prompts(1), lora)
-    assert llm.engine_core.lora_manager.num_loads == 2  # swapped in and out of the one slot, read once each
+    assert llm.engine_core.hooks.parts["lora"].num_loads == 2  # swapped in and out of the one slot, read once each
 
 
 def test_the_prefix_cache_keeps_each_adapters_blocks_apart():
@@ -143,7 +143,7 @@ def test_requests_for_adapters_need_enable_lora_and_a_peft_folder(lora_llm, tmp_
     folder = tiny_model_with_tokenizer("llama")
     with pytest.raises(ValueError, match=r"LoRA adapter 'sql' asked for, but LoRA is not enabled \(enable_lora=True"):
         generate(LLM(str(folder)), prompts(1), LoRARequest("sql", 1, str(peft_adapter(folder, "sql"))))
-    with pytest.raises(ValueError, match="LoRA adapter 'nowhere': no adapter_config.json in"):
+    with pytest.raises(ValueError, match="LoRA adapter 'nowhere': '.*' holds no readable PEFT adapter"):
         generate(lora_llm, prompts(1), LoRARequest("nowhere", 9, str(tmp_path)))
     with pytest.raises(ValueError, match="lora_request must be one LoRARequest"):
         generate(lora_llm, prompts(2), [None])
@@ -161,27 +161,27 @@ def test_the_engine_reads_an_adapter_as_its_request_arrives_and_refuses_one_it_c
     path = peft_adapter(tiny_model_with_tokenizer("llama"), "sql")
     request = EngineCoreRequest("ok", [5, 6, 7], GREEDY, [], 0.0, lora_request=LoRARequest("sql", 31, str(path)))
     core.check_request(request)
-    assert 31 in core.lora_manager.loaded  # read now: its first step finds it in memory
+    assert 31 in core.hooks.parts["lora"].loaded  # read now: its first step finds it in memory
     missing = EngineCoreRequest("gone", [5, 6, 7], GREEDY, [], 0.0, lora_request=LoRARequest("gone", 32, str(tmp_path)))
-    with pytest.raises(InvalidInputError, match=r"LoRA adapter 'gone' cannot be loaded from .*no adapter_config") \
+    with pytest.raises(InvalidInputError, match=r"LoRA adapter 'gone' cannot be loaded from .*holds no readable PEFT adapter") \
             as refused:
         core.check_request(missing)
-    assert refused.value.param == "model" and 32 not in core.lora_manager.loaded
+    assert refused.value.param == "model" and 32 not in core.hooks.parts["lora"].loaded
 
 
 def test_lora_settings_are_checked():
     with pytest.raises(ValueError, match="enable_lora is not supported with tensor parallelism"):
-        EngineArgs.from_kwargs(enable_lora=True, tensor_parallel_size=2)
+        engine_args(enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="max_loras must be at least 1"):
-        EngineArgs.from_kwargs(enable_lora=True, max_loras=0)
+        engine_args(enable_lora=True, max_loras=0)
     with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be at least max_loras \(2\)"):
-        EngineArgs.from_kwargs(enable_lora=True, max_loras=2, max_cpu_loras=1)
+        engine_args(enable_lora=True, max_loras=2, max_cpu_loras=1)
 
 
 def test_traces_carry_the_adapter_and_replay_runs_each_request_under_it(tmp_path):
     from tinyserve.lifecycle import schema
-    from tinyserve.lifecycle.replay import replay_run
-    from tinyserve.lifecycle.run import load_run
+    from tinyserve.trace_reading.replay import replay_run
+    from tinyserve.trace_reading.run import load_run
 
     folder = tiny_model_with_tokenizer("qwen2")
     path = peft_adapter(folder, "sql", seed=3)
@@ -235,3 +235,77 @@ def test_run_batch_serves_the_adapters_of_lora_modules(tmp_path):
     tokens = {r["custom_id"]: [int(t.removeprefix("token_id:"))
                                for t in r["response"]["body"]["choices"][0]["logprobs"]["tokens"]] for r in records}
     assert tokens == {"tiny": peft_greedy(folder, None, prompt), "sql": peft_greedy(folder, sql, prompt)}
+
+
+@pytest.mark.parametrize("tamper, message", [
+    ({"config": {"lora_alpha": float("nan")}}, "lora_alpha must be a finite number, got nan"),
+    ({"config": {"lora_alpha": "x"}}, "lora_alpha must be a finite number, got 'x'"),
+    ({"config": {"r": "4"}}, "r must be a positive integer, got '4'"),
+    ({"config": {"use_rslora": "yes"}}, "use_rslora must be true or false"),
+    ({"config": {"target_modules": [["q_proj"]]}}, "target_modules must be a list of module names"),
+    ({"fill": 1e30}, "could change a weight by up to 8.17e+30"),
+    ({"fill": float("inf")}, "lora_B holds values that are not finite in float32"),
+    ({"fill": float("nan")}, "lora_B holds values that are not finite in float32"),
+], ids=["alpha-nan", "alpha-str", "r-str", "rslora-str", "targets-nested", "1e30", "inf", "nan"])
+def test_an_adapter_with_values_that_would_overflow_is_refused_alone_when_read(lora_llm, tmp_path, tamper, message):
+    """The attack that killed the engine (NaN scaling, or 1e30 weights: a ZeroDivisionError in the decode kernel's
+    softmax on the first step) is refused as the adapter is read, by the front end's check and by the engine's own
+    as the request arrives, naming the adapter and why; the engine then serves the next request."""
+    from tinyserve.errors import InvalidInputError
+    from tinyserve.wire.messages import EngineCoreRequest
+
+    folder = tiny_model_with_tokenizer("llama")
+    good = peft_adapter(folder, "sql")
+    path = str(tampered_adapter(good, tmp_path / "evil", **tamper))
+    with pytest.raises(ValueError, match="LoRA adapter 'evil'") as refused:
+        generate(lora_llm, prompts(1), LoRARequest("evil", 61, path))
+    assert message in str(refused.value)
+    core = lora_llm.engine_core
+    request = EngineCoreRequest("evil", [5, 6, 7], GREEDY, [], 0.0, lora_request=LoRARequest("evil", 62, path))
+    with pytest.raises(InvalidInputError, match="LoRA adapter 'evil' cannot be loaded") as refused:
+        core.check_request(request)
+    assert message in str(refused.value) and refused.value.param == "model"
+    assert not lora_llm.llm_engine.has_unfinished_requests
+    assert generate(lora_llm, prompts(1), LoRARequest("sql", 63, str(good))) == [peft_greedy(folder, good, prompts(1)[0])]
+
+
+def test_queued_adapters_stay_within_max_cpu_loras_and_one_unloaded_and_deleted_while_waiting_fails_alone(tmp_path):
+    """max_cpu_loras bounds the adapters held for queued requests too (they were all kept as they arrived), and
+    the forward pass never reads a disk: a waiting request whose adapter was let go is read again as it is
+    admitted, and if that adapter was unloaded and its folder deleted meanwhile, that request alone ends with a
+    400 naming it (it killed the engine: `no adapter_config.json` raised inside a step)."""
+    import shutil
+
+    from tinyserve.wire.messages import EngineCoreRequest
+
+    folder = tiny_model_with_tokenizer("llama")
+    good = peft_adapter(folder, "sql")
+    llm = LLM(str(folder), enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8)
+    core, manager = llm.engine_core, llm.engine_core.hooks.parts["lora"]
+    long = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def arrive(request_id: str, lora_id: int, path) -> None:
+        request = EngineCoreRequest(request_id, [5, 6, 7], long, [], 0.0,
+                                    lora_request=LoRARequest(request_id, lora_id, str(path)))
+        core.check_request(request)  # what an engine process runs on each request its socket brings
+        core.add_request(request)
+
+    arrive("first", 1, good)
+    core.step()  # "first" runs, and holds the one slot
+    copies = [tampered_adapter(good, tmp_path / f"copy{i}") for i in range(8)]
+    for i, path in enumerate(copies):
+        arrive(f"queued{i}", 10 + i, path)
+        assert len(manager.loaded) <= 1 and 1 in manager.loaded  # the running request's adapter stays
+    assert manager.remove_lora(10) is False  # unloaded while it waits (not held: already let go) ...
+    shutil.rmtree(copies[0])  # ... and its folder deleted
+    outputs = {}
+    while core.has_requests:
+        for output in core.step().outputs:
+            if output.finish_reason is not None:
+                outputs[output.request_id] = output
+    failed = outputs.pop("queued0")
+    assert failed.error.startswith("LoRA adapter 'queued0' cannot be loaded from") and failed.error_param == "model"
+    assert "holds no readable PEFT adapter" in failed.error
+    assert all(o.error is None and o.finish_reason == "length" for o in outputs.values()) and len(outputs) == 8
+    assert len(manager.loaded) <= 1
+    assert_blocks_all_free(llm)

@@ -105,7 +105,7 @@ def test_an_adapter_gone_from_disk_after_loading_refuses_its_request_and_the_eng
         client.completions.create(model="gone", prompt=PROMPTS[0], max_tokens=2)
     assert refused.value.body["param"] == "model", refused.value.body
     assert "LoRA adapter 'gone'" in refused.value.body["message"]
-    assert "no adapter_model.safetensors" in refused.value.body["message"]
+    assert "holds no readable PEFT adapter" in refused.value.body["message"]
     assert greedy_ids(client, "sql", PROMPTS[0]) == peft_greedy(lora_server.folder, lora_server.sql, PROMPTS[0])
     assert httpx.get(f"{lora_server.url}/health", timeout=10).json()["status"] == "ok"
 
@@ -133,8 +133,8 @@ def test_bad_adapters_and_unknown_names_are_refused_naming_the_problem(lora_serv
 
 def test_the_trace_logs_each_adapter_and_replays_under_it(lora_server, client):
     from tinyserve import LLM
-    from tinyserve.lifecycle.replay import replay_run
-    from tinyserve.lifecycle.run import load_run
+    from tinyserve.trace_reading.replay import replay_run
+    from tinyserve.trace_reading.run import load_run
 
     ids = greedy_ids(client, "sql", PROMPTS[1])
     [run_dir] = [p for p in lora_server.trace_dir.iterdir() if p.is_dir()]

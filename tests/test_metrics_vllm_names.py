@@ -30,6 +30,7 @@ VLLM_METRICS = {
     "vllm:prompt_tokens_cached": ("counter", PER_ENGINE),
     "vllm:generation_tokens": ("counter", PER_ENGINE),
     "vllm:request_success": ("counter", PER_ENGINE | {"finished_reason"}),
+    "vllm:admission_rejections": ("counter", {"model_name", "reason"}),
     **{f"vllm:{name}": ("histogram", PER_ENGINE) for name in (
         "iteration_tokens_total", "request_prompt_tokens", "request_generation_tokens",
         "request_prefill_kv_computed_tokens", "request_num_preemptions", "request_params_n",
@@ -44,7 +45,7 @@ VLLM_METRICS = {
 }
 # vLLM labels its cache_config_info with every field of its CacheConfig; tinyserve with those it has.
 CACHE_CONFIG_LABELS = {"block_size", "enable_prefix_caching", "gpu_memory_utilization", "cache_dtype",
-                       "num_gpu_blocks", "engine"}
+                       "num_gpu_blocks", "kv_cache_size_tokens", "kv_cache_max_concurrency", "engine"}
 TINYSERVE_ONLY = {"vllm:server_errors"}  # 500s by path: no vLLM metric says as much
 
 
@@ -99,6 +100,11 @@ def test_vllm_names_labels_and_values(vllm_named):
     assert {s.labels["reason"] for s in families["vllm:num_requests_waiting_by_reason"].samples} == {
         "capacity", "deferred"}
     assert set(families["vllm:cache_config_info"].samples[0].labels) == CACHE_CONFIG_LABELS
+    # vLLM's capacity: the pool's blocks over a whole context's (512 of 16 tokens over 4096 tokens: 2 requests)
+    cache_config = families["vllm:cache_config_info"].samples[0].labels
+    assert (cache_config["kv_cache_max_concurrency"], cache_config["kv_cache_size_tokens"]) == ("2.0", "8192")
+    assert {s.labels["reason"]: s.value for s in families["vllm:admission_rejections"].samples
+            if s.name.endswith("_total")} == {"max_num_queued_reqs": 0, "max_num_queued_tokens": 0}
     # prometheus-client writes each counter's and histogram's creation time as a gauge of its own, `..._created`.
     ours = {name for name in exported if name.startswith(("vllm:", "http_")) and not name.endswith("_created")}
     assert ours - set(VLLM_METRICS) - {"vllm:cache_config_info"} <= TINYSERVE_ONLY

@@ -281,10 +281,13 @@ def test_resolve_model_path_finds_a_hub_id_in_the_local_cache(tmp_path, monkeypa
     assert load(resolve_model_path("tiny-org/tiny-llama")).num_layers == 2
 
 
-@pytest.mark.parametrize("model", ["/no/such/folder", "tiny-org/not-cached"])
-def test_resolve_model_path_never_downloads(model, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("model", "says"), [
+    ("/no/such/folder", "no such folder; a model is a folder of config.json"),  # no hub id: no `hf download`
+    ("tiny-org/not-cached", "no such folder, and not a hub id in the local Hugging Face cache"),
+])
+def test_resolve_model_path_never_downloads(model, says, tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(ValueError, match="no such folder, and not a hub id in the local Hugging Face cache"):
+    with pytest.raises(ValueError, match=says):
         resolve_model_path(model)
 
 

@@ -10,6 +10,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,12 +22,12 @@ import openai
 import pytest
 
 from tests.required_tools import missing, system_binary
-from tests.server_checks import long_context_model, sse_lines, wait_until
+from tests.server_checks import group_is_gone, long_context_model, sse_lines, wait_until
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.lifecycle import schema
-from tinyserve.lifecycle.merge import merge_runs
-from tinyserve.lifecycle.run import load_run
 from tinyserve.testing import ServerProcess, free_port
+from tinyserve.trace_reading.merge import merge_runs
+from tinyserve.trace_reading.run import load_run
 
 pytestmark = pytest.mark.server
 
@@ -161,6 +162,41 @@ def test_a_node_with_another_model_or_a_taken_rank_is_refused_with_a_message_nam
         head_thread.join(timeout=120)
         for head in started:
             head.stop()
+
+
+def test_sigterm_to_a_head_still_waiting_for_its_headless_node_stops_it_and_its_engine_promptly():
+    """A head waits for its nodes as long as start-up allows (minutes): SIGTERM ends the wait at once."""
+    model = tiny_model_with_tokenizer("llama")
+    rpc_port = free_port()
+    command = [sys.executable, "-m", "tinyserve.cli.main", "serve", str(model), "--port", str(free_port()),
+               *ENGINE_FLAGS, *dp_flags("127.0.0.1", rpc_port)]
+    with tempfile.TemporaryFile() as log:
+        head = subprocess.Popen(command, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_until(lambda: head.poll() is None and accepts(rpc_port), 120,
+                       "the head listens for its headless node")
+            head.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            status = head.wait(60)
+            stopped_after = time.monotonic() - signalled
+            wait_until(lambda: group_is_gone(head.pid), 10, "no process of the head's group is left")
+        finally:
+            if head.poll() is None:
+                os.killpg(head.pid, signal.SIGKILL)
+                head.wait()
+        output = os.pread(log.fileno(), 1 << 22, 0).decode(errors="replace")
+    assert status == 0 and stopped_after < 20, (stopped_after, output[-3000:])
+    assert "stopping during start-up" in output and "Traceback" not in output, output[-3000:]
+
+
+def accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
 
 
 def test_killing_the_headless_node_fails_its_requests_within_2_s_and_no_others():

@@ -33,6 +33,7 @@ def rehearsal_python() -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # a fresh machine first makes the image: minutes of downloads, beside the other worker's tests
 def test_an_offline_install_beside_the_images_torch_runs_the_gpu_check_smoke(tmp_path):
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "TRITON_INTERPRET")}
     env["TINYSERVE_REHEARSAL_PYTHON"] = rehearsal_python()

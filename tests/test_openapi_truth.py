@@ -127,10 +127,20 @@ COMPLETION_BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     ("ChatCompletionRequest", "/v1/chat/completions", {**CHAT_BODY, "top_logprobs": 2, "logprobs": True}, True),
     ("CompletionRequest", "/v1/completions", {**COMPLETION_BODY, "stream_options": {"include_usage": True}}, False),
     ("CompletionRequest", "/v1/completions", {**COMPLETION_BODY, "prompt": ""}, False),
+    # an empty input is a 400 (the embeddings' on this generative server whatever it holds: the schema says a
+    # pooling server's truth), a chat turn's role any non-empty string the template takes (hardening-4, Low)
+    ("EmbeddingRequest", "/v1/embeddings", {"model": MODEL, "input": ""}, False),
+    ("EmbeddingRequest", "/v1/embeddings", {"model": MODEL, "input": [[]]}, False),
+    ("ResponsesRequest", "/v1/responses", {"model": MODEL, "input": [], "max_output_tokens": 4}, False),
+    ("ResponsesRequest", "/v1/responses", {"model": MODEL, "input": "", "max_output_tokens": 4}, True),
+    ("ChatCompletionRequest", "/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "0", "content": "hi"}]},
+     True),
     ("TokenizeRequest", "/tokenize", {"model": MODEL}, False),
     ("TokenizeRequest", "/tokenize", {"model": MODEL, "prompt": "hi"}, True),
     # bounds a float-comparing validator holds exactly; token ids within the vocabulary
-    ("CompletionRequest", "/v1/completions", {**COMPLETION_BODY, "seed": 2**63 - 1}, False),
+    ("CompletionRequest", "/v1/completions", {**COMPLETION_BODY, "seed": 2**63 - 1}, True),  # any int64, as vLLM
+    ("CompletionRequest", "/v1/completions", {**COMPLETION_BODY, "seed": 2**63}, False),
+    ("CompletionRequest", "/v1/completions", {**COMPLETION_BODY, "seed": -(2**63)}, True),
     ("DetokenizeRequest", "/detokenize", {"model": MODEL, "tokens": [512]}, False),
     ("DetokenizeRequest", "/detokenize", {"model": MODEL, "tokens": [511]}, True),
     # 1.0 is an integer to JSON Schema, and so to the server

@@ -19,8 +19,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode, set_span_in_context
 
 from tinyserve.lifecycle.otlp_file import OTLPJsonFileExporter, spans_to_otlp_json
-from tinyserve.lifecycle.otlp_json import read_spans
 from tinyserve.lifecycle.tracing import extract_context
+from tinyserve.trace_reading.otlp_json import read_spans
 
 ID_KEYS = ("traceId", "spanId", "parentSpanId")
 
@@ -93,3 +93,16 @@ def test_a_line_is_strict_json_the_reader_takes_back(tmp_path):
     assert http.parent_span_id == "b7ad6b7169203331"  # the remote parent from the traceparent
     assert math.isnan(http.attributes["nan"]) and http.attributes["inf"] == math.inf
     assert http.attributes["big"] == 2**62 and http.attributes["floats"] == [0.5, 1.5]
+
+
+def test_a_string_holding_unicode_line_breaks_stays_on_its_line(tmp_path):
+    # JSON leaves U+0085, U+2028 and U+2029 unescaped; a generated text held U+0085 and its trace file was unreadable
+    text = "a\x85b\u2028c\u2029d\x1ce\x0bf\x0cg"
+    spans = record_spans("tinyserve-api", lambda tracer: tracer.start_span("x", attributes={"text": text}).end())
+    spans += record_spans("tinyserve-api", lambda tracer: tracer.start_span("y").end())
+    exporter = OTLPJsonFileExporter(tmp_path / "api.jsonl")
+    for span in spans:
+        exporter.export([span])
+    exporter.shutdown()
+    assert [(span.name, span.attributes.get("text")) for span in read_spans(tmp_path / "api.jsonl")] == [
+        ("x", text), ("y", None)]

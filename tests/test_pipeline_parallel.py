@@ -16,6 +16,7 @@ import torch
 from tests.hf_reference import MAX_TOKENS, hf_greedy
 from tests.tiny_checkpoints import tiny_checkpoint, tiny_model_with_tokenizer
 from tinyserve import LLM, SamplingParams
+from tinyserve.assemble import engine_args
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.engine.core.kv_cache_manager import KVCacheManager
 from tinyserve.engine.core.request import Request
@@ -154,7 +155,7 @@ def test_a_stage_holds_only_its_own_weights():
 ])
 def test_what_pipeline_parallelism_refuses_is_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        EngineArgs.from_kwargs(**kwargs)
+        engine_args(**kwargs)
 
 
 def test_more_stages_than_layers_is_refused_before_any_process_starts():
@@ -166,15 +167,22 @@ def test_more_stages_than_layers_is_refused_before_any_process_starts():
 
 @pytest.mark.slow
 def test_two_stages_of_two_tensor_parallel_ranks_give_transformers_greedy_tokens_and_trace_each_stage(tmp_path):
-    from tinyserve.lifecycle import load_run
+    """... and stage 0's second rank stopped (it holds rank 0 in an all-reduce, inside the engine's own step) fails
+    the next step naming it, within --tensor-parallel-watchdog-timeout."""
+    import os
+    import signal
+    import time
+
+    from tests.patience import patient
     from tinyserve.lifecycle.tracing import shutdown_tracing
+    from tinyserve.trace_reading import load_run
 
     folder = tiny_model_with_tokenizer("llama", num_hidden_layers=3)
     prompts = prompts_for(384)[:2]
     try:
         # 5 tokens a batch: the first prompt (5 tokens) fills one, so the second goes in the next, in flight with it
         llm = LLM(str(folder), pipeline_parallel_size=2, tensor_parallel_size=2, num_kv_blocks=64,
-                  max_num_batched_tokens=5, trace_dir=str(tmp_path))
+                  max_num_batched_tokens=5, trace_dir=str(tmp_path), tensor_parallel_watchdog_s=patient(1))
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         llm.llm_engine.flush_spans()
@@ -183,11 +191,18 @@ def test_two_stages_of_two_tensor_parallel_ranks_give_transformers_greedy_tokens
     try:
         assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(folder, p) for p in prompts]
         core = llm.engine_core
-        assert len(core.tp_workers.processes) == 3  # stage 0's second rank, and stage 1's two
+        assert len(core.other_ranks.processes) == 3  # stage 0's second rank, and stage 1's two
         assert core.model_runner.kv_caches[0].shape[3] == 1  # 2 KV heads over 2 TP ranks
         assert len(core.model_runner.kv_caches) == 2  # stage 0's layers only
         assert core.kv_cache_manager.pool.num_free_blocks == 64 and core.scheduler.num_batches_in_flight == 0
-        processes = list(core.tp_workers.processes)
+        processes = list(core.other_ranks.processes)
+        os.kill(processes[0].pid, signal.SIGSTOP)  # stage 0's second rank: alive, and never at its next all-reduce
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 \(stopped\) did not answer"):
+            llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+        assert time.monotonic() - started < patient(20)  # the watchdog's bound, not gloo's timeout (minutes)
+        processes[0].join(patient(5))  # the watchdog's SIGKILL is sent; the process is reaped a moment later
+        assert processes[0].exitcode == -signal.SIGKILL  # killed: nothing is left stopped
     finally:
         llm.shutdown()
     assert all(process.exitcode is not None for process in processes)  # no rank left behind

@@ -11,7 +11,8 @@ import pytest
 from matplotlib.figure import Figure
 
 from tests.synthetic_trace import write_demo_run
-from tinyserve.lifecycle import load_run, plots_scale_out, schema
+from tinyserve.lifecycle import schema
+from tinyserve.trace_reading import load_run, plots_scale_out
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,8 +16,8 @@ from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM
 from tinyserve.config import EngineArgs
 from tinyserve.lifecycle import schema
-from tinyserve.lifecycle.run import load_run
 from tinyserve.pooling_params import PoolingParams
+from tinyserve.trace_reading.run import load_run
 
 # Long enough (77 tokens) to be computed in three chunks at a budget of 32 tokens.
 PROMPTS = [[5, 6, 7, 8, 9, 10] * 5, [11, 12, 13], list(range(3, 80))]

@@ -19,6 +19,7 @@ import pytest
 
 from tests.hf_reference import hf_greedy
 from tests.patience import patient
+from tests.ray_turns import ray_cluster_turn
 from tests.server_checks import long_context_model, sse_lines, wait_until
 from tests.test_tensor_parallel import generate, prompts_for
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
@@ -36,16 +37,17 @@ def cluster():
     import ray  # the ray extra, which scripts/setup.sh installs
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    node_b = cluster.add_node(num_cpus=4, resources=NODE_B)
-    os.environ["RAY_ADDRESS"] = cluster.address
-    try:
-        yield cluster, node_b
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        for name, value in saved.items():
-            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+    with ray_cluster_turn():  # no other test's Ray cluster beside this one (tests/ray_turns.py)
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+        node_b = cluster.add_node(num_cpus=4, resources=NODE_B)
+        os.environ["RAY_ADDRESS"] = cluster.address
+        try:
+            yield cluster, node_b
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            for name, value in saved.items():
+                os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
 
 
 @pytest.mark.slow
@@ -57,7 +59,7 @@ def test_a_rank_on_another_ray_node_keeps_transformers_greedy_tokens_and_its_dea
               distributed_executor_backend="ray", ray_resources={"node_b": 1})
     try:
         assert generate(llm, prompts) == [hf_greedy(folder, p) for p in prompts]
-        [rank1] = llm.engine_core.tp_workers.processes
+        [rank1] = llm.engine_core.other_ranks.processes
         assert rank1.node_id == node_b.node_id  # placed by its bundle's resource, not beside rank 0
         assert llm.engine_core.model_runner.kv_caches[0].shape[3] == 1  # each rank holds its own KV head
         os.kill(rank1.pid, signal.SIGKILL)  # the actor's process, as a crash would end it
@@ -105,8 +107,8 @@ def engine_actors(raylet_pid: int) -> dict[int, psutil.Process]:
 @pytest.mark.server
 def test_two_engines_on_ray_serve_a_burst_and_a_killed_one_fails_its_requests_and_the_server_exits_1(cluster, tmp_path):
     from tests.test_dp_rank_loss import by_engine
-    from tinyserve.lifecycle import load_run
     from tinyserve.testing import ServerProcess
+    from tinyserve.trace_reading import load_run
 
     _, node_b = cluster
     raylet_b = node_b.all_processes["raylet"][0].process.pid
@@ -166,18 +168,20 @@ def test_ray_flags_that_cannot_fit_exit_2_naming_them(tmp_path, capsys, flags, m
 
 
 def test_without_ray_installed_either_ray_backend_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    from tinyserve.assemble import check_engine_args
     from tinyserve.config import EngineArgs
     from tinyserve.distributed import ray_cluster
 
     monkeypatch.setattr(ray_cluster, "ray_installed", lambda: False)
     assert main(["serve", str(tmp_path / "no-such-model"), "--data-parallel-backend", "ray"]) == 2
     assert capsys.readouterr().err == ("error: --data-parallel-backend ray needs Ray, which is not installed: "
-                                       "pip install 'tinyserve[ray]'\n")
+                                       "the ray extra, pip install 'tinyserve[ray]'\n")
     with pytest.raises(ValueError, match=r"--distributed-executor-backend ray needs Ray, which is not installed: "
-                                         r"pip install 'tinyserve\[ray\]'"):
-        EngineArgs(distributed_executor_backend="ray").validate()
+                                         r"the ray extra, pip install 'tinyserve\[ray\]'"):
+        check_engine_args(EngineArgs(distributed_executor_backend="ray"))
     monkeypatch.undo()
     with pytest.raises(ValueError, match=r"with --pipeline-parallel-size the stages run as processes: use mp"):
-        EngineArgs(distributed_executor_backend="ray", tensor_parallel_size=2, pipeline_parallel_size=2).validate()
+        check_engine_args(EngineArgs(distributed_executor_backend="ray", tensor_parallel_size=2,
+                                     pipeline_parallel_size=2))
     with pytest.raises(ValueError, match=r"ray_resources \(--ray-resources\) names \['CPU'\]"):
-        EngineArgs(ray_resources={"CPU": 2}).validate()
+        check_engine_args(EngineArgs(ray_resources={"CPU": 2}))

@@ -39,11 +39,11 @@ VLLM_SAMPLING = ["best_of", "use_beam_search", "top_k", "min_p", "repetition_pen
 VLLM_SHARED = ["response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs", "priority", "request_id",
                "logits_processors", "return_tokens_as_token_ids", "return_token_ids", "cache_salt",
-               "kv_transfer_params", "vllm_xargs", "add_special_tokens"]
+               "kv_transfer_params", "vllm_xargs", "add_special_tokens", "logprob_token_ids"]
 VLLM_CHAT = [*VLLM_SAMPLING, *VLLM_SHARED, "bad_words", "echo", "add_generation_prompt", "continue_final_message",
              "documents", "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "structural_tag",
-             "reasoning_effort", "include_reasoning"]
-VLLM_COMPLETIONS = [*VLLM_SAMPLING, *VLLM_SHARED, "prompt_embeds"]
+             "reasoning_effort", "include_reasoning", "truncation_side"]
+VLLM_COMPLETIONS = [*VLLM_SAMPLING, *VLLM_SHARED, "prompt_embeds", "truncation_side"]
 # vLLM's ResponsesRequest (vllm/entrypoints/openai/responses/protocol.py): its fields beyond OpenAI's, and
 # min_tokens, which benchmark clients send to every endpoint.
 VLLM_RESPONSES = ["top_k", "logit_bias", "skip_special_tokens", "include_stop_str_in_output", "request_id",
@@ -134,7 +134,7 @@ TYPICAL = {"metadata": {"user_id": "u-1"}, "store": True, "service_tier": "auto"
            "prompt_cache_key": "k-1", "prompt_cache_retention": "24h", "prompt_cache_options": {},
            "request_id": "r-1", "user": "u-1", "cache_control": {"type": "ephemeral"}, "inference_geo": "us",
            "speed": "standard", "diagnostics": {}, "user_profile_id": "p-1", "workspace_id": "w-1",
-           "reasoning_effort": "low", "truncation": "auto", "billing_policy": {"type": "billing_policy", "bill_to": "self"},
+           "truncation": "auto", "billing_policy": {"type": "billing_policy", "bill_to": "self"},
            "fallback_credit_token": "t-1", "fallbacks": "default"}
 
 
@@ -432,6 +432,18 @@ def check_chat_template_kwargs(server, kind):
     assert response.status_code == 400 and response.json()["error"]["param"] == "chat_template_kwargs"
 
 
+def check_reasoning_fields(field: str, value):
+    """reasoning_effort, include_reasoning (chat) and reasoning (Responses) take effect with --reasoning-parser,
+    checked against a server that has one in test_reasoning.py; this server has none: no reasoning is read out
+    of the answer, and the field changes nothing, as in vLLM without a parser. A summary is refused (none is made)."""
+    def check(server, kind):
+        assert output(kind, ok(server, kind, **{field: value})) == output(kind, ok(server, kind))
+        if field == "reasoning":
+            refused = post(server, kind, reasoning={"effort": "low", "summary": "detailed"})
+            assert refused.status_code == 400 and "reasoning" in refused.json()["error"]["param"]
+    return check
+
+
 def check_echo(server, kind):
     if kind == "chat":  # vLLM's chat echo: the continued assistant message comes before the reply
         messages = [*CHAT["messages"], {"role": "assistant", "content": "Explicit"}]
@@ -600,8 +612,57 @@ def check_response_format(server, kind):
     assert json.loads(text(server, kind, response_format=schema, max_tokens=60)) in ({"zone": "UTC"}, {"zone": "CET"})
 
 
+def check_return_token_ids(server, kind):
+    answer = ok(server, kind, return_token_ids=True)
+    prompt_ids = answer["prompt_token_ids"] if kind == "chat" else answer["choices"][0]["prompt_token_ids"]
+    assert len(prompt_ids) == num_prompt(answer) and len(answer["choices"][0]["token_ids"]) == num_generated(answer)
+
+
+def check_logprob_token_ids(server, kind):
+    asked = [token_id(server, " is"), token_id(server, ",")]
+    answer = ok(server, kind, **({"logprobs": True} if kind == "chat" else {"logprobs": 1}), logprob_token_ids=asked)
+    logprobs = answer["choices"][0]["logprobs"]
+    tops = [p["top_logprobs"] for p in logprobs["content"]] if kind == "chat" else logprobs["top_logprobs"]
+    assert tops and all(len(top) in (2, 3) for top in tops)  # the sampled token and the two asked
+
+
+def check_responses_include(server, kind):
+    [part] = ok(server, kind, include=["message.output_text.logprobs"])["output"][0]["content"]
+    assert part["logprobs"] and all(entry["top_logprobs"] == [] for entry in part["logprobs"])
+    assert ok(server, kind)["output"][0]["content"][0]["logprobs"] == []
+
+
+def check_responses_top_logprobs(server, kind):
+    [part] = ok(server, kind, include=["message.output_text.logprobs"], top_logprobs=3)["output"][0]["content"]
+    assert part["logprobs"] and all(len(entry["top_logprobs"]) == 3 for entry in part["logprobs"])
+
+
+def check_enable_response_messages(server, kind):
+    answer = ok(server, kind, enable_response_messages=True)
+    [given], [made] = answer["input_messages"], answer["output_messages"]
+    assert (len(given["tokens"]), len(made["tokens"])) == (num_prompt(answer), num_generated(answer))
+    assert "input_messages" not in ok(server, kind)
+
+
+def check_truncate_prompt_tokens(server, kind):
+    assert num_prompt(ok(server, kind, truncate_prompt_tokens=3)) == 3 < num_prompt(ok(server, kind))
+
+
+def check_truncation_side(server, kind):
+    left, right = (text(server, kind, truncate_prompt_tokens=3, truncation_side=side) for side in ("left", "right"))
+    assert left == text(server, kind, truncate_prompt_tokens=3) != right
+
+
 def check_structured_outputs(server, kind):
     assert text(server, kind, structured_outputs={"choice": ["alpha", "beta"]}) in ("alpha", "beta")
+
+
+def check_prompt_embeds(server, kind):
+    """Served only with --enable-prompt-embeds (test_vllm_launch_flags.py's server generates from them); the
+    shared server, started without it, says so by name instead of reading the prompt alone."""
+    response = post(server, kind, prompt_embeds="AAAA")
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt_embeds"
+    assert "--enable-prompt-embeds" in response.json()["error"]["message"]
 
 
 OPENAI_SHARED = {
@@ -618,7 +679,8 @@ OPENAI_SHARED = {
     "priority": check_priority, "response_format": check_response_format,
     "structured_outputs": check_structured_outputs, "return_tokens_as_token_ids": check_return_tokens_as_token_ids,
     "allowed_token_ids": check_allowed_token_ids, "request_id": check_request_id,
-    "kv_transfer_params": check_kv_transfer_params,
+    "kv_transfer_params": check_kv_transfer_params, "return_token_ids": check_return_token_ids,
+    "logprob_token_ids": check_logprob_token_ids,
 }
 IMPLEMENTED = {
     "chat": {**OPENAI_SHARED, "messages": check_prompt_changes_prompt_tokens("messages", [
@@ -626,8 +688,12 @@ IMPLEMENTED = {
         "max_completion_tokens": check_max_tokens("max_completion_tokens"), "top_logprobs": check_top_logprobs,
         "add_generation_prompt": check_add_generation_prompt, "continue_final_message": check_continue_final_message,
         "chat_template_kwargs": check_chat_template_kwargs, "tools": check_tools, "tool_choice": check_tool_choice,
-        "parallel_tool_calls": check_parallel_tool_calls, "echo": check_echo, "bad_words": check_bad_words},
-    "completions": {**OPENAI_SHARED, "echo": check_echo,
+        "parallel_tool_calls": check_parallel_tool_calls, "echo": check_echo, "bad_words": check_bad_words,
+        "reasoning_effort": check_reasoning_fields("reasoning_effort", "low"),
+        "include_reasoning": check_reasoning_fields("include_reasoning", False),
+        "truncate_prompt_tokens": check_truncate_prompt_tokens, "truncation_side": check_truncation_side},
+    "completions": {**OPENAI_SHARED, "echo": check_echo, "truncate_prompt_tokens": check_truncate_prompt_tokens,
+                    "truncation_side": check_truncation_side, "prompt_embeds": check_prompt_embeds,
                     "prompt": check_prompt_changes_prompt_tokens("prompt", "Flat is better than nested")},
     "messages": {"model": check_model, "max_tokens": check_max_tokens("max_tokens"),
                  "messages": check_prompt_changes_prompt_tokens("messages", [
@@ -653,7 +719,10 @@ IMPLEMENTED = {
                       "top_k", "seed", "stop", "include_stop_str_in_output", "logit_bias", "skip_special_tokens",
                       "structured_outputs", "priority")},
                   "ignore_eos": check_responses_ignore_eos, "min_tokens": check_responses_min_tokens,
-                  "repetition_penalty": check_responses_repetition_penalty},
+                  "repetition_penalty": check_responses_repetition_penalty,
+                  "include": check_responses_include, "top_logprobs": check_responses_top_logprobs,
+                  "enable_response_messages": check_enable_response_messages,
+                  "reasoning": check_reasoning_fields("reasoning", {"effort": "low", "summary": "auto"})},
 }
 
 

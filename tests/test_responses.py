@@ -118,8 +118,9 @@ FUNCTION = {"type": "function", "name": "f", "parameters": {"type": "object"}}
 @pytest.mark.parametrize("change, param, named", [
     ({"tools": [{"type": "web_search"}]}, "tools.0.type", "'web_search' tools are not supported"),
     ({"tools": [FUNCTION], "tool_choice": {"type": "mcp", "server_label": "s"}}, "tool_choice.type", "'mcp'"),
-    ({"reasoning": {"effort": "high", "summary": "detailed"}}, "reasoning", "not supported"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input.0", "'reasoning'"),
+    ({"reasoning": {"effort": "high", "summary": "detailed"}}, "reasoning.summary", "not supported"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]}, "input.0.reasoning.encrypted_content",
+     "None"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]},
      "input.0.function_call.arguments", "JSON"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "schema"),

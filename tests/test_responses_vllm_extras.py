@@ -193,15 +193,11 @@ def test_anthropic_fields_of_a_hosted_api_change_nothing(claude, given):
 
 @pytest.mark.server
 @pytest.mark.parametrize("field, value", [
-    ("reasoning", {"effort": "high", "summary": "detailed"}),
-    ("include", ["message.output_text.logprobs"]),
     ("mm_processor_kwargs", {"num_crops": 4}),
     ("cache_salt", "salt"),
     ("vllm_xargs", {"x": 1}),
-    ("enable_response_messages", True),
     ("previous_input_messages", [{"role": "user", "content": "hi"}]),
     ("previous_response", {"id": "resp_1"}),
-    ("top_logprobs", 2),
     ("background", True),
 ])
 def test_a_refused_responses_field_is_400_naming_it(client, field, value):

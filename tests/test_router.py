@@ -7,12 +7,17 @@ router it needs (a process of a second or two). The clients are the official ope
 and a ZeroMQ subscriber written as vLLM's examples/online_serving/kv_events_subscriber.py is.
 """
 
+import contextlib
 import hashlib
 import json
 import random
+import re
+import select
+import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -22,13 +27,22 @@ import zmq
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests import shared_server
+from tests.misbehaving_backends import (
+    FAKE_TEXT,
+    FakeBackend,
+    answers_health_only,
+    drops_mid_answer,
+    reports_load,
+    silent,
+)
 from tests.server_checks import wait_until
 from tinyserve.lifecycle import schema
-from tinyserve.lifecycle.otlp_json import read_spans
 from tinyserve.testing import RouterProcess, ServerProcess, free_port
+from tinyserve.trace_reading.otlp_json import read_spans
 
 pytestmark = pytest.mark.server
 
@@ -116,8 +130,8 @@ def test_chat_and_completions_pass_through_streamed_and_whole_as_the_backend_ans
 
 def test_the_backends_request_spans_carry_the_routers_trace_and_merge_into_one_run(backends, traced_router,
                                                                                    tmp_path):
-    from tinyserve.lifecycle.merge import merge_runs
-    from tinyserve.lifecycle.run import load_run
+    from tinyserve.trace_reading.merge import merge_runs
+    from tinyserve.trace_reading.run import load_run
 
     via_router = openai.OpenAI(base_url=f"{traced_router.url}/v1", api_key="unused", max_retries=0)
     for i in range(2):  # round robin: one to each backend
@@ -147,6 +161,32 @@ def test_the_backends_request_spans_carry_the_routers_trace_and_merge_into_one_r
     assert {r.trace_id for r in run.requests} & traced
 
 
+@contextlib.contextmanager
+def unready_router(*flags: str):
+    """`tinyserve router FLAGS`, its URL once it listens (RouterProcess would wait for a /health of 200)."""
+    process = subprocess.Popen([sys.executable, "-m", "tinyserve.cli.main", "router", *flags, "--port",
+                                str(port := free_port())], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+
+    def listens():
+        try:
+            return httpx.get(f"{url}/health", timeout=10)
+        except httpx.HTTPError:
+            return None
+
+    try:
+        wait_until(listens, 30, "the router listens")
+        yield url
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def complete(url: str, **fields) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, **fields},
+                      timeout=60)
+
+
 def test_a_backend_that_is_down_is_passed_over_and_none_left_is_a_503_naming_it(backends):
     dead = f"http://127.0.0.1:{free_port()}"
     router = RouterProcess([dead, backends[0].url])
@@ -156,24 +196,196 @@ def test_a_backend_that_is_down_is_passed_over_and_none_left_is_a_503_naming_it(
             assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
     finally:
         router.stop()
-    nothing = subprocess.Popen([sys.executable, "-m", "tinyserve.cli.main", "router", "--backend", dead, "--port",
-                                str(port := free_port())], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        def answer():
-            try:
-                return httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": MODEL, "prompt": "Hi"},
-                                  timeout=10)
-            except httpx.HTTPError:
-                return None
-
-        wait_until(answer, 30, "the router listens")
-        refused = answer()
+    with unready_router("--backend", dead) as url:
+        refused = complete(url)
         assert refused.status_code == 503
         assert dead in refused.json()["error"]["message"]
-        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 503
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert health.status_code == 503 and dead in health.json()["status"]
+
+
+# ---- backends that misbehave (tests/misbehaving_backends.py) next to a real one --------------------
+
+
+def test_a_backend_that_takes_requests_and_never_answers_is_a_504_once_then_passed_over(backends):
+    hangs = FakeBackend(answers_health_only)
+    router = RouterProcess([hangs.url, backends[0].url], "--backend-header-timeout", "2",
+                           "--health-check-interval-secs", "600")  # only the request marks it down here
+    try:
+        timed_out = complete(router.url)  # round_robin: the first request goes to the first backend
+        assert timed_out.status_code == 504
+        message = timed_out.json()["error"]["message"]
+        assert hangs.url in message and "--backend-header-timeout" in message
+        for _ in range(4):  # each to the live backend, none to the one that did not answer
+            answer = complete(router.url)
+            assert answer.status_code == 200 and answer.json()["choices"][0]["text"] != FAKE_TEXT
+        assert len(hangs.posts()) == 1
+        health = httpx.get(f"{router.url}/health", timeout=10)
+        assert health.status_code == 200
+        [state] = [b for b in health.json()["backends"] if b["url"] == hangs.url]
+        assert state["up"] is False and "--backend-header-timeout" in state["error"]
     finally:
-        nothing.terminate()
-        nothing.wait(30)
+        router.stop()
+        hangs.stop()
+
+
+def test_a_backend_that_never_answers_at_all_is_taken_out_by_health_checks(backends):
+    mute = FakeBackend(silent)
+    checks = ("--health-check-interval-secs", "0.2", "--health-check-timeout-secs", "0.5",
+              "--health-failure-threshold", "2")
+    router = RouterProcess([mute.url, backends[0].url], *checks)
+    try:
+        def mute_is_down():
+            states = httpx.get(f"{router.url}/health", timeout=10).json()["backends"]
+            return [b for b in states if b["url"] == mute.url and not b["up"]]
+
+        wait_until(mute_is_down, 30, "the health checks take the mute backend out")
+        [state] = mute_is_down()
+        assert "--health-check-timeout-secs" in state["error"]
+        # 2 (the threshold), or more where a busy machine let another check fail before this read
+        assert int(re.search(r"\((\d+) health check\(s\) failed in a row\)", state["error"])[1]) >= 2, state["error"]
+        for _ in range(4):
+            assert complete(router.url).json()["choices"][0]["text"] != FAKE_TEXT
+        assert mute.posts() == []
+    finally:
+        router.stop()
+    with unready_router("--backend", mute.url, *checks) as url:  # no backend left: the router is unhealthy
+        wait_until(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 503, 30, "/health says 503")
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        assert mute.url in health["status"] and "--health-check-timeout-secs" in health["status"]
+        refused = complete(url)
+        assert refused.status_code == 503 and mute.url in refused.json()["error"]["message"]
+    mute.stop()
+
+
+def test_orca_loads_that_are_not_finite_numbers_are_ignored_and_logged_and_the_answer_goes_back(backends):
+    nan = FakeBackend(reports_load("TEXT named_metrics.num_requests_waiting=NaN, named_metrics.kv_cache_usage_perc=0.9"))
+    null = FakeBackend(reports_load('JSON {"named_metrics": {"num_requests_waiting": null, '
+                                    '"kv_cache_usage_perc": 0.95}}'))
+    router = RouterProcess([nan.url, null.url, backends[0].url], "--policy", "least_load")
+    try:
+        # All idle: the first listed, then the next; each reports a high KV usage and an invalid queue.
+        assert [complete(router.url).json()["choices"][0]["text"] for _ in range(2)] == [FAKE_TEXT, FAKE_TEXT]
+        for _ in range(4):  # a NaN queue no longer wins every comparison: the real, least loaded backend does
+            assert complete(router.url).json()["choices"][0]["text"] != FAKE_TEXT
+        assert (len(nan.posts()), len(null.posts())) == (1, 1)
+        log = router.output()
+        assert f"backend {nan.url} reported num_requests_waiting='NaN'" in log
+        assert f"backend {null.url} reported num_requests_waiting=None" in log
+    finally:
+        router.stop()
+        nan.stop()
+        null.stop()
+
+
+def test_a_backend_dropping_mid_answer_is_an_error_event_and_its_models_answer_is_bounded(backends):
+    drops = FakeBackend(drops_mid_answer)
+    router = RouterProcess([drops.url, backends[0].url], "--health-check-interval-secs", "600")
+    rss = psutil.Process(router.process.pid).memory_info().rss
+    try:
+        models = httpx.get(f"{router.url}/v1/models", timeout=60)  # 64 MB from the first backend
+        assert models.status_code == 502 and str(8 << 20) in models.json()["error"]["message"]
+        assert psutil.Process(router.process.pid).memory_info().rss - rss < 32 << 20
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+        stream = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, stream=True)
+        assert next(stream).choices[0].text == FAKE_TEXT  # the whole event it sent; not the half
+        with pytest.raises(openai.APIError) as error:
+            next(stream)
+        assert drops.url in str(error.value) and "incomplete" in str(error.value)
+        for _ in range(3):  # it is down now: every later answer is the live backend's, whole
+            chunks = list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, stream=True))
+            assert chunks and FAKE_TEXT not in "".join(c.choices[0].text for c in chunks if c.choices)
+        assert len(drops.posts()) == 1
+    finally:
+        router.stop()
+    router = RouterProcess([drops.url], "--health-check-interval-secs", "600")
+    try:  # a whole answer cut off is cut off for the client too: never a shorter 200 that looks complete
+        with pytest.raises(httpx.RemoteProtocolError):
+            complete(router.url)
+    finally:
+        router.stop()
+        drops.stop()
+
+
+def raw_exchange(port: int, head: bytes, chunks=()) -> bytes:
+    """Send `head`, then `chunks` until the router answers or closes; its answer (a Content-Length body)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head)
+        for chunk in chunks:
+            if select.select([sock], [], [], 0)[0]:
+                break  # it answered (or closed) before taking the whole body
+            try:
+                sock.sendall(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while not whole_response(answer) and (data := sock.recv(65536)):
+                answer += data
+        return answer
+
+
+def whole_response(answer: bytes) -> bool:
+    head, blank, body = answer.partition(b"\r\n\r\n")
+    lengths = [int(line.split(b":")[1]) for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")]
+    return bool(blank) and len(body) >= (lengths[0] if lengths else 0)
+
+
+def status_and_message(answer: bytes) -> tuple[int, str]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)["error"]["message"]
+
+
+def assert_large_bodies_refused(router, limit: int, path: str = "/v1/chat/completions") -> None:
+    """64 MB bodies, with their length declared and chunked: 413 naming the limit; the router holds none."""
+    rss = psutil.Process(router.process.pid).memory_info().rss
+    megabyte, size = b"x" * (1 << 20), 64 << 20
+    declared = (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                f"content-length: {size}\r\n\r\n").encode()
+    chunked = (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+               "transfer-encoding: chunked\r\n\r\n").encode()
+    for head, chunks in [(declared, [megabyte] * 64), (chunked, [b"100000\r\n" + megabyte + b"\r\n"] * 64)]:
+        status, message = status_and_message(raw_exchange(router.port, head, chunks))
+        assert status == 413 and str(limit) in message and "--max-request-body-bytes" in message
+    assert psutil.Process(router.process.pid).memory_info().rss - rss < 32 << 20
+
+
+def test_the_router_keeps_the_servers_limits_and_refuses_what_it_cannot_read_by_name(backends):
+    limit = 1 << 20
+    router = RouterProcess([backends[0].url], "--max-request-body-bytes", str(limit), "--http-header-timeout", "1")
+    try:
+        assert_large_bodies_refused(router, limit)
+        began = time.monotonic()  # headers that never end: 408 and closed once the header timeout passes
+        status, message = status_and_message(raw_exchange(router.port, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"))
+        assert status == 408 and "--http-header-timeout" in message and 1 <= time.monotonic() - began < 6
+        nested = httpx.post(f"{router.url}/v1/completions", content=b"[" * 200_000, timeout=30)
+        assert nested.status_code == 400 and "nested too deeply" in nested.json()["error"]["message"]
+        for content in (b"[1]", b"{", b"\xff"):
+            assert httpx.post(f"{router.url}/v1/completions", content=content, timeout=30).status_code == 400
+        smuggled = complete(router.url, kv_transfer_params={"do_remote_prefill": True, "remote_host": "10.0.0.1"})
+        assert smuggled.status_code == 400 and smuggled.json()["error"]["param"] == "kv_transfer_params"
+        assert complete(router.url).status_code == 200
+    finally:
+        router.stop()
+
+
+def test_the_prefill_decode_router_never_passes_on_a_clients_kv_transfer_params():
+    prefill, decode = (FakeBackend(reports_load("TEXT named_metrics.num_requests_waiting=0")) for _ in range(2))
+    router = RouterProcess([], "--prefill", prefill.url, "--decode", decode.url)
+    try:
+        smuggled = complete(router.url, kv_transfer_params={"do_remote_prefill": True, "remote_host": "10.0.0.1",
+                                                            "remote_port": 1})
+        assert smuggled.status_code == 400 and "kv_transfer_params" in smuggled.json()["error"]["message"]
+        assert prefill.posts() == decode.posts() == []
+        # The prefill hands nothing over (no kv_transfer_params in its answer): the decode gets none either.
+        assert complete(router.url).json()["choices"][0]["text"] == FAKE_TEXT
+        [to_prefill], [to_decode] = prefill.posts(), decode.posts()
+        assert to_prefill["kv_transfer_params"] == {"do_remote_decode": True}
+        assert "kv_transfer_params" not in to_decode
+    finally:
+        router.stop()
+        prefill.stop()
+        decode.stop()
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -185,6 +397,11 @@ def test_a_backend_that_is_down_is_passed_over_and_none_left_is_a_503_naming_it(
     (["--backend", "http://a:1", "--policy", "prefix-aware", "--kv-events", "tcp://a:5557", "--tokenizer",
       "/nonexistent/model"], "/nonexistent/model"),
     (["--backend", "http://a:1", "--kv-events", "tcp://a:5557"], "is read by --policy prefix-aware only"),
+    (["--backend", "http://a:1", "--health-check-interval-secs", "0"], "--health-check-interval-secs must be positive"),
+    (["--backend", "http://a:1", "--backend-header-timeout", "nan"], "--backend-header-timeout must be positive"),
+    (["--prefill", "http://a:1", "--decode", "http://b:1", "--max-request-body-bytes", "0"],
+     "--max-request-body-bytes must be at least 1"),
+    (["--backend", "http://a:1", "--health-failure-threshold", "0"], "--health-failure-threshold must be at least 1"),
 ])
 def test_bad_flags_are_refused_naming_them(flags, message, capsys):
     from tinyserve.cli.main import main
@@ -389,6 +606,7 @@ def test_prefix_aware_routing_reaches_the_ideal_prefix_cache_hits_and_round_robi
     aware = RouterProcess([s.url for s in backends], "--policy", "prefix-aware", "--kv-events", *endpoints,
                           "--tokenizer", shared_server.model_folder())
     try:
+        assert_large_bodies_refused(aware, 4 << 20)  # the default limit: a 64 MB chat is never tokenized
         aware_share = hit_share(backends, aware.url, seed=1)
     finally:
         aware.stop()

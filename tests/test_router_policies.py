@@ -71,7 +71,7 @@ def test_prefix_aware_follows_the_events_and_remembers_what_it_sent_until_they_a
     header_only = choose(policy, backends, shared[:4] + list(range(500, 508)))
     assert header_only.backend.index == 1 - other and header_only.attributes[schema.ROUTER_CACHED_BLOCKS] == 0
     index.apply(other, KVEventBatch(0.0, [AllBlocksCleared()]))
-    assert index.held[other] == set()
+    assert not index.held[other]
 
 
 def test_the_block_size_is_read_from_a_servers_metrics_as_it_writes_them():
@@ -84,3 +84,26 @@ def test_the_block_size_is_read_from_a_servers_metrics_as_it_writes_them():
         assert block_size_in_metrics(metrics.render().decode()) is None  # before the engines reported their pools
         metrics.record_cache_config(EngineArgs(block_size=32), [100])
         assert block_size_in_metrics(metrics.render().decode()) == 32
+
+
+def test_the_kv_index_holds_at_most_its_bound_per_backend_dropping_the_oldest_stored():
+    """A publisher that stores and never removes (20 M hashes took 1.6 GB unbounded): the index keeps the
+    newest max_blocks, and a hash stored again counts as new."""
+    index = KVIndex(["tcp://a"], max_blocks=1000)
+    for start in range(0, 5000, 500):
+        hashes = list(range(start, start + 500))
+        index.apply(0, KVEventBatch(0.0, [BlockStored(hashes, None, [], 4, None, "CPU")]))
+        if start == 4000:  # the oldest held, stored again: it outlives those stored after it once
+            index.apply(0, KVEventBatch(0.0, [BlockStored([3500], None, [], 4, None, "CPU")]))
+    assert len(index.held[0]) == 1000 and index.dropped[0] == 4000
+    assert list(index.held[0]) == [*range(4001, 4500), 3500, *range(4500, 5000)]
+
+
+def test_orca_values_that_are_not_finite_numbers_of_zero_or_more_leave_the_last_valid_load():
+    backend = Backend("http://a", 0)
+    backend.read_orca(orca_header("text", [("kv_cache_usage_perc", 0.5), ("num_requests_waiting", 3.0)]))
+    for header in ("TEXT named_metrics.num_requests_waiting=-1, named_metrics.kv_cache_usage_perc=inf",
+                   'JSON {"named_metrics": {"num_requests_waiting": "NaN", "kv_cache_usage_perc": true}}',
+                   'JSON {"named_metrics": [1]}', "JSON " + "[" * 100_000, "TEXT named_metrics.num_requests_waiting=x"):
+        backend.read_orca(header)
+        assert (backend.num_requests_waiting, backend.kv_cache_usage_perc) == (3.0, 0.5), header

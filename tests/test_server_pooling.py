@@ -1,7 +1,7 @@
 """A pooling server (`tinyserve serve --runner pooling`) through the official openai client and plain HTTP.
 
 Its embeddings equal transformers' last-token pooling, L2-normalised; /pooling answers vLLM's shape;
-what it cannot do (generate, shorten a vector, truncate a prompt) is a 400 naming why.
+what it cannot do (generate, shorten a vector) is a 400 naming why.
 """
 
 import base64
@@ -95,8 +95,8 @@ def test_concurrent_requests_are_all_answered_each_with_its_own_vector(client, f
 
 @pytest.mark.parametrize("path, body, status, param, words", [
     ("/v1/embeddings", {"input": "hi", "dimensions": 8}, 400, "dimensions", "does not support Matryoshka"),
-    ("/v1/embeddings", {"input": "hi", "truncate_prompt_tokens": 2}, 400, "truncate_prompt_tokens",
-     "never truncated"),
+    ("/v1/embeddings", {"input": "hi", "truncate_prompt_tokens": 513}, 400, "truncate_prompt_tokens",
+     "truncate_prompt_tokens value is greater than max_model_len. Please request a smaller truncation size."),
     ("/v1/embeddings", {"input": []}, 400, "input", "must not be empty"),
     ("/v1/embeddings", {"input": "hi", "model": "another"}, 404, "model", "does not exist"),
     ("/v1/embeddings", {"input": "hi", "encoding_format": "int8"}, 400, "encoding_format", ""),
@@ -122,3 +122,126 @@ def _successes(server) -> float:
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("tinyserve:request_success_total{") and 'finished_reason="stop"' in line)
+
+
+def test_truncation_keeps_the_first_tokens_unless_told_otherwise(client, folder):
+    ids = list(range(5, 25))
+    first, last = (client.embeddings.create(model=MODEL, input=ids, encoding_format="float",
+                                            extra_body={"truncate_prompt_tokens": 6, **side}) for side in
+                   ({}, {"truncation_side": "left"}))
+    assert first.usage.prompt_tokens == last.usage.prompt_tokens == 6
+    assert cosine(first.data[0].embedding, reference(folder, ids[:6])) >= 0.9999
+    assert cosine(last.data[0].embedding, reference(folder, ids[-6:])) >= 0.9999
+    # a text too long for the context, truncated to all of it (-1): max_model_len tokens, as vLLM
+    answer = client.embeddings.create(model=MODEL, input="hello world " * 600, extra_body={"truncate_prompt_tokens": -1})
+    assert answer.usage.prompt_tokens == 512
+
+
+def raw_state(folder, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(folder).model(torch.tensor([token_ids])).last_hidden_state[0, -1]
+
+
+def test_use_activation_true_normalises_as_vllm_and_false_gives_the_raw_state(client, server, folder):
+    ids = [5, 6, 7, 8]
+    activated = client.embeddings.create(model=MODEL, input=ids, encoding_format="float",
+                                         extra_body={"use_activation": True}).data[0].embedding
+    assert activated == client.embeddings.create(model=MODEL, input=ids, encoding_format="float").data[0].embedding
+    assert cosine(activated, reference(folder, ids)) >= 0.9999
+    raw = client.embeddings.create(model=MODEL, input=ids, encoding_format="float",
+                                   extra_body={"use_activation": False}).data[0].embedding
+    torch.testing.assert_close(torch.tensor(raw), raw_state(folder, ids), rtol=1e-4, atol=1e-4)
+    disagree = httpx.post(f"{server.url}/v1/embeddings", timeout=60,
+                          json={"model": MODEL, "input": ids, "use_activation": True, "normalize": False})
+    assert disagree.status_code == 400 and disagree.json()["error"]["param"] == "use_activation"
+
+
+def test_padding_max_length_pads_with_the_pad_token_to_the_context(client, folder):
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(folder)
+    ids = [5, 6, 7]
+    padded = client.embeddings.create(model=MODEL, input=ids, encoding_format="float",
+                                      extra_body={"padding": "max_length"})
+    assert padded.usage.prompt_tokens == 512
+    expected = ids + [tokenizer.pad_token_id] * (512 - len(ids))
+    assert cosine(padded.data[0].embedding, reference(folder, expected)) >= 0.9999
+    plain = client.embeddings.create(model=MODEL, input=ids, extra_body={"padding": "do_not_pad"})
+    assert plain.usage.prompt_tokens == 3
+
+
+def test_messages_are_rendered_with_the_chat_template(server, folder):
+    conversation = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi"}]
+    rendered = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "messages": conversation,
+                                                           "add_generation_prompt": False}).json()["tokens"]
+    answer = httpx.post(f"{server.url}/v1/embeddings", timeout=60,
+                        json={"model": MODEL, "messages": conversation}).json()
+    assert answer["usage"]["prompt_tokens"] == len(rendered)
+    assert cosine(answer["data"][0]["embedding"], reference(folder, rendered)) >= 0.9999
+    batch = httpx.post(f"{server.url}/v1/embeddings", timeout=60,
+                       json={"model": MODEL, "messages": [conversation, conversation[:1]]}).json()
+    assert [item["index"] for item in batch["data"]] == [0, 1]
+    assert batch["data"][0]["embedding"] == answer["data"][0]["embedding"]
+    both = httpx.post(f"{server.url}/v1/embeddings", timeout=60,
+                      json={"model": MODEL, "messages": conversation, "input": "hi"})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "messages"
+
+
+@pytest.mark.parametrize("embed_dtype, endianness, numpy_dtype, torch_dtype", [
+    ("float32", "big", ">f4", torch.float32), ("float16", "little", "<f2", torch.float16),
+    ("bfloat16", "native", "=i2", torch.bfloat16), ("fp8_e4m3", "native", "u1", torch.float8_e4m3fn),
+])
+def test_embed_dtype_and_endianness_shape_the_base64_and_the_bytes(server, embed_dtype, endianness, numpy_dtype,
+                                                                   torch_dtype):
+    body = {"model": MODEL, "input": [[5, 6, 7, 8], [9, 10]]}
+    floats = [item["embedding"] for item in
+              httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=60).json()["data"]]
+
+    def decode(raw: bytes) -> torch.Tensor:
+        array = np.frombuffer(raw, dtype=numpy_dtype).astype(numpy_dtype.lstrip("<>="))
+        return torch.from_numpy(array.copy()).view(torch_dtype).float()
+
+    expected = [torch.tensor(f).to(torch_dtype).float() for f in floats]
+    options = {"embed_dtype": embed_dtype, "endianness": endianness}
+    encoded = httpx.post(f"{server.url}/v1/embeddings", json={**body, **options, "encoding_format": "base64"},
+                         timeout=60).json()
+    for item, vector in zip(encoded["data"], expected):
+        assert torch.equal(decode(base64.b64decode(item["embedding"])), vector)
+    response = httpx.post(f"{server.url}/v1/embeddings", json={**body, **options, "encoding_format": "bytes"},
+                          timeout=60)
+    assert response.headers["content-type"] == "application/octet-stream"
+    metadata = __import__("json").loads(response.headers["metadata"])
+    assert metadata["usage"] == {"prompt_tokens": 6, "total_tokens": 6} and metadata["model"] == MODEL
+    for item, vector in zip(metadata["data"], expected):
+        assert item["embed_dtype"] == embed_dtype and item["endianness"] == endianness
+        assert torch.equal(decode(response.content[item["start"]:item["end"]]), vector)
+    only = httpx.post(f"{server.url}/v1/embeddings", json={**body, **options, "encoding_format": "bytes_only"},
+                      timeout=60)
+    assert only.content == response.content and "metadata" not in only.headers
+
+
+def test_invocations_answers_an_embeddings_body_on_a_pooling_server(server):
+    body = {"model": MODEL, "input": [5, 6, 7, 8]}
+    direct = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=60).json()
+    routed = httpx.post(f"{server.url}/invocations", json=body, timeout=60)
+    assert routed.status_code == 200 and routed.json()["data"] == direct["data"]
+    conversation = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
+    assert httpx.post(f"{server.url}/invocations", json=conversation, timeout=60).json()["data"] == \
+        httpx.post(f"{server.url}/v1/embeddings", json=conversation, timeout=60).json()["data"]
+    neither = httpx.post(f"{server.url}/invocations", json={"model": MODEL, "prompt": "hi"}, timeout=60)
+    assert neither.status_code == 400 and "EmbeddingRequest" in neither.json()["error"]["message"]
+
+
+def test_vllm_bench_serve_openai_embeddings_gets_what_it_reads(server, folder):
+    """`vllm bench serve --backend openai-embeddings --endpoint /v1/embeddings`, as vLLM 0.33's benchmark sends it
+    (vllm/benchmarks/lib/endpoint_request_func.py, async_request_openai_embeddings): the model's id and root from
+    GET /v1/models, then one body per prompt, truncate_prompt_tokens -1 and an x-request-id (none on its first,
+    ready-check request). A 200 is a success, and usage.prompt_tokens is the prompt's length it reports."""
+    [model] = httpx.get(f"{server.url}/v1/models", timeout=60).json()["data"]
+    assert model["id"] == MODEL and model["root"]
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(folder)
+    for index, prompt in enumerate(["a prompt of the random dataset", "hello world " * 600]):
+        headers = {"Content-Type": "application/json", **({"x-request-id": f"bench-1a2b3c4d-{index}"} if index else {})}
+        response = httpx.post(f"{server.url}/v1/embeddings", headers=headers, timeout=60,
+                              json={"model": model["id"], "input": prompt, "truncate_prompt_tokens": -1})
+        assert response.status_code == 200, response.text
+        expected = min(len(tokenizer(prompt)["input_ids"]), 512)  # -1: as much as the context takes
+        assert response.json()["usage"]["prompt_tokens"] == expected

@@ -308,7 +308,7 @@ def test_the_speculative_config_flag_is_checked_when_parsed():
 
 def test_step_spans_carry_each_requests_drafts_and_the_time_proposing_and_verifying(tmp_path):
     from tinyserve.lifecycle import schema
-    from tinyserve.lifecycle.run import load_run
+    from tinyserve.trace_reading.run import load_run
 
     folder = repeating_checkpoint()
     llm = LLM(str(folder), speculative_config={**NGRAM, "num_speculative_tokens": 4}, trace_dir=str(tmp_path))
@@ -332,6 +332,46 @@ def test_step_spans_carry_each_requests_drafts_and_the_time_proposing_and_verify
     assert not llm.engine_core.scheduler.request_totals  # nothing kept for finished requests
 
 
+def test_a_rollbacks_freed_blocks_are_on_its_step_span_and_block_tables_drop_them(tmp_path):
+    """The scheduler's own tables, step by step, are what a reader rebuilds from the step spans alone."""
+    from tinyserve.engine.core.scheduler_output import SchedulerOutput
+    from tinyserve.lifecycle import schema
+    from tinyserve.trace_reading.run import load_run
+
+    folder = tiny_model_with_tokenizer("llama", False)  # rarely agrees with the drafts: rejections
+    llm = LLM(str(folder), block_size=2, speculative_config=NGRAM, trace_dir=str(tmp_path))
+    engine = llm.engine_core
+    scheduler, kv = engine.scheduler, engine.kv_cache_manager
+    held: dict[int, dict[str, list[int]]] = {}  # step id -> each request's table while the step ran
+    schedule = scheduler.schedule
+
+    def schedule_and_look():
+        output = schedule()
+        held[output.step_id] = {r: kv.get_block_ids(r) for r in scheduler.requests if kv.get_block_ids(r)}
+        return output
+
+    scheduler.schedule = schedule_and_look
+    generate_ids(llm, [[5, 6, 7, 8] * 6, [9, 3, 9, 3, 9, 3, 9, 3, 1]], max_tokens=24)
+    run = load_run(llm.trace_run_dir)
+    assert run.rollback_frees_recorded
+    rollbacks = 0
+    for step in run.steps:
+        attributes = step.span.attributes
+        assert len(attributes[schema.STEP_SPEC_NUM_FREED_BLOCK_IDS]) == len(attributes[schema.STEP_SPEC_REQUEST_IDS])
+        for request_id, freed in step.rollback_freed_block_ids.items():
+            proposed, accepted = step.drafts[request_id]
+            assert not freed or accepted < proposed  # only rejected drafts free blocks
+            assert set(freed) <= set(held[step.step_id][request_id])  # held while the step ran
+            rollbacks += bool(freed)
+        # the table at each step, rebuilt from the spans: without the frees, the next one would still list them
+        assert run.block_tables(0)[step.step_id] == held[step.step_id]
+    assert rollbacks > 0
+    # A step that runs no forward pass has no verify or propose time (not the step before's)
+    engine.model_runner.execute_model(SchedulerOutput(step_id=10_000))
+    [attributes] = [hook(None) for hook in engine.hooks.step_attributes]
+    assert schema.STEP_SPEC_VERIFY_TIME not in attributes and schema.STEP_SPEC_PROPOSE_TIME not in attributes
+
+
 def test_a_draft_model_without_model_takes_the_built_in_draft_or_says_it_needs_one(monkeypatch):
     import tinyserve.models.default_model as default_model
 
@@ -352,7 +392,7 @@ def test_a_draft_model_without_model_takes_the_built_in_draft_or_says_it_needs_o
     ({"runner": "pooling"}, "runner='generate'"),
 ])
 def test_speculation_is_refused_with_what_it_does_not_support(other, message):
-    from tinyserve.config import EngineArgs
+    from tinyserve.assemble import engine_args
 
     with pytest.raises(ValueError, match=message):
-        EngineArgs.from_kwargs(model="m", speculative_config=NGRAM, **other)
+        engine_args(model="m", speculative_config=NGRAM, **other)

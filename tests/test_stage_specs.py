@@ -10,7 +10,7 @@ from tests.hf_reference import MAX_TOKENS, hf_greedy
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.engine.core.scheduler_output import NewRequestData, SchedulerOutput
-from tinyserve.engine.engine_core import EngineCore
+from tinyserve.assemble import build_engine_core
 from tinyserve.errors import InvalidInputError
 from tinyserve.frontend.input_processor import InputProcessor
 from tinyserve.models.tokenizer import load_tokenizer
@@ -28,7 +28,7 @@ def folder():
 
 @pytest.fixture(scope="module")
 def core(folder):
-    core = EngineCore(EngineArgs(model=str(folder), num_kv_blocks=32, block_size=BLOCK_SIZE))
+    core = build_engine_core(EngineArgs(model=str(folder), num_kv_blocks=32, block_size=BLOCK_SIZE))
     yield core
     core.shutdown()
 

@@ -14,12 +14,13 @@ import pytest
 
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM, SamplingParams
-from tinyserve.lifecycle import load_run, schema
+from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.otlp_capped import SEGMENTS
-from tinyserve.lifecycle.replay import replay_run
-from tinyserve.lifecycle.summary import summarize
 from tinyserve.lifecycle.tracing import shutdown_tracing
 from tinyserve.testing import ServerProcess
+from tinyserve.trace_reading import load_run
+from tinyserve.trace_reading.replay import replay_run
+from tinyserve.trace_reading.summary import summarize
 
 CAP_MB = 0.15  # 150 kB: the requests of the run below (in their half) and a few dozen of its 120 steps
 

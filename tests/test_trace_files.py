@@ -30,7 +30,7 @@ def test_a_traced_runs_folder_and_files_are_owner_only(tmp_path):
 
 
 def test_sampled_requests_without_a_seed_are_replayable_from_their_trace(tmp_path):
-    from tinyserve.lifecycle import load_run, replay_run
+    from tinyserve.trace_reading import load_run, replay_run
 
     model = str(tiny_model_with_tokenizer("llama"))
     unseeded = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=12, ignore_eos=True)
@@ -70,8 +70,8 @@ def test_replay_on_another_model_says_so_before_comparing_any_token(tmp_path, ca
 def test_summarize_names_the_model_and_lists_failed_requests(tmp_path):
     import pytest
 
-    from tinyserve.lifecycle import load_run
-    from tinyserve.lifecycle.summary import summarize
+    from tinyserve.trace_reading import load_run
+    from tinyserve.trace_reading.summary import summarize
 
     try:
         llm = LLM(str(tiny_model_with_tokenizer("llama")), trace_dir=str(tmp_path), num_kv_blocks=32,

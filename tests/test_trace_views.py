@@ -13,10 +13,12 @@ import pytest
 from tests.server_checks import sse_lines
 from tinyserve.cli.main import main
 from tinyserve.lifecycle import schema
-from tinyserve.lifecycle.run import load_run
-from tinyserve.lifecycle.views import request_view, step_view
+from tinyserve.trace_reading.run import load_run
+from tinyserve.trace_reading.ttft import TTFT_PIECES
+from tinyserve.trace_reading.views import request_view, step_view
 
-RUNS = sorted(Path(__file__).resolve().parents[1].joinpath("traces").glob("recorded-*"))
+TRACES = Path(__file__).resolve().parents[1] / "traces"
+RUNS = sorted(TRACES.glob("recorded-*"))
 
 
 def cli_json(capsys, *argv) -> dict:
@@ -44,6 +46,8 @@ def test_both_views_work_on_every_request_and_step_of_every_shipped_run(folder, 
             assert breakdown == {} and timeline.error
             continue
         assert breakdown["ttft"] == pytest.approx(timeline.ttft_s * 1e3, abs=1e-3)
+        # chapter 1's pieces, a partition of arrival → first token: none negative, adding up to TTFT
+        assert list(breakdown) == [*TTFT_PIECES, "ttft"] and min(breakdown.values()) >= 0
         assert sum(v for k, v in breakdown.items() if k != "ttft") == pytest.approx(breakdown["ttft"], abs=0.01)
     for step in run.steps:
         view = step_view(run, step.step_id, step.engine_index)
@@ -119,6 +123,140 @@ def test_a_tensor_parallel_step_shows_each_rank(capsys):
     assert [r["rank"] for r in view["tensor_parallel_ranks"]] == [0, 1]
 
 
+# ---- the layers, each on its shipped run ----------------------------------------------------------
+
+
+def test_a_pipeline_step_shows_each_stage_its_wait_for_its_input_and_its_compute(capsys):
+    folder = TRACES / "recorded-pp2"
+    run = load_run(folder)
+    step = next(s for s in run.steps if s.num_requests >= 2)
+    executes = sorted((c for c in run.spans if c.name == schema.EXECUTE and c.parent_span_id == step.span.span_id),
+                      key=lambda c: c.attributes[schema.PP_STAGE])
+    view = cli_json(capsys, "step", str(folder), str(step.step_id))
+    stages = view["pipeline_stages"]
+    assert [s["stage"] for s in stages] == [c.attributes[schema.PP_STAGE] for c in executes] == [0, 1]
+    assert view["tensor_parallel_ranks"] == []  # one rank per stage: no tensor parallelism to show
+    for stage, execute in zip(stages, executes):
+        wait = execute.attributes[schema.PP_RECV_WAIT_TIME]
+        assert stage["recv_wait_ms"] == pytest.approx(wait * 1e3, abs=1e-3)
+        assert stage["compute_ms"] == pytest.approx((execute.duration_s - wait) * 1e3, abs=2e-3)
+        assert stage["start_ms"] == pytest.approx((execute.start_ns - step.start_ns) / 1e6, abs=1e-3)
+    assert main(["trace", "step", str(folder), str(step.step_id)]) == 0
+    text = capsys.readouterr().out
+    assert "pipeline stage 0 (rank 0" in text and "pipeline stage 1 (rank 0" in text
+    assert f"waited {stages[1]['recv_wait_ms']:.2f} for its input" in text and "tensor-parallel rank" not in text
+
+
+def test_speculative_steps_show_drafts_accepted_and_tokens_emitted_not_positions_as_tokens(capsys):
+    folder = TRACES / "recorded-spec-decode"
+    run = load_run(folder)
+    for timeline in run.requests:
+        [sequence] = timeline.sequences
+        view = request_view(run, timeline.request_id)
+        rows = view["sequences"][0]["steps"]
+        assert sum(row.get("emitted", row["sampled"]) for row in rows) == sequence.num_output_tokens
+        for row in rows:
+            if "drafted" not in row:
+                continue
+            step = next(s for s in run.steps if s.step_id == row["step_id"])
+            attributes = step.span.attributes
+            i = list(attributes[schema.STEP_SPEC_REQUEST_IDS]).index(sequence.request_id)
+            assert (row["drafted"], row["accepted"]) == (attributes[schema.STEP_SPEC_NUM_PROPOSED][i],
+                                                         attributes[schema.STEP_SPEC_NUM_ACCEPTED][i])
+            assert row["tokens"] == 1 + row["drafted"]  # positions computed: the newest token and its drafts
+            emitted = sum(1 for t in sequence.token_times_ns if step.start_ns <= t <= step.end_ns)
+            assert row["emitted"] == emitted <= row["accepted"] + 1  # a stop can end it before them all
+            # shipped before steps recorded rollback frees: said, not guessed
+            assert row["rollback_freed_block_ids"] == "not recorded in this run"
+        assert "not recorded in this run" in view["sequences"][0]["block_table_note"]
+    stopped = [(t, row) for t in run.requests for row in request_view(run, t.request_id)["sequences"][0]["steps"]
+               if "drafted" in row and row["emitted"] < row["accepted"] + 1]
+    assert stopped  # the run has a request that stopped inside its accepted drafts (chapter 6's step 12)
+    timeline, row = stopped[0]
+    assert main(["trace", "request", str(folder), timeline.request_id]) == 0
+    text = capsys.readouterr().out
+    assert (f"step {row['step_id']:>5}  decode        4 positions (newest token + {row['drafted']} drafts): "
+            f"{row['accepted']} accepted, {row['emitted']} token(s) out") in text
+
+
+def test_a_speculative_step_that_ran_nothing_shows_no_propose_or_verify_time(capsys):
+    folder = TRACES / "recorded-spec-decode"
+    run = load_run(folder)
+    steps = sorted(run.steps, key=lambda s: s.step_id)
+    empty = next(s for s in steps if not s.request_ids)  # it only released a finished request's blocks
+    before = next(s for s in reversed(steps) if s.step_id < empty.step_id)
+    view = cli_json(capsys, "step", str(folder), str(empty.step_id))
+    assert view["speculative"]["verify_ms"] is None and view["speculative"]["propose_ms"] is None
+    busy = cli_json(capsys, "step", str(folder), str(before.step_id))
+    assert busy["speculative"]["verify_ms"] == pytest.approx(
+        before.span.attributes[schema.STEP_SPEC_VERIFY_TIME] * 1e3, abs=1e-3)
+    assert busy["speculative"]["drafted"] == sum(p for p, _ in before.drafts.values())
+    assert busy["batch"][0]["emitted"] >= 1
+    assert main(["trace", "step", str(folder), str(empty.step_id)]) == 0
+    assert "no forward pass, so no verify or propose time" in capsys.readouterr().out
+    assert main(["trace", "step", str(folder), str(before.step_id)]) == 0
+    text = capsys.readouterr().out
+    assert "decode positions" in text and "drafts verified" in text and "not recorded in this run" in text
+
+
+def test_each_request_of_a_lora_run_shows_its_adapter(capsys):
+    folder = TRACES / "recorded-lora"
+    run = load_run(folder)
+    names = set()
+    for timeline in run.requests:
+        logged = timeline.request_span.attributes.get(schema.LORA_NAME)
+        view = request_view(run, timeline.request_id)
+        assert view["adapter"] == (logged if logged is not None else "base model")
+        names.add(view["adapter"])
+    assert len(names) >= 3  # the base model and at least two adapters
+    step = max(run.steps, key=lambda s: s.num_requests)
+    view = cli_json(capsys, "step", str(folder), str(step.step_id))
+    for row in view["batch"]:
+        logged = run.request(row["request_id"]).request_span.attributes.get(schema.LORA_NAME)
+        assert row["adapter"] == (logged if logged is not None else "base model")
+    assert {row["adapter"] for row in view["batch"]} - {"base model"} == \
+        set(step.span.attributes[schema.STEP_LORA_ADAPTERS])  # the step's own list of its batch's adapters
+    sql = next(t for t in run.requests if t.request_span.attributes.get(schema.LORA_NAME) == "sql")
+    assert main(["trace", "request", str(folder), sql.request_id]) == 0
+    assert ", adapter sql," in capsys.readouterr().out
+
+
+def test_kv_that_reached_the_decode_server_by_transfer_is_not_called_the_prefix_caches(capsys):
+    folder = TRACES / "recorded-pd-disaggregated"  # the decode server; the prefill server's run is in prefill/
+    run = load_run(folder)
+    received_somewhere = False
+    for timeline in run.requests:
+        [sequence] = timeline.sequences
+        received = sequence.prefill.attributes.get(schema.KV_TRANSFER_NUM_RECEIVED_TOKENS)
+        [row] = request_view(run, timeline.request_id)["sequences"]
+        assert row["num_received_tokens"] == received
+        assert row["num_prefix_cache_tokens"] == sequence.num_cached_tokens - (received or 0)
+        transfers = [s for s in run.spans if s.name == schema.KV_TRANSFER and s.trace_id == timeline.trace_id]
+        assert [t["role"] for t in row["kv_transfers"]] == [t.attributes[schema.KV_TRANSFER_ROLE] for t in transfers]
+        received_somewhere |= bool(received)
+    assert received_somewhere
+    timeline = next(t for t in run.requests if t.sequences[0].prefill.attributes.get(
+        schema.KV_TRANSFER_NUM_RECEIVED_TOKENS))
+    sequence = timeline.sequences[0]
+    received = sequence.prefill.attributes[schema.KV_TRANSFER_NUM_RECEIVED_TOKENS]
+    assert main(["trace", "request", str(folder), timeline.request_id]) == 0
+    text = capsys.readouterr().out
+    assert (f"{sequence.num_cached_tokens - received} prompt tokens from the prefix cache, {received} whose K/V "
+            "arrived by transfer from the prefill server") in text
+    assert "KV transfer, received" in text
+    first = min(s.step_id for s in run.steps if sequence.request_id in s.request_ids)
+    step = cli_json(capsys, "step", str(folder), str(first))
+    [row] = [r for r in step["batch"] if r["request_id"] == sequence.request_id]
+    assert row["received_tokens"] == received
+    # the prefill server's side of the same request sent it
+    prefill_run = load_run(folder / "prefill")
+    sent = [s for s in prefill_run.spans if s.name == schema.KV_TRANSFER]
+    assert sent and {s.attributes[schema.KV_TRANSFER_ROLE] for s in sent} == {"producer"}
+    producer = next(t for t in prefill_run.requests if t.trace_id == sent[0].trace_id)
+    [row] = request_view(prefill_run, producer.request_id)["sequences"]
+    assert row["kv_transfers"][0]["role"] == "producer" and row["num_received_tokens"] is None
+
+
 def test_a_request_of_n_2_shows_its_two_children_each_with_its_own_seed(tmp_path, capsys, monkeypatch):
     from tests.tiny_checkpoints import tiny_model_with_tokenizer
     from tinyserve import LLM, SamplingParams
@@ -147,8 +285,8 @@ def test_a_request_of_n_2_shows_its_two_children_each_with_its_own_seed(tmp_path
 def test_the_block_map_gives_every_request_its_own_colour_past_the_palette():
     from matplotlib.colors import to_hex
 
-    from tinyserve.lifecycle.plots import PALETTE
-    from tinyserve.lifecycle.plots_blocks import plot_block_map, request_colors
+    from tinyserve.trace_reading.plots import PALETTE
+    from tinyserve.trace_reading.plots_blocks import plot_block_map, request_colors
 
     for count in (3, len(PALETTE) + 1, 40):
         colors = {to_hex(c) for c in request_colors(count)}
@@ -161,7 +299,7 @@ def test_the_block_map_gives_every_request_its_own_colour_past_the_palette():
 
 
 def test_the_tensor_parallel_plot_says_when_it_shows_only_some_steps():
-    from tinyserve.lifecycle.plots_scale_out import plot_tensor_parallel_steps
+    from tinyserve.trace_reading.plots_scale_out import plot_tensor_parallel_steps
 
     run = load_run(Path(__file__).resolve().parents[1] / "traces" / "recorded-load-tp2")
     total = sum(1 for s in run.steps if s.ranks)

@@ -14,8 +14,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.lifecycle import schema
-from tinyserve.lifecycle.otlp_json import read_spans
 from tinyserve.testing import ServerProcess
+from tinyserve.trace_reading.otlp_json import read_spans
 
 MODEL = "tiny"
 # The spans of one n=1 request: the HTTP root, the request span and eight stages.

@@ -5,37 +5,41 @@
 loading its weights: where it lives, its vocabulary, its context length, its
 end-of-sequence tokens. Prompts are validated against it at the boundary.
 
-The module is over 300 lines because every engine argument is checked here, beside its
-field, so that a bad value fails before any process starts; the checks of a layer's own
-arguments live in that layer (spec_decode/config.py, pipeline_parallel/config.py,
-kv_events/config.py, distributed/ray_cluster.py, distributed/kv_transfer/config.py).
+Every core argument is checked here, beside its field, so that a bad value fails before
+any process starts. A layer's own arguments (speculative decoding, pipeline parallelism,
+LoRA, KV events, a KV connector, Ray) are fields here too, but their checks live in the
+layer (its layer.py's `check_args`): tinyserve/assemble.py's `check_engine_args` runs
+`validate` and then them. This module imports no layer.
 """
+
+from __future__ import annotations
 
 import json
 import logging
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from tinyserve.distributed.ray_cluster import check_distributed_args
+from tinyserve.dtypes import DTYPE_NAMES, KV_CACHE_DTYPE_NAMES, resolve_dtype, torch_dtypes
 from tinyserve.errors import InvalidInputError
 from tinyserve.utils import cdiv
 
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# --kv-cache-dtype, as vLLM names them: "auto" stores keys and values in the model's dtype.
-# A 16-bit cache under a float32 model halves the bytes a decode step reads (llama.cpp's
-# default); fp8 (E4M3, or E5M2 for range) quarters them. The fp8 caches use per-tensor
-# scales of 1.0, vLLM's default without a calibrated checkpoint: values are stored as they
-# are, E4M3 saturating at +-448.
-KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                   "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+if TYPE_CHECKING:  # torch is imported where used: the command line reads EngineArgs without it
+    import torch
+
 RUNNERS = ("auto", "generate", "pooling")  # --runner, as vLLM's
 CONVERTS = ("auto", "none", "embed")  # --convert, the ones that apply to a causal LM here
 POOLING_TYPES = ("LAST", "MEAN", "CLS")  # --pooler-config's pooling_type (engine/worker/pooling_runner.py)
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of KV cache when neither a block count nor a budget is given
 
 logger = logging.getLogger(__name__)
+
+
+def __getattr__(name: str):  # DTYPES, KV_CACHE_DTYPES: torch is imported on first use (cli/ builds no torch)
+    if name not in ("DTYPES", "KV_CACHE_DTYPES"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = torch_dtypes(DTYPE_NAMES if name == "DTYPES" else KV_CACHE_DTYPE_NAMES)
+    return globals()[name]
 
 
 @dataclass(slots=True)
@@ -66,6 +70,8 @@ class EngineArgs:
     force_tensor_parallel: bool = False
     # A rank that does not reach a collective in this many seconds fails the engine, named (tp_watchdog.py); 0: off
     tensor_parallel_watchdog_s: float = 30.0
+    # An engine with requests that sends nothing for this long is failed, named, and killed (engine_watchdog.py); 0: off
+    engine_iteration_timeout_s: float = 300.0
     # Stages each engine's layers are split over, one process (group) each, up to this many batches in
     # flight (tinyserve/pipeline_parallel/); vLLM's pipeline_parallel_size.
     pipeline_parallel_size: int = 1
@@ -91,6 +97,8 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's --enable-prompt-embeds: prompts may come as embeddings (tinyserve/prompt_embeds/); off, a 400
+    enable_prompt_embeds: bool = False
     # Speculative decoding (tinyserve/spec_decode/), vLLM's --speculative-config: {"method": "ngram",
     # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method":
     # "draft_model", "model": PATH, "num_speculative_tokens": 3}. None: one token per step.
@@ -112,49 +120,40 @@ class EngineArgs:
         return args
 
     def validate(self) -> None:
+        """The core's fields (a layer's flags: tinyserve/assemble.py's check_engine_args runs this, then them)."""
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.tensor_parallel_watchdog_s < 0:
-            raise ValueError(f"tensor_parallel_watchdog_s must be non-negative (0: off), got "
-                             f"{self.tensor_parallel_watchdog_s}")
+        for name in ("tensor_parallel_watchdog_s", "engine_iteration_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be non-negative (0: off), got {getattr(self, name)}")
         if self.structured_outputs_compile_timeout < 0:
             raise ValueError(f"structured_outputs_compile_timeout must be non-negative (0: no limit), got "
                              f"{self.structured_outputs_compile_timeout}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be non-negative, or -1 for the whole vocabulary, "
                              f"got {self.max_logprobs}")
-        self._validate_lora()
-        check_distributed_args(self)
-        self._validate_speculative()
-        from tinyserve.pipeline_parallel.config import check_pipeline_args
-
-        check_pipeline_args(self)
-        if self.kv_events_config is not None:  # a dict, JSON text, or vLLM's KVEventsConfig: kept as a dict
-            from tinyserve.kv_events.config import KVEventsConfig
-
-            self.kv_events_config = KVEventsConfig.from_any(self.kv_events_config).to_dict()
-        if self.kv_transfer_config is not None:  # distributed/kv_transfer/config.py
-            from tinyserve.distributed.kv_transfer.config import check_engine_args
-
-            check_engine_args(self)
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "cpu_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend == "triton":
+            from tinyserve import extras
+
+            extras.require("attention_backend='triton' (on a CPU, through Triton's interpreter)", "triton")
         from tinyserve.structured_output import BACKEND_ALIASES, get_backend_module
 
         self.structured_outputs_backend = BACKEND_ALIASES.get(self.structured_outputs_backend,
                                                               self.structured_outputs_backend)  # vLLM's "guidance"
         get_backend_module(self.structured_outputs_backend)  # a clear error if unknown or not installed
         self._validate_runner()
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPE_NAMES)}, got {self.kv_cache_dtype!r}")
 
     def _validate_runner(self) -> None:
         """--runner, --convert and --pooler-config, resolved: runner becomes "generate" or "pooling"."""
@@ -190,31 +189,10 @@ class EngineArgs:
             # MEAN and CLS read every position's hidden state: a cached prefix has none to read.
             logger.info("pooling_type %s pools every position: prefix caching is turned off", config["pooling_type"])
             self.enable_prefix_caching = False
-    def _validate_speculative(self) -> None:
-        """--speculative-config's fields (spec_decode/config.py), and what it cannot be combined with."""
-        if self.speculative_config is None:
-            return
-        from tinyserve.spec_decode.config import SpeculativeConfig
-
-        SpeculativeConfig.from_dict(self.speculative_config)
-        if self.runner == "pooling" or self.convert == "embed":
-            raise ValueError("speculative_config is for runner='generate': a pooling engine samples no tokens")
-        if self.tensor_parallel_size > 1 or self.force_tensor_parallel:
-            raise ValueError("speculative_config is not supported with tensor parallelism (tensor_parallel_size > 1)")
-        if self.enable_lora:
-            raise ValueError("speculative_config is not supported with enable_lora")
-
-    def _validate_lora(self) -> None:
-        for name in ("max_loras", "max_lora_rank"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
-        if self.enable_lora and (self.tensor_parallel_size > 1 or self.force_tensor_parallel):
-            raise ValueError("enable_lora is not supported with tensor parallelism (tensor_parallel_size > 1) yet")
-
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device is not None:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -232,15 +210,17 @@ class ModelInfo:
     # Sampling defaults from the checkpoint's generation_config.json, under SamplingParams'
     # names: used where a request leaves a parameter out (vLLM's generation_config="auto").
     generation_defaults: dict = field(default_factory=dict)
+    hidden_size: int = 0  # the width of the model's input embeddings (a prompt given as embeddings must match)
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "ModelInfo":
         from tinyserve.models.default_model import default_model_path
         from tinyserve.models.pipeline_parallel import PipelineStage
-        from tinyserve.models.loader import resolve_model_path
+        from tinyserve.models.loader import check_architecture, resolve_model_path
 
         path = default_model_path() if args.model is None else resolve_model_path(args.model)
         config = _read_json(path / "config.json")
+        check_architecture(config, path)
         generation_file = path / "generation_config.json"
         generation_config = _read_json(generation_file) if generation_file.exists() else {}
         max_position = config.get("max_position_embeddings") or 2048
@@ -249,7 +229,7 @@ class ModelInfo:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {max_position}")
         if args.pipeline_parallel_size > 1:  # more stages than layers, refused before any process starts
             PipelineStage.of(0, args.pipeline_parallel_size, config["num_hidden_layers"])
-        torch_dtype = _resolve_dtype(args, config)
+        torch_dtype = resolve_dtype(args.dtype, args.torch_device, config)
         generation_defaults = _generation_defaults(generation_config)
         if generation_defaults:
             logger.info("sampling defaults from the model's generation_config.json: %s", generation_defaults)
@@ -260,8 +240,8 @@ class ModelInfo:
             max_model_len=max_model_len,
             eos_token_ids=_eos_token_ids(generation_config, config),
             torch_dtype=torch_dtype,
-            kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype] or torch_dtype,
-            generation_defaults=generation_defaults,
+            kv_cache_dtype=torch_dtypes(KV_CACHE_DTYPE_NAMES)[args.kv_cache_dtype] or torch_dtype,
+            generation_defaults=generation_defaults, hidden_size=config.get("hidden_size", 0),
         )
 
     def validate_prompt(self, prompt_token_ids: list[int], max_tokens: int | None = None) -> None:
@@ -318,11 +298,3 @@ def _generation_defaults(generation_config: dict) -> dict:
         defaults["max_tokens"] = generation_config["max_new_tokens"]
     return defaults
 
-
-def _resolve_dtype(args: EngineArgs, config: dict) -> torch.dtype:
-    if args.dtype != "auto":
-        return DTYPES[args.dtype]
-    if args.torch_device.type != "cuda":
-        return torch.float32  # CPU default: exact parity with transformers' fp32 reference
-    name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return DTYPES.get(name, torch.float32) or torch.float32

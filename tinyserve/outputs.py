@@ -46,7 +46,7 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
     # (nothing predicts it); each holds the prompt token itself plus the top ones.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    lora_request: object = None  # the LoRARequest it ran under (tinyserve.lora.request); None: the base model
+    lora_request: object = None  # the LoRARequest it ran under (tinyserve/lora_request.py); None: the base model
     # vLLM's: a prefill asked for with kv_transfer_params {"do_remote_decode": true} says here where its
     # K/V wait for the decode instance (distributed/kv_transfer/)
     kv_transfer_params: dict | None = None

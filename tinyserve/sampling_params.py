@@ -19,6 +19,7 @@ STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # As vLLM's: bad words once tokenized (each spelling a sequence), so that the per-step check stays small
 MAX_NUM_BAD_WORDS = 128
 MAX_BAD_WORDS_TOTAL_TOKENS = 1024
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
@@ -89,6 +90,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return besides the sampled token's
+    # vLLM's: with logprobs, these tokens' logprobs at each position instead of the top ones (the sampled
+    # token's still first), for scoring a fixed set of labels
+    logprob_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -152,6 +156,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         _check(self.allowed_token_ids is None
                or (isinstance(self.allowed_token_ids, list) and all(map(_is_int, self.allowed_token_ids))),
                "allowed_token_ids", f"must be a list of token ids, got {_short(self.allowed_token_ids)}")
+        _check(self.logprob_token_ids is None
+               or (isinstance(self.logprob_token_ids, list) and all(map(_is_int, self.logprob_token_ids))),
+               "logprob_token_ids", f"must be a list of token ids, got {_short(self.logprob_token_ids)}")
+        if self.logprob_token_ids is not None:
+            _check(len(self.logprob_token_ids) <= MAX_LOGPROB_TOKEN_IDS, "logprob_token_ids",
+                   f"has {len(self.logprob_token_ids)} ids, more than the limit of {MAX_LOGPROB_TOKEN_IDS}")
         _check(self.bad_words is None
                or (isinstance(self.bad_words, list) and all(isinstance(word, str) for word in self.bad_words)),
                "bad_words", f"must be a list of strings, got {_short(self.bad_words)}")

@@ -43,9 +43,11 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m tinyserve.cli.main serve [MODEL] --port <free port> FLAGS...`, healthy once constructed."""
 
-    def __init__(self, model: str | None, *flags: str, startup_timeout: float = 120.0, env: dict | None = None,
+    def __init__(self, model: str | None, *flags: str, startup_timeout: float = 300.0, env: dict | None = None,
                  log_path: str | Path | None = None) -> None:
         """model: a model folder, or None for the built-in model.
+        startup_timeout: generous, for a busy 2-core machine (a start takes 8-20 s on an idle one; a server that
+        exits instead of answering fails at once).
         env: variables added to this process's environment (TMPDIR, say, to watch the server's temp files).
         log_path: where its output goes (default: a temporary file, gone with this object).
         """
@@ -112,7 +114,7 @@ class RouterProcess(ServerProcess):
     """`python -m tinyserve.cli.main router --backend URL... --port <free port> FLAGS...`, healthy once
     constructed (its /health answers 200 once a backend does)."""
 
-    def __init__(self, backends: list[str], *flags: str, startup_timeout: float = 60.0,
+    def __init__(self, backends: list[str], *flags: str, startup_timeout: float = 300.0,
                  log_path: str | Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

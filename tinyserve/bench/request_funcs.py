@@ -17,11 +17,15 @@ output counted as one token per token chunk, which undercounts when a chunk hold
 several tokens.
 """
 
+from __future__ import annotations
+
 import json
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import httpx
+if TYPE_CHECKING:  # imported where used: `tinyserve bench --help` reads ENDPOINTS without it
+    import httpx
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -81,6 +85,8 @@ def _sse_data(line: str) -> str | None:
 
 async def send_request(client: httpx.AsyncClient, base_url: str, request: RequestFuncInput) -> RequestFuncOutput:
     """Send one streamed request; never raises for a failed request (success=False, error set)."""
+    import httpx
+
     output = RequestFuncOutput(prompt_len=request.prompt_len)
     num_token_chunks = 0
     usage = None

@@ -88,6 +88,7 @@ def run_api_servers(args: argparse.Namespace, listener: socket.socket, served_mo
 
     serve_api: cli/serve.py's, which each API process runs (serve.py imports this module, not the reverse).
     """
+    from tinyserve.assemble import build_engine_core
     from tinyserve.cli.engine_flags import engine_args_from
     from tinyserve.cli.trace_setup import start_tracing
     from tinyserve.config import ModelInfo
@@ -107,7 +108,8 @@ def run_api_servers(args: argparse.Namespace, listener: socket.socket, served_mo
     ipc_dir = make_ipc_dir()
     metrics_dir = _multiproc_dir()
     address = lambda name: bind_address("ipc", ipc_dir, name)
-    engines = EngineProcesses(engine_args, ModelInfo.from_args(engine_args), args.data_parallel_size)
+    engines = EngineProcesses(engine_args, ModelInfo.from_args(engine_args), args.data_parallel_size,
+                              make_engine_core=build_engine_core)
     servers = []
     try:
         engines.start([[address(client_socket_name(f"input-{e}", i)) for i in range(count)]
@@ -198,6 +200,8 @@ def run_api_server(args: argparse.Namespace, listener_fd: int, engine_args, run_
                              index, args.api_server_count)
     client.launch()
     names = args.served_model_name or [served_model_name]
+    # The LoRA adapters' table, shared by the API processes: each agrees on every name and its id (lora/registry.py).
+    args.lora_registry_file = os.path.join(ipc_dir, "lora-registry.json")
     sys.exit(serve_api(args, listener, names, engine_args, client, run_dir, api_server_index=index))
 
 

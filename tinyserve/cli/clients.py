@@ -8,6 +8,8 @@ application would, so what they show is what any OpenAI-compatible caller gets:
     tinyserve chat --quick "hi"         one turn, print the reply, exit
     tinyserve complete                  each line is a prompt for /v1/completions, no history
 
+--url says where the server is (default: $TINYSERVE_URL, else http://localhost:8000/v1, where
+`make serve` and `tinyserve serve` listen unless given a PORT or --port).
 Without --model (vLLM's --model-name) they use the first model the server lists, as vLLM's CLI does.
 Failures (no server at the URL, a 4xx answer, an error in the stream) end the
 command with one line on stderr and exit code 1, never a traceback.
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     import openai
 
 DEFAULT_URL = "http://localhost:8000/v1"
+URL_ENV = "TINYSERVE_URL"  # where the server is, when it is not DEFAULT_URL (`make chat` sets it from PORT)
 PROMPT = "> "
 
 
@@ -48,7 +51,9 @@ def add_parsers(commands) -> None:
 
 
 def _add_client_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=DEFAULT_URL, help=f"the server's OpenAI base URL (default {DEFAULT_URL})")
+    parser.add_argument("--url", default=os.environ.get(URL_ENV) or DEFAULT_URL,
+                        help=f"the server's OpenAI base URL, e.g. http://127.0.0.1:8080/v1 for a server on port 8080 "
+                             f"(default: ${URL_ENV}, else {DEFAULT_URL})")
     parser.add_argument("--model", "--model-name", default=None,
                         help="model name (default: the first one the server lists)")
     parser.add_argument("--api-key", default=None,
@@ -127,7 +132,8 @@ def _run(args: argparse.Namespace, say) -> int:
         return 0
     except openai.APIConnectionError as error:
         detail = str(error.__cause__ or "") or error.message  # the socket's reason, e.g. "Connection refused"
-        print(f"error: cannot reach the server at {args.url} ({detail})", file=sys.stderr)
+        print(f"error: cannot reach the server at {args.url} ({detail}); a server on another port: "
+              f"--url http://127.0.0.1:PORT/v1, or ${URL_ENV}", file=sys.stderr)
     except openai.APIStatusError as error:
         print(f"error: the server at {args.url} answered {error.status_code}: {_error_message(error)}", file=sys.stderr)
     except openai.APIError as error:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tinyserve.cli.lora_flags import add_lora_flags, lora_engine_kwargs
 from tinyserve.cli.ray_flags import add_ray_engine_flags, ray_engine_kwargs
-from tinyserve.config import CONVERTS, DTYPES, KV_CACHE_DTYPES, RUNNERS, EngineArgs
+from tinyserve.config import CONVERTS, DTYPE_NAMES, KV_CACHE_DTYPE_NAMES, RUNNERS, EngineArgs
 from tinyserve.kernels.backend import ATTENTION_BACKENDS
 from tinyserve.structured_output import STRUCTURED_OUTPUT_BACKENDS
 
@@ -31,10 +31,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                             "and KV cache; the KV cache gets what the other two leave (default 0.9)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse KV blocks of identical prompt prefixes (default on)")
-    group.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
+    group.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="auto",
                        help="weights dtype, and the KV cache's unless --kv-cache-dtype says otherwise "
                             "(auto: float32 on CPU, the checkpoint's on GPU)")
-    group.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+    group.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPE_NAMES), default="auto",
                        help="the KV cache's dtype (auto: the model's); a 16-bit cache under a float32 model "
                             "holds twice the tokens and halves what a decode step reads; fp8 = fp8_e4m3, with "
                             "per-tensor scales of 1.0")
@@ -48,6 +48,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tensor-parallel-watchdog-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="a rank that does not reach a collective within this many seconds (stopped, stuck) "
                             "fails the engine, named in the error (default 30; 0: never)")
+    group.add_argument("--engine-iteration-timeout", type=float, default=300.0, metavar="SECONDS",
+                       help="an engine holding requests that sends nothing for this many seconds (stopped, stuck in "
+                            "a step) fails them, naming the stall, and is killed (vLLM's "
+                            "VLLM_ENGINE_ITERATION_TIMEOUT_S; default 300, vLLM's bound on one step: longer than "
+                            "a whole-budget prefill on a slow CPU, BENCHMARKS.md; 0: never)")
     group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                        help="split each engine's layers into this many stages, one process each (x the tensor-"
                             "parallel size), with up to this many batches in flight (default 1)")
@@ -59,6 +64,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--structured-outputs-backend", choices=[*STRUCTURED_OUTPUT_BACKENDS, "guidance"],
                        default="xgrammar", help="the grammar library that constrains structured outputs "
                                                 "(default xgrammar; guidance is vLLM's name for llguidance)")
+    group.add_argument("--structured-outputs-config", type=structured_outputs_config, default=None, metavar="JSON",
+                       help='vLLM\'s structured-outputs config, {"backend": "xgrammar" | "guidance" | "llguidance" | '
+                            '"auto"} (or --structured-outputs-config.backend xgrammar); its backend is '
+                            "--structured-outputs-backend's")
     group.add_argument("--structured-outputs-compile-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="a constrained request whose grammar is not compiled within this many seconds "
                             "fails with a 400 naming the limit (default 30; 0: no limit)")
@@ -93,8 +102,58 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              '{"kv_connector": "MooncakeConnector" | "ZmqConnector" (default: Mooncake where it '
                              'loads), "kv_role": "kv_producer" | "kv_consumer" | "kv_both", "kv_ip": HOST, '
                              '"kv_port": PORT, "kv_connector_extra_config": {"abort_request_timeout": S, '
-                             '"transfer_timeout": S}}')
+                             '"transfer_timeout": S}}. Every prefill and decode server of a deployment shares '
+                             'the secret in $TINYSERVE_KV_TRANSFER_SECRET: a decode server pulls only with '
+                             'kv_transfer_params a prefill server holding it signed, and the side channel admits '
+                             'only its holders (ZeroMQ CURVE); without it kv_transfer_params are refused')
     add_lora_flags(parser)
+
+
+def kv_events_for_host(config: dict | None, host: str | None) -> dict | None:
+    """The KV events sockets bind the server's --host (loopback by default), as its HTTP does."""
+    if config is None:
+        return None
+    from tinyserve.kv_events.config import with_server_host
+
+    return with_server_host(config, host)
+
+
+# vLLM's StructuredOutputsConfig fields other than backend, with the values that ask for what tinyserve does
+# (JSON is always constrained to compact whitespace; the engine constrains from the first token, and the
+# reasoning parser is the API's --reasoning-parser, which refuses a constraint while the reasoning is open).
+_STRUCTURED_OUTPUTS_CONFIG_AS_HERE = {
+    "disable_any_whitespace": (False, True),  # vLLM's default, and what tinyserve always does
+    "disable_additional_properties": (False,),
+    "reasoning_parser": ("",),
+    "reasoning_parser_plugin": ("",),
+    "enable_in_reasoning": (False,),
+}
+
+
+def structured_outputs_config(text: str) -> dict:
+    """--structured-outputs-config's JSON (vLLM's StructuredOutputsConfig): its backend is taken (auto is the
+    default, xgrammar); any other field that would change an output is refused, naming it."""
+    config = json_object(text)
+    for name, value in config.items():
+        if name == "backend":
+            known = [*STRUCTURED_OUTPUT_BACKENDS, "guidance", "auto"]
+            if value not in known:
+                raise argparse.ArgumentTypeError(f"backend must be one of {known}, got {value!r}")
+        elif name not in _STRUCTURED_OUTPUTS_CONFIG_AS_HERE:
+            raise argparse.ArgumentTypeError(f"unknown field {name!r}; known: backend, "
+                                             f"{', '.join(_STRUCTURED_OUTPUTS_CONFIG_AS_HERE)}")
+        elif not any(value == ok and type(value) is type(ok) for ok in _STRUCTURED_OUTPUTS_CONFIG_AS_HERE[name]):
+            raise argparse.ArgumentTypeError(f"{name}={value!r} is not implemented here")
+    return config
+
+
+def structured_outputs_backend(args: argparse.Namespace) -> str:
+    """The grammar library: --structured-outputs-config's backend where given ("auto": xgrammar, the default),
+    else --structured-outputs-backend."""
+    backend = (getattr(args, "structured_outputs_config", None) or {}).get("backend")
+    if backend is None:
+        return args.structured_outputs_backend
+    return "xgrammar" if backend == "auto" else backend
 
 
 def kv_events_config(text: str) -> dict:
@@ -172,17 +231,20 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_logprobs=args.max_logprobs,
         tensor_parallel_size=args.tensor_parallel_size,
         tensor_parallel_watchdog_s=args.tensor_parallel_watchdog_timeout,
+        engine_iteration_timeout_s=args.engine_iteration_timeout,
         pipeline_parallel_size=args.pipeline_parallel_size,
-        structured_outputs_backend=args.structured_outputs_backend,
+        structured_outputs_backend=structured_outputs_backend(args),
         structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
         runner=args.runner,
         convert=args.convert,
         pooler_config=args.pooler_config,
         speculative_config=getattr(args, "speculative_config", None),
-        kv_events_config=getattr(args, "kv_events_config", None),
+        kv_events_config=kv_events_for_host(getattr(args, "kv_events_config", None), getattr(args, "host", None)),
         kv_transfer_config=getattr(args, "kv_transfer_config", None),
+        enable_prompt_embeds=getattr(args, "enable_prompt_embeds", False),  # vLLM's flag (vllm_flags.py)
         **lora_engine_kwargs(args),
         **ray_engine_kwargs(args),
     )
-    engine_args.validate()
-    return engine_args
+    from tinyserve.assemble import check_engine_args
+
+    return check_engine_args(engine_args)  # the core's checks, then each layer's

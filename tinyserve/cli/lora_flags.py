@@ -47,7 +47,9 @@ def lora_registry_from(args: argparse.Namespace, engine_args, model_path, base_m
         if modules:
             raise ValueError("--lora-modules needs --enable-lora")
         return None
-    registry = LoRARegistry(LoRAChecker.from_engine_args(model_path, engine_args), base_model_name)
+    # --api-server-count N: one table for all the API processes (cli/api_servers.py names its file)
+    registry = LoRARegistry(LoRAChecker.from_engine_args(model_path, engine_args), base_model_name,
+                            shared_file=getattr(args, "lora_registry_file", None))
     for name, path in modules:
-        registry.add(name, path)
+        registry.add(name, path, exist_ok=True)
     return registry

@@ -20,7 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from tinyserve.cli.vllm_flags import vllm_argv  # vLLM's spellings: --max_model_len, --x-config.field VALUE
+
+    args = build_parser().parse_args(vllm_argv(sys.argv[1:] if argv is None else argv))
     if hasattr(args, "model_flag"):  # a command with the engine flags
         problem = settle_model(args)
         if problem is not None:

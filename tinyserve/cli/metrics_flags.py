@@ -9,7 +9,7 @@ names every metric as vLLM names it (`vllm:num_requests_running`, `vllm:kv_cache
 import argparse
 import re
 
-from tinyserve.entrypoints.api.metrics import DEFAULT_METRICS_PREFIX
+from tinyserve.entrypoints.api.defaults import DEFAULT_METRICS_PREFIX
 
 _PREFIX = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")  # a Prometheus name, without the colon that follows it
 

@@ -65,8 +65,8 @@ def check_ray_flags(args: argparse.Namespace) -> str | None:
 
 
 def ray_engine_client(args: argparse.Namespace, engine_args, model_info):
-    """The server's engine client under --data-parallel-backend ray (distributed/ray_client.py)."""
-    from tinyserve.distributed.ray_client import RayMPClient
+    """The server's engine client under --data-parallel-backend ray (frontend/ray_client.py)."""
+    from tinyserve.frontend.ray_client import RayMPClient
 
     return RayMPClient(engine_args, model_info, args.data_parallel_size, args.data_parallel_address)
 

@@ -10,6 +10,11 @@ backends' ORCA reports, plus the router's own in flight), prefix-aware (the back
 cache already holds the longest prefix of the prompt, from the backends' KV cache events;
 ties to the least loaded). With --trace the router writes router.jsonl in a run folder of its
 own; `tinyserve trace merge` joins it with the backends' folders into one run.
+
+A backend is passed over once it fails a request (refused, dropped, or no answer within
+--backend-header-timeout) or --health-failure-threshold health checks in a row, until a health
+check finds it answering; the router's /health is 503 while no backend is up. Clients get the
+server's own limits: --max-request-body-bytes, --http-header-timeout, --http-body-timeout.
 """
 
 import argparse
@@ -17,9 +22,20 @@ import logging
 import sys
 from urllib.parse import urlsplit
 
-import uvicorn
-
 from tinyserve.cli.listener import bind_listener
+from tinyserve.entrypoints.api.defaults import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE_S,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+)
+from tinyserve.router.defaults import (
+    DEFAULT_BACKEND_HEADER_TIMEOUT_S,
+    DEFAULT_HEALTH_CHECK_INTERVAL_S,
+    DEFAULT_HEALTH_CHECK_TIMEOUT_S,
+    DEFAULT_HEALTH_FAILURE_THRESHOLD,
+    DEFAULT_KV_INDEX_MAX_BLOCKS,
+)
 from tinyserve.router.policies import POLICIES
 
 
@@ -50,6 +66,11 @@ def add_parser(commands) -> None:
     prefix.add_argument("--block-size", type=int, default=None,
                         help="the backends' KV block size, in tokens (default: what the backends report on /metrics, "
                              "vLLM's cache_config_info; 16, the engine's default, if none does)")
+    prefix.add_argument("--kv-index-max-blocks", type=int, default=DEFAULT_KV_INDEX_MAX_BLOCKS,
+                        help="most block hashes the router keeps per backend from its KV events; past it the "
+                             "oldest stored are dropped (default %(default)s)")
+    add_health_flags(parser)
+    add_limit_flags(parser)
     tracing = parser.add_argument_group("tracing")
     tracing.add_argument("--trace", action="store_true",
                          help="write the router's spans to router.jsonl in a run folder under --trace-dir")
@@ -59,8 +80,42 @@ def add_parser(commands) -> None:
     parser.set_defaults(handler=run)
 
 
+def add_health_flags(parser) -> None:
+    health = parser.add_argument_group("backend health (vLLM's router's names)")
+    health.add_argument("--health-check-interval-secs", type=float, default=DEFAULT_HEALTH_CHECK_INTERVAL_S,
+                        help="seconds between two checks of every backend's GET /health (default %(default)s)")
+    health.add_argument("--health-check-timeout-secs", type=float, default=DEFAULT_HEALTH_CHECK_TIMEOUT_S,
+                        help="seconds a backend's /health may take to answer; then the check failed "
+                             "(default %(default)s)")
+    health.add_argument("--health-failure-threshold", type=int, default=DEFAULT_HEALTH_FAILURE_THRESHOLD,
+                        help="failed checks in a row that take a backend out until a check succeeds "
+                             "(default %(default)s); a failed request takes it out at once")
+    health.add_argument("--backend-header-timeout", type=float, default=DEFAULT_BACKEND_HEADER_TIMEOUT_S,
+                        help="seconds a backend may take to send an answer's status line and headers (a whole, "
+                             "not streamed, answer sends them once generated); then the client gets 504 and the "
+                             "backend is taken out (default %(default)s)")
+
+
+def add_limit_flags(parser) -> None:
+    limits = parser.add_argument_group("client limits (the server's own)")
+    limits.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="largest request body accepted; larger ones get 413, counted while reading "
+                             "(default %(default)s)")
+    limits.add_argument("--http-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                        help="seconds a request's line and headers may take to arrive; then 408 and the "
+                             "connection is closed (default %(default)s)")
+    limits.add_argument("--http-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                        help="seconds a request's body may take to arrive after its headers; then 408 and the "
+                             "connection is closed (default %(default)s)")
+    limits.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S,
+                        help="seconds an idle keep-alive connection stays open (uvicorn's, default %(default)s)")
+
+
 def check_router_flags(args: argparse.Namespace) -> str | None:
     """The first problem with the flags, naming them; None if they fit."""
+    problem = check_limit_flags(args)
+    if problem is not None:
+        return problem
     if args.prefill or args.decode:
         return check_pd_flags(args)
     if not args.backend:
@@ -71,8 +126,6 @@ def check_router_flags(args: argparse.Namespace) -> str | None:
             return f"--backend {url!r} is not an http(s) URL with a host (e.g. http://127.0.0.1:8001)"
     if len(set(args.backend)) != len(args.backend):
         return "--backend lists the same URL twice"
-    if not 0 <= args.port <= 65535:
-        return f"--port must be in [0, 65535], got {args.port}"
     if args.block_size is not None and args.block_size < 1:
         return f"--block-size must be at least 1, got {args.block_size}"
     if args.policy == "prefix-aware" and not args.kv_events:
@@ -82,6 +135,20 @@ def check_router_flags(args: argparse.Namespace) -> str | None:
                 f"for {len(args.backend)} backends")
     if args.kv_events and args.policy != "prefix-aware":
         return f"--kv-events is read by --policy prefix-aware only (the policy is {args.policy})"
+    return None
+
+
+def check_limit_flags(args: argparse.Namespace) -> str | None:
+    """The port, the health checks and the client limits, in either mode."""
+    if not 0 <= args.port <= 65535:
+        return f"--port must be in [0, 65535], got {args.port}"
+    for flag in ("health_check_interval_secs", "health_check_timeout_secs", "backend_header_timeout",
+                 "http_header_timeout", "http_body_timeout", "timeout_keep_alive"):
+        if not getattr(args, flag) > 0:  # NaN too
+            return f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}"
+    for flag in ("health_failure_threshold", "max_request_body_bytes", "kv_index_max_blocks"):
+        if getattr(args, flag) < 1:
+            return f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}"
     return None
 
 
@@ -105,15 +172,19 @@ def build_router(args: argparse.Namespace):
     from its own flags, and serves the same app."""
     from tinyserve.router.app import Router
     from tinyserve.router.backends import Backend
+    from tinyserve.router.health import HealthChecks
 
+    settings = dict(health=HealthChecks(args.health_check_interval_secs, args.health_check_timeout_secs,
+                                        args.health_failure_threshold),
+                    header_timeout_s=args.backend_header_timeout)
     if args.prefill:
         from tinyserve.router.pd import PDRouter
 
         urls = [url.rstrip("/") for url in args.prefill + args.decode]
         backends = [Backend(url, index) for index, url in enumerate(urls)]
-        return PDRouter(backends[: len(args.prefill)], backends[len(args.prefill):])
+        return PDRouter(backends[: len(args.prefill)], backends[len(args.prefill):], **settings)
     backends = [Backend(url.rstrip("/"), index) for index, url in enumerate(args.backend)]
-    return Router(backends, make_policy(args, backends))
+    return Router(backends, make_policy(args, backends), **settings)
 
 
 def make_policy(args: argparse.Namespace, backends):
@@ -125,7 +196,8 @@ def make_policy(args: argparse.Namespace, backends):
         return LeastLoad()
     from tinyserve.router.prefix_aware import PrefixAware
 
-    return PrefixAware.from_flags(backends, args.kv_events, args.tokenizer, args.block_size)
+    return PrefixAware.from_flags(backends, args.kv_events, args.tokenizer, args.block_size,
+                                  args.kv_index_max_blocks)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -146,6 +218,9 @@ def run(args: argparse.Namespace) -> int:
         listener.close()
         print(f"error: {error}", file=sys.stderr)
         return 2
+    import uvicorn
+
+    from tinyserve.entrypoints.api.guards.slow_clients import DeadlineProtocol
     from tinyserve.router.app import build_app
 
     run_dir = start_tracing(args)
@@ -156,7 +231,10 @@ def run(args: argparse.Namespace) -> int:
         else f"({args.policy}) over {', '.join(args.backend)}"
     print(f"tinyserve: routing {mode} on http://{args.host}:{port}/v1",
           flush=True)
-    config = uvicorn.Config(build_app(router), host=args.host, port=port, log_level="info", access_log=False)
+    config = uvicorn.Config(build_app(router, args.max_request_body_bytes), host=args.host, port=port,
+                            log_level="info", access_log=False,
+                            http=DeadlineProtocol.with_timeouts(args.http_header_timeout, args.http_body_timeout),
+                            timeout_keep_alive=args.timeout_keep_alive)
     uvicorn.Server(config).run(sockets=[listener])
     return 0
 

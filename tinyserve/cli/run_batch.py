@@ -19,7 +19,12 @@ The engine runs in this process, and every body goes through the very FastAPI
 app that `tinyserve serve` runs, over an in-memory ASGI transport (no socket),
 so validation, defaults and response bodies are exactly the server's. All lines
 are in flight together, so the scheduler batches them like concurrent clients.
+
+With --enable-metrics (vLLM's flags), the server's Prometheus metrics are served at
+http://HOST:PORT/metrics (--host, default 127.0.0.1; --port, default 8000) while the batch runs.
 """
+
+from __future__ import annotations
 
 import argparse
 import asyncio
@@ -29,14 +34,15 @@ import pathlib
 import sys
 import uuid
 from dataclasses import dataclass
-from typing import TextIO
-
-import httpx
-from tqdm import tqdm
+from typing import TYPE_CHECKING, TextIO
 
 from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from
 from tinyserve.cli.lora_flags import add_lora_modules_flag, lora_registry_from
-from tinyserve.entrypoints.api.errors import openai_error_body
+from tinyserve.cli.metrics_flags import add_metrics_flags
+from tinyserve.cli.vllm_flags import add_chat_template_flag, load_chat_template
+
+if TYPE_CHECKING:  # imported where used: `tinyserve run-batch --help` loads none of the server
+    import httpx
 
 # As vLLM's run-batch; /v1/embeddings is answered by an engine started with --runner pooling (else a 400 per line).
 SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -52,6 +58,14 @@ def add_parser(commands) -> None:
                         help="name(s) the bodies' 'model' may use (default: the model argument, or 'tinyserve-default')")
     add_engine_flags(parser)
     add_lora_modules_flag(parser)  # a line's model may name one of them, as a server's request's may
+    add_chat_template_flag(parser)
+    add_metrics_flags(parser)
+    metrics = parser.add_argument_group("metrics while the batch runs (vLLM's run-batch flags)")
+    metrics.add_argument("--enable-metrics", action="store_true",
+                         help="serve the Prometheus metrics at http://HOST:PORT/metrics while the batch runs")
+    metrics.add_argument("--host", "--url", dest="host", default="127.0.0.1",
+                         help="the metrics server's address (default 127.0.0.1; --url is vLLM's older name)")
+    metrics.add_argument("--port", type=int, default=8000, help="the metrics server's port (default 8000; 0: any free one)")
     parser.set_defaults(handler=run)
 
 
@@ -132,6 +146,8 @@ async def answer_line(client: httpx.AsyncClient, line: str, number: int) -> dict
     try:
         body = response.json()
     except ValueError:  # an unhandled exception in the app answers plain text
+        from tinyserve.entrypoints.api.errors import openai_error_body
+
         body = openai_error_body(response.status_code, response.text)
     return response_record(request.custom_id, response.status_code, body)
 
@@ -143,6 +159,9 @@ async def run_batch(app, lines: list[tuple[int, str]], out: TextIO, max_in_fligh
     """Send every (line number, line) through `app` concurrently; write the records in input order."""
     # raise_app_exceptions=False: a crash inside one request answers 500 for that line
     # instead of ending the batch.
+    import httpx
+    from tqdm import tqdm
+
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     slots = asyncio.Semaphore(max_in_flight)
     async with httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None) as client:
@@ -162,9 +181,10 @@ async def run_batch(app, lines: list[tuple[int, str]], out: TextIO, max_in_fligh
 
 
 def _read_lines(path: str) -> list[tuple[int, str]]:
-    """The non-blank lines, with their line numbers (from 1)."""
+    """The non-blank lines, with their line numbers (from 1). A line ends at "\\n" only, as a JSON Lines reader's:
+    str.splitlines would also break at U+0085 or U+2028 inside a prompt, where JSON may leave them unescaped."""
     text = sys.stdin.read() if path == "-" else pathlib.Path(path).read_text(encoding="utf-8")
-    return [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    return [(number, line) for number, line in enumerate(text.split("\n"), start=1) if line.strip()]
 
 
 def _unwritable(path: str) -> str | None:
@@ -182,6 +202,15 @@ def _unwritable(path: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        print(f"error: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
+        return 2
+    if args.chat_template is not None:
+        try:
+            args.chat_template = load_chat_template(args.chat_template)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     try:
         lines = _read_lines(args.input_file)
     except (OSError, UnicodeDecodeError) as error:
@@ -212,7 +241,20 @@ def _run_with_engine(args: argparse.Namespace, lines: list[tuple[int, str]]) -> 
     except (ValueError, OSError) as error:
         print(f"error: cannot load the model: {error}", file=sys.stderr)
         return 1
-    metrics = ServerMetrics(names[0], engine.engine_indices, engine.model_info.max_model_len)
+    if args.chat_template is not None:
+        engine.tokenizer.chat_template = args.chat_template
+    metrics = ServerMetrics(names[0], engine.engine_indices, engine.model_info.max_model_len,
+                            prefix=args.metrics_prefix)
+    if args.enable_metrics:
+        from prometheus_client import start_http_server
+
+        try:
+            metrics_server, _ = start_http_server(args.port, addr=args.host, registry=metrics.registry)
+        except OSError as error:
+            print(f"error: cannot serve metrics on {args.host}:{args.port}: {error.strerror or error}", file=sys.stderr)
+            return 2
+        print(f"tinyserve: metrics at http://{args.host}:{metrics_server.server_port}/metrics", file=sys.stderr,
+              flush=True)
     app = build_app(ServingContext(engine, names, loras=loras), metrics)
     print(f"tinyserve: {len(lines)} requests from {args.input_file} to {names[0]} ({engine.model_info.path})",
           file=sys.stderr, flush=True)

@@ -14,9 +14,8 @@ With --headless it runs engines for a head node instead (engine/headless.py). Wi
 
 import argparse
 import logging
+import signal
 import sys
-
-import uvicorn
 
 from tinyserve.cli.api_servers import add_api_server_flags, check_api_server_flags, run_api_servers
 from tinyserve.cli.data_parallel_flags import (
@@ -31,6 +30,7 @@ from tinyserve.cli.load_balancing_flags import add_load_balancing_flags, check_l
 from tinyserve.cli.listener import bind_listener
 from tinyserve.cli.metrics_flags import add_metrics_flags
 from tinyserve.cli.ray_flags import check_ray_flags, join_ray_cluster, ray_engine_client
+from tinyserve.cli.start_up_sigterm import exit_if_sigterm_received, exit_on_sigterm
 from tinyserve.cli.trace_setup import local_ranks, start_tracing
 from tinyserve.cli.vllm_flags import add_vllm_flags, check_vllm_flags
 from tinyserve.entrypoints.api.guards.field_limits import (
@@ -40,14 +40,17 @@ from tinyserve.entrypoints.api.guards.field_limits import (
     DEFAULT_MAX_STOP_STRINGS,
     FieldLimits,
 )
-from tinyserve.entrypoints.api.guards.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from tinyserve.entrypoints.api.defaults import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE_S,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+)
 from tinyserve.entrypoints.api.tools.tool_calls import TOOL_CALL_PARSERS
-from tinyserve.entrypoints.api.guards.slow_clients import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 
 # Room for a few seconds of arrivals at a busy server's rate, a few MiB of prompts at most.
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-DEFAULT_KEEP_ALIVE_S = 5.0  # uvicorn's default, and vLLM's (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
 
 
 def add_parser(commands) -> None:
@@ -130,6 +133,7 @@ def add_parser(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, exit_on_sigterm)  # until the server's own handler (guards/shutdown.py) takes over
     problem = (_check_server_flags(args) or check_load_balancing_flags(args) or check_vllm_flags(args)
                or check_ray_flags(args) or check_api_server_flags(args))
     if problem is not None:
@@ -165,12 +169,19 @@ def serve_api(args: argparse.Namespace, listener, names: list[str], engine_args,
     """
     try:
         # The rest of the API process (its modules, the tokenizer, the app) is set up while the engines load.
+        from tinyserve.assemble import ANSWER_LAYERS
+        from tinyserve.entrypoints.api.answer_layers import build_answer_layers
         from tinyserve.frontend.async_llm import AsyncLLM
+        from tinyserve.lifecycle.tracing import tracing_enabled
 
+        # Traced (--trace, --otlp-endpoint: start_tracing, or run_api_server's): every request must replay.
         engine = AsyncLLM(engine_args, data_parallel_size=args.data_parallel_size, log_requests=args.log_requests,
                           max_waiting_requests=args.max_waiting_requests, multi_node=client.multi_node,
-                          data_parallel_rank=args.data_parallel_rank, client=client)
+                          data_parallel_rank=args.data_parallel_rank, client=client, seed_unseeded=tracing_enabled())
         loras = lora_registry_from(args, engine_args, engine.model_info.path, names[0])
+        if args.chat_template is not None:  # vLLM's --chat-template: chats are rendered with it (vllm_flags.py)
+            engine.tokenizer.chat_template = args.chat_template
+        answer_layers = build_answer_layers(ANSWER_LAYERS, args, engine.tokenizer)  # --reasoning-parser's
     except ValueError as error:
         client.shutdown()
         listener.close()
@@ -181,10 +192,12 @@ def serve_api(args: argparse.Namespace, listener, names: list[str], engine_args,
     from tinyserve.entrypoints.api.server import build_app
     from tinyserve.entrypoints.api.guards.shutdown import GracefulServer
     from tinyserve.entrypoints.api.guards.slow_clients import DeadlineProtocol
+    import uvicorn
 
     ctx = ServingContext(engine, names, redact_inputs=args.trace_redact_inputs,
                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                         return_tokens_as_token_ids=args.return_tokens_as_token_ids, loras=loras)
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids, loras=loras,
+                         per_request_metrics=args.enable_per_request_metrics, answer_layers=answer_layers)
     if run_dir is not None:
         print(f"tinyserve: tracing to {run_dir}", flush=True)
     field_limits = FieldLimits(max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
@@ -198,6 +211,7 @@ def serve_api(args: argparse.Namespace, listener, names: list[str], engine_args,
     config = uvicorn.Config(app, host=args.host, port=port, log_level="info", access_log=args.log_requests,
                             http=DeadlineProtocol.with_timeouts(args.http_header_timeout, args.http_body_timeout),
                             timeout_keep_alive=args.timeout_keep_alive)
+    exit_if_sigterm_received()  # a SIGTERM during start-up that something swallowed
     server = GracefulServer(config, engine, args.shutdown_timeout,
                             keep_alive_on_engine_death=args.keep_alive_on_engine_death)
     # Returns after a graceful shutdown; uvicorn then re-raises the signal that asked for it.
@@ -231,13 +245,15 @@ def _multi_node(args: argparse.Namespace):
 
 def run_headless(args: argparse.Namespace, served_model_name: str) -> int:
     """Engines only, for the head at --data-parallel-address; returns when the head stops or is lost."""
+    from tinyserve.assemble import build_engine_core
     from tinyserve.engine.headless import HeadlessNode
 
     try:
         engine_args = engine_args_from(args)
         run_dir = start_tracing(args, engine_args, served_model_name, node_ranks=local_ranks(args))
         node = HeadlessNode(engine_args, args.data_parallel_size, size_local(args), args.data_parallel_start_rank,
-                            args.data_parallel_address, args.data_parallel_rpc_port, node_secret=node_secret(args))
+                            args.data_parallel_address, args.data_parallel_rpc_port, node_secret=node_secret(args),
+                            make_engine_core=build_engine_core)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """`tinyserve trace ...`: read a run folder written with --trace.
 
-    tinyserve trace summarize RUN                                 latency, stage and engine tables
+    tinyserve trace summarize RUN [--all-requests]                latency, stage, engine and request tables
     tinyserve trace request RUN ID [--json]                       one request: spans, TTFT, steps, blocks, inputs
     tinyserve trace step RUN N [--engine I] [--json]              one engine step: batch, KV blocks, timing
     tinyserve trace export RUN --format jaeger -o run.json        for Jaeger UI (Search → JSON File)
@@ -12,7 +12,9 @@
 RUN is a folder under traces/ (manifest.json plus one .jsonl file per process).
 `replay` builds an offline engine from the manifest's model and engine arguments
 (--model overrides the model), prints one line per request and a summary, and
-exits with 1 if any request produced different tokens.
+exits with 1 if any request produced different tokens. An aborted request is
+replayed up to where it stopped; a LoRA request under the run's copy of its adapter
+(RUN/adapters/NAME/) when the run holds one.
 """
 
 import argparse
@@ -21,8 +23,8 @@ import os
 import sys
 from pathlib import Path
 
-from tinyserve.lifecycle.export import FORMATS, write_export
-from tinyserve.lifecycle.run import Run, load_run
+from tinyserve.trace_reading.export import FORMATS, write_export
+from tinyserve.trace_reading.run import Run, load_run
 
 PLOTS = ("request_waterfall", "latency_histograms", "batch_composition", "kv_usage")
 
@@ -32,8 +34,11 @@ def add_parser(commands) -> None:
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     actions = parser.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
 
-    summarize_parser = actions.add_parser("summarize", help="print latency, stage and engine tables")
+    summarize_parser = actions.add_parser("summarize", help="print latency, stage and engine tables, and the "
+                                                             "requests' ids")
     summarize_parser.add_argument("run", help="the run folder")
+    summarize_parser.add_argument("--all-requests", action="store_true",
+                                  help="list every request (default: the first 30 by arrival)")
     summarize_parser.set_defaults(handler=summarize)
 
     request_parser = actions.add_parser("request", help="one request: its spans, TTFT breakdown, steps, block "
@@ -86,13 +91,13 @@ def _load(path: str) -> Run | None:
 
 
 def summarize(args: argparse.Namespace) -> int:
-    from tinyserve.lifecycle.summary import summarize as summarize_run
+    from tinyserve.trace_reading.summary import MAX_REQUESTS_LISTED, summarize as summarize_run
 
     run = _load(args.run)
     if run is None:
         return 1
     try:
-        print(summarize_run(run), flush=True)
+        print(summarize_run(run, max_requests=None if args.all_requests else MAX_REQUESTS_LISTED), flush=True)
     except BrokenPipeError:  # `| head` closed the pipe: fine, and nothing more to say
         # Python's advice: point stdout at devnull, or the flush at exit raises again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -100,15 +105,15 @@ def summarize(args: argparse.Namespace) -> int:
 
 
 def show_request(args: argparse.Namespace) -> int:
-    from tinyserve.lifecycle.views import request_view
-    from tinyserve.lifecycle.views_text import format_request
+    from tinyserve.trace_reading.views import request_view
+    from tinyserve.trace_reading.views_text import format_request
 
     return _show(args, lambda run: request_view(run, args.request_id), format_request)
 
 
 def show_step(args: argparse.Namespace) -> int:
-    from tinyserve.lifecycle.views import step_view
-    from tinyserve.lifecycle.views_text import format_step
+    from tinyserve.trace_reading.views import step_view
+    from tinyserve.trace_reading.views_text import format_step
 
     return _show(args, lambda run: step_view(run, args.step_id, args.engine), format_step)
 
@@ -147,7 +152,7 @@ def export(args: argparse.Namespace) -> int:
 
 
 def plot(args: argparse.Namespace) -> int:
-    from tinyserve.lifecycle import plots
+    from tinyserve.trace_reading import plots
 
     run = _load(args.run)
     if run is None:
@@ -163,7 +168,7 @@ def plot(args: argparse.Namespace) -> int:
         figure.savefig(folder / f"{name}.png", dpi=110)
         print(f"wrote {folder / f'{name}.png'}")
     if run.has_block_tables:  # runs recorded before the steps logged their block tables have no map
-        from tinyserve.lifecycle.plots_blocks import plot_block_map
+        from tinyserve.trace_reading.plots_blocks import plot_block_map
 
         for engine_index in run.engine_indices:
             name = f"block_map_engine_{engine_index}.png"
@@ -203,7 +208,7 @@ def model_mismatch(manifest: dict, model_path) -> str | None:
 
 def replay(args: argparse.Namespace) -> int:
     from tinyserve.entrypoints.llm import LLM
-    from tinyserve.lifecycle.replay import replay_run
+    from tinyserve.trace_reading.replay import replay_run
 
     run = _load(args.run)
     if run is None:
@@ -224,12 +229,15 @@ def replay(args: argparse.Namespace) -> int:
     matched = sum(r.matched for r in results)
     skipped = sum(r.skipped for r in results)
     mismatched = len(results) - matched - skipped
-    print(f"replayed {len(results)} requests: {matched} match, {mismatched} mismatch, {skipped} skipped")
+    partial = sum(r.note is not None for r in results if not r.skipped)
+    print(f"replayed {len(results)} requests: {matched} match, {mismatched} mismatch, {skipped} skipped"
+          + (f" ({partial} compared in part: aborted ones up to where they stopped, pooled ones by their "
+             "vector's length)" if partial else ""))
     return 1 if mismatched else 0
 
 
 def merge(args: argparse.Namespace) -> int:
-    from tinyserve.lifecycle.merge import merge_runs
+    from tinyserve.trace_reading.merge import merge_runs
 
     try:
         folder = merge_runs(args.runs, args.output)

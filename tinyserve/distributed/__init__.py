@@ -3,7 +3,7 @@
     --distributed-executor-backend ray   tensor-parallel ranks 1..N-1 as Ray actors
                                          (ray_ranks.py), in the engine process's placement group
     --data-parallel-backend ray          each data-parallel engine as a Ray actor (ray_engines.py),
-                                         started by the API process's client (ray_client.py)
+                                         started by the API process's client (frontend/ray_client.py)
 
 Code here runs in the API process (the client, the engines' actors' handles) and in the
 engine processes (the ranks' handles); the actors themselves are Ray worker processes on

@@ -12,15 +12,15 @@ that nodes a `ray start --resources` tagged take the actors. A bundle no node co
 is refused at once, naming the resources; one the cluster is only busy for is waited for.
 """
 
-import importlib.util
 import json
 import logging
 import os
 from pathlib import Path
 
+from tinyserve import extras
+
 logger = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'tinyserve[ray]'"
 PLACEMENT_TIMEOUT_S = 300.0  # a placement group the cluster could hold, but is busy for
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder that holds tinyserve/
 # What the actors need of this process's environment (Ray starts them in its own).
@@ -28,13 +28,13 @@ _ENV_PREFIXES = ("TINYSERVE_", "HF_", "OTEL_", "TRITON_", "TOKENIZERS_", "OMP_",
 
 
 def ray_installed() -> bool:
-    return importlib.util.find_spec("ray") is not None
+    return extras.installed("ray")
 
 
 def check_ray(flag: str) -> None:
-    """ValueError naming the flag, with the command that installs Ray, when it is not installed."""
+    """ValueError naming the flag, the ray extra and the command that installs it, when Ray is not installed."""
     if not ray_installed():
-        raise ValueError(f"{flag} ray needs Ray, which is not installed: {INSTALL_HINT}")
+        raise ValueError(extras.missing_message(f"{flag} ray", "ray"))
 
 
 BACKENDS = ("mp", "ray")  # --distributed-executor-backend, --data-parallel-backend (vLLM's names)

@@ -38,8 +38,11 @@ SHUTDOWN_TIMEOUT_S = 5.0  # stop(), then ray.kill after this long
 
 
 class RayEngineActors:
-    def __init__(self, args: EngineArgs, model_info: ModelInfo, num_engines: int, first_index: int = 0) -> None:
+    def __init__(self, args: EngineArgs, model_info: ModelInfo, num_engines: int, first_index: int = 0, *,
+                 make_engine_core) -> None:
+        """make_engine_core: what builds each engine in its actor (tinyserve/assemble.py's build_engine_core)."""
         self.args = args
+        self.make_engine_core = make_engine_core
         self.model_info = model_info
         self.num_engines = num_engines
         self.first_index = first_index
@@ -66,7 +69,8 @@ class RayEngineActors:
             ).remote(name)
             where = actor.where.remote()  # before `run`, in its group: the two run one after the other
             run = actor.run.options(name=name).remote(EngineCoreProc, serve_engine_on_node, (engine_index, input_address, output_address),
-                                   dict(args=args, model_info=self.model_info, num_threads=args.cpu_threads))
+                                   dict(args=args, make_engine_core=self.make_engine_core, model_info=self.model_info,
+                                        num_threads=args.cpu_threads))
             self.processes.append(ActorProcess(actor, name, where, run))
         logger.info("%d engine(s) placed on the Ray cluster at %s", self.num_engines,
                     ray.get_runtime_context().gcs_address)
@@ -103,7 +107,8 @@ class RayEngineActors:
             self.groups = []
 
 
-def serve_engine_on_node(proc: EngineCoreProc, args: EngineArgs, model_info: ModelInfo, num_threads: int | None) -> None:
+def serve_engine_on_node(proc: EngineCoreProc, args: EngineArgs, make_engine_core, model_info: ModelInfo,
+                         num_threads: int | None) -> None:
     """serve_engine in the actor; where the run folder is not there (another machine), it is made, with a manifest."""
     if args.trace_run_dir is not None and not (Path(args.trace_run_dir) / schema.MANIFEST_FILE).exists():
         run_dir = Path(args.trace_run_dir)
@@ -111,4 +116,4 @@ def serve_engine_on_node(proc: EngineCoreProc, args: EngineArgs, model_info: Mod
         write_manifest(run_dir, model=args.model, served_model_name=args.model or "", engine_args=asdict(args),
                        data_parallel_size=1, model_fingerprint=manifest_fingerprint(model_info.path),
                        node={"host": host_name(), "headless": True, "ranks": [proc.engine_index]})
-    serve_engine(proc, args, model_info, num_threads)
+    serve_engine(proc, args, make_engine_core, model_info, num_threads)

@@ -4,25 +4,27 @@
     main thread     drain input_queue ─► step() ─► output_queue
     output thread   output_queue ─► encode ─► socket          (stage ⑦ leaves)
 
-The main thread never touches a socket: it only hands Python objects over two
-queues. With several API processes (--api-server-count) the input socket connects to
-each one's input and the output thread holds one socket per API process, sending each
-its own requests' outputs (client_outputs.py). Decoding the next requests and encoding the last step's tokens happen on
-the I/O threads, while torch (which releases the GIL inside its kernels) runs the
-next forward pass on the main thread. When no request is unfinished, the main
-thread blocks on the input queue instead of spinning: an idle engine costs no CPU.
+The main thread never touches a socket: it only hands Python objects over two queues. With
+several API processes (--api-server-count) the input socket connects to each one's input and the
+output thread holds one socket per API process, sending each its own requests' outputs
+(client_outputs.py). Decoding the next requests and encoding the last step's tokens happen on the
+I/O threads, while torch (which releases the GIL inside its kernels) runs the next forward pass on
+the main thread. When no request is unfinished, the main thread blocks on the input queue instead
+of spinning: an idle engine costs no CPU. A busy one that has sent nothing for ENGINE_HEARTBEAT_S
+(a grammar compiling) sends a heartbeat, so the front end's watchdog (frontend/engine_watchdog.py)
+can read its silence as a stall.
 
-The process is started by `MPClient` (core_client.py) with the spawn method: a
-fresh interpreter, because forking a process that holds torch's thread pools
-and ZeroMQ's I/O threads is unsafe. It answers to its parent only: it exits when
-its parent dies (even by SIGKILL), ignores SIGINT (Ctrl-C in a terminal reaches
-the whole process group; the parent decides when engines stop) and exits
-cleanly on SIGTERM.
+The process is started by `MPClient` (core_client.py) with the spawn method: a fresh interpreter,
+because forking a process that holds torch's thread pools and ZeroMQ's I/O threads is unsafe. It
+answers to its parent only: it exits when its parent dies (even by SIGKILL), ignores SIGINT (Ctrl-C
+in a terminal reaches the whole process group; the parent decides) and exits cleanly on SIGTERM.
 
 The module is over 300 lines because the process's three threads, its signals and
 its handshake only make sense together.
 """
 
+import atexit
+import gc
 import logging
 import os
 import queue
@@ -42,10 +44,12 @@ from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.engine.client_outputs import BACKLOG_RETRY_S, ClientOutputs, ClientSockets
 from tinyserve.engine.engine_core import EngineCore
 from tinyserve.wire.ipc import (
+    ENGINE_HEARTBEAT_S,
     INPUT_TYPES,
     UTILITY_METHODS,
     EngineCoreAbort,
     EngineFailed,
+    EngineHeartbeat,
     EngineInputKind,
     EngineOutputKind,
     EngineReady,
@@ -75,11 +79,14 @@ def run_engine_core(
     input_address: str | list[str],
     output_address: str | list[str],
     parent_pid: int,
+    make_engine_core,
     model_info: ModelInfo | None = None,
     num_threads: int | None = None,
 ) -> None:
-    """Entry point of an engine process: load the model, say ready, serve until told to stop.
+    """Entry point of an engine process: build the engine, say ready, serve until told to stop.
 
+    make_engine_core(args, engine_index, model_info, wake_loop=...): the EngineCore with its layers (the one
+    assembly point, tinyserve/assemble.py's build_engine_core, handed down by whoever starts the process).
     num_threads caps torch's CPU threads, so that engines sharing a machine's
     cores do not fight over them. A list of addresses: one per API process
     (--api-server-count), in client index order.
@@ -92,10 +99,10 @@ def run_engine_core(
     # --api-server-count, or on a headless node, the process that started the engines).
     proc.feeder_pid = parent_pid
     proc.wake_on_signals()
-    serve_engine(proc, args, model_info, num_threads)
+    serve_engine(proc, args, make_engine_core, model_info, num_threads)
 
 
-def serve_engine(proc: "EngineCoreProc", args: EngineArgs, model_info: ModelInfo | None = None,
+def serve_engine(proc: "EngineCoreProc", args: EngineArgs, make_engine_core, model_info: ModelInfo | None = None,
                  num_threads: int | None = None) -> None:
     """The engine's life, in a process of its own or in a Ray actor (distributed/ray_engines.py, which
     stops it with proc.request_stop() where a process gets SIGTERM)."""
@@ -107,7 +114,7 @@ def serve_engine(proc: "EngineCoreProc", args: EngineArgs, model_info: ModelInfo
         torch.set_num_threads(num_threads)
     _start_tracing(args, proc.engine_index)
     try:
-        proc.run(args, model_info)
+        proc.run(args, make_engine_core, model_info)
     finally:
         # Spans first (they are built from what already happened), then the sockets.
         if getattr(proc, "engine_core", None) is not None:
@@ -130,16 +137,21 @@ def _start_tracing(args: EngineArgs, engine_index: int) -> None:
                   resource={schema.RESOURCE_DP_RANK: engine_index, schema.RESOURCE_TP_RANK: 0})
 
 
+_built = threading.Event()  # set once the engine is built: SIGTERM then exits through the `finally` blocks
+
+
 def _exit_on_sigterm(signum, frame) -> None:
-    # Runs in the main thread, in a step or just woken from the input queue (see
-    # wake_on_signals); the `finally` blocks close the sockets on the way out.
+    # In the main thread, in a step or just woken from the input queue (wake_on_signals); the `finally` blocks
+    # close the sockets on the way out. While the engine is built there is nothing to flush, and a SystemExit
+    # could land in a C library's callback (numba's cache, compiling), which would print and swallow it.
+    if not _built.is_set():
+        os._exit(0)
     raise SystemExit(0)
 
 
 def _watch_parent(parent_pid: int) -> None:
-    # When the parent dies the engine is re-parented; nothing could ever send it
-    # another request, so it goes. (PR_SET_PDEATHSIG would fire when the parent
-    # *thread* that started us exits, which is not the same thing.)
+    # When the parent dies the engine is re-parented; nothing could ever send it another request, so it
+    # goes. (PR_SET_PDEATHSIG would fire when the parent *thread* that started us exits: not the same thing.)
     while True:
         time.sleep(PARENT_POLL_S)
         if os.getppid() != parent_pid:
@@ -162,8 +174,7 @@ class EngineCoreProc:
         self.context = zmq.Context()
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
-        # The output thread starts first: it must carry the handshake, or the
-        # start-up error if the model fails to load.
+        # The output thread starts first: it carries the handshake, or the start-up error if the model fails.
         self.output_thread = threading.Thread(
             target=self._output_loop, args=(output_addresses,), name="engine-output", daemon=True
         )
@@ -171,16 +182,15 @@ class EngineCoreProc:
         self.input_thread = threading.Thread(target=self._input_loop, name="engine-input", daemon=True)
         self.input_connected = threading.Event()
         self._blocks_reported = 0  # KV blocks in use, as the front end last heard: a step that frees some is sent
+        self._last_sent = time.monotonic()  # when the main thread last queued a message (ENGINE_HEARTBEAT_S)
 
     def wake_on_signals(self) -> None:
         """Make a signal wake the main thread even while it waits on the input queue.
 
-        CPython runs a Python signal handler only in the main thread, the next time
-        that thread runs Python code; but the kernel may deliver SIGTERM to any
-        thread (one of torch's or ZeroMQ's), and then an idle engine would sleep
-        on. The C half of the handler also writes to the wake-up fd, so a thread
-        reading it puts a message on the input queue: the main thread wakes and
-        runs the handler.
+        CPython runs a Python signal handler only in the main thread, the next time that thread runs
+        Python code; but the kernel may deliver SIGTERM to any thread (one of torch's or ZeroMQ's), and
+        then an idle engine would sleep on. The C half of the handler also writes to the wake-up fd, so
+        a thread reading it puts a message on the input queue: the main thread wakes and runs the handler.
         """
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
@@ -196,18 +206,25 @@ class EngineCoreProc:
         """From another thread: exit after the current step, as on SIGTERM (spans flushed, sockets closed)."""
         self.input_queue.put((_EXIT, None))
 
-    def run(self, args: EngineArgs, model_info: ModelInfo | None) -> None:
+    def run(self, args: EngineArgs, make_engine_core, model_info: ModelInfo | None) -> None:
         try:
-            self.engine_core = EngineCore(args, engine_index=self.engine_index, model_info=model_info)
+            # wake_loop: work that ended outside a step (a KV transfer) wakes the idle loop to free or admit.
+            self.engine_core = make_engine_core(args, self.engine_index, model_info,
+                                                wake_loop=lambda: self.input_queue.put((_WAKE, None)))
         except Exception:
             self._fail("EngineCore() raised")
-        self.engine_core.wake_loop = lambda: self.input_queue.put((_WAKE, None))
+        # What start-up allocated (model, tokenizer, libraries) lives as long as this process: out of the
+        # collector's sight, as in vLLM's engine process, or every full collection walks it again (~200 ms
+        # mid-step). Here, not in EngineCore: an offline LLM's engine, frozen, could never be freed.
+        gc.collect()
+        gc.freeze()
+        atexit.register(gc.unfreeze)  # let the interpreter's last collection free them at exit
+        _built.set()
         if self.feeder_pid is not None and self.engine_core.thread_governor is not None:
             self.engine_core.thread_governor.watch_feeder(self.feeder_pid)
         self.input_thread.start()
-        # READY only once the client can send to us: a request sent to a socket with no
-        # peer yet would be refused (core_client._send), and over TCP the connection
-        # is not made the moment connect() returns.
+        # READY only once the client can send to us: a request sent to a socket with no peer yet would be
+        # refused (core_client._send), and over TCP the connection is not made the moment connect() returns.
         if not self.input_connected.wait(INPUT_CONNECT_TIMEOUT_S):
             try:
                 raise ConnectionError(f"no connection to all of {self.input_addresses} after "
@@ -235,6 +252,8 @@ class EngineCoreProc:
                 outputs = self.engine_core.step_fn()  # None: a batch sent down the pipeline, no outputs yet
                 if outputs is not None and self._worth_sending(outputs):
                     self._send(EngineOutputKind.OUTPUTS, outputs)
+                elif time.monotonic() - self._last_sent > ENGINE_HEARTBEAT_S:  # the front end's watchdog hears it
+                    self._send(EngineOutputKind.HEARTBEAT, EngineHeartbeat(self.engine_index))
 
     def _worth_sending(self, outputs) -> bool:
         """A step's outputs go to the front end if they carry tokens or finishes, if the step scheduled work,
@@ -288,7 +307,7 @@ class EngineCoreProc:
             reply = UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}; known: {known}")
         else:
             try:
-                result = getattr(self.engine_core, call.method)(*call.args)
+                result = self.engine_core.call_utility(call.method, *call.args)
                 reply = UtilityResult(call.call_id, result=msgspec.Raw(msgspec.msgpack.encode(result)))
             except Exception as error:
                 reply = UtilityResult(call.call_id, error=f"{type(error).__name__}: {error}")
@@ -298,6 +317,7 @@ class EngineCoreProc:
         """Queue a message for the output thread: to `client`, or OUTPUTS cut by client, or to every client."""
         if kind is EngineOutputKind.OUTPUTS and message.scheduler_stats is not None:
             self._blocks_reported = message.scheduler_stats.num_kv_blocks_used
+        self._last_sent = time.monotonic()
         self.output_queue.put((kind, message, client))
 
     def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:

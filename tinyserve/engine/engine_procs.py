@@ -20,9 +20,14 @@ SHUTDOWN_TIMEOUT_S = 5.0  # SIGTERM, then SIGKILL after this long
 
 
 class EngineProcesses:
-    def __init__(self, args: EngineArgs, model_info: ModelInfo, num_engines: int, first_index: int = 0) -> None:
-        """num_engines processes on this machine, serving data-parallel ranks first_index, first_index + 1, ..."""
+    def __init__(self, args: EngineArgs, model_info: ModelInfo, num_engines: int, first_index: int = 0, *,
+                 make_engine_core) -> None:
+        """num_engines processes on this machine, serving data-parallel ranks first_index, first_index + 1, ...
+
+        make_engine_core: what builds each engine in its process (tinyserve/assemble.py's build_engine_core,
+        a module-level function: it reaches the child pickled, by name)."""
         self.args = args
+        self.make_engine_core = make_engine_core
         self.model_info = model_info
         self.num_engines = num_engines
         self.first_index = first_index
@@ -51,6 +56,7 @@ class EngineProcesses:
                     input_address=input_address,
                     output_address=output_address,
                     parent_pid=os.getpid(),
+                    make_engine_core=self.make_engine_core,
                     model_info=self.model_info,
                     num_threads=num_threads,
                 ),

@@ -57,14 +57,16 @@ WELCOME_TIMEOUT_S = 300.0  # the head may still be starting (loading its own eng
 
 class HeadlessNode:
     def __init__(self, engine_args: EngineArgs, data_parallel_size: int, size_local: int, start_rank: int,
-                 address: str, rpc_port: int, node_secret: str | None = None) -> None:
+                 address: str, rpc_port: int, node_secret: str | None = None, *, make_engine_core) -> None:
+        """make_engine_core: what builds each engine in its process (tinyserve/assemble.py's build_engine_core)."""
         self.engine_args = engine_args
         self.node_secret = node_secret
         self.model_info = ModelInfo.from_args(engine_args)
         self.data_parallel_size = data_parallel_size
         self.ranks = list(range(start_rank, start_rank + size_local))
         self.head = f"tcp://{address}:{rpc_port}"
-        self.engines = EngineProcesses(engine_args, self.model_info, size_local, first_index=start_rank)
+        self.engines = EngineProcesses(engine_args, self.model_info, size_local, first_index=start_rank,
+                                       make_engine_core=make_engine_core)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 500)

@@ -7,11 +7,17 @@ A request with `sampling_params.structured_outputs` goes through these steps, as
                   least recently used out first), never in the engine loop;
                   request.grammar is a Future of the request's own matcher
     schedule      the scheduler leaves a request in the waiting queue until its grammar is ready;
-                  one not ready within compile_timeout seconds fails with an error naming the limit
+                  one not ready within compile_timeout seconds of its arrival fails with an error naming the limit
     bitmask       after scheduling, one row per constrained request that samples this step:
                   the token ids its grammar allows next (SchedulerOutput.grammar_bitmask)
     sample        the sampler sets every other token's logit to -inf
     update        the sampled token advances the request's grammar (Request.append_output_token)
+
+With a reasoning parser (tinyserve/reasoning/) and a prompt that leaves the reasoning open, the
+front end sends the reasoning's end token with the request (Request.reasoning_end), and the
+grammar starts after it, as vLLM's does: until the model samples </think> the request gets no
+bitmask row (or one that masks only the tokens that would end the reasoning implicitly) and
+its tokens do not advance the grammar; the token after </think> is the grammar's first.
 
 The grammar's state lives with the scheduler's Request, not in the worker, and follows the
 output tokens only: a preempted request keeps its tokens and its grammar, and is recomputed
@@ -41,7 +47,7 @@ import torch
 
 from tinyserve.engine.core.request import Request
 from tinyserve.engine.core.scheduler_output import SchedulerOutput
-from tinyserve.structured_output import GrammarError, get_backend_module
+from tinyserve.structured_output import compile_deadline_error, get_backend_module
 
 logger = logging.getLogger("tinyserve.engine")
 COMPILE_THREADS = 2  # vLLM uses about half the cores; compiles are rare and a core is the engine loop's
@@ -66,6 +72,25 @@ def compiled_size(compiled) -> int:
     if size is not None:
         return int(size)
     return len(compiled) if isinstance(compiled, (str, bytes)) else sys.getsizeof(compiled)
+
+
+def _masked_this_step(request: Request) -> bool:
+    """Whether the request's next token gets a bitmask row: it has a grammar, and its reasoning (a reasoning
+    parser's, Request.reasoning_end) has ended or has tokens masked while it lasts (vLLM's should-apply check)."""
+    if request.grammar is None:
+        return False
+    return request.reasoning_ended or bool(request.reasoning_end.masked_token_ids)
+
+
+def _set_bits(bitmask: torch.Tensor, row: int, token_ids, allowed: bool) -> None:
+    """Allow (set) or forbid (clear) these tokens' bits in one row of int32 words: bit 31 is the sign."""
+    for token_id in token_ids:
+        bit = 1 << (token_id % 32)
+        word = bit if bit < 2**31 else -(2**31)
+        if allowed:
+            bitmask[row, token_id // 32] |= word
+        else:
+            bitmask[row, token_id // 32] &= ~word
 
 
 class StructuredOutputManager:
@@ -162,12 +187,12 @@ class StructuredOutputManager:
         now = time.time()
         for request_id, (request, key) in list(self._pending.items()):
             grammar = request.grammar
+            # The deadline counts from the request's arrival at the front end, which checked the constraint first
+            # (seconds, for a schema of thousands of properties): the client's whole wait is what it bounds.
             if (not request.is_finished and not grammar.done() and self.compile_timeout
-                    and now - request.times.structured_output_start > self.compile_timeout):
+                    and now - request.arrival_time > self.compile_timeout):
                 try:
-                    grammar.set_exception(GrammarError(
-                        f"structured_outputs: the constraint was not compiled within {self.compile_timeout:g} s "
-                        "(--structured-outputs-compile-timeout); a smaller schema or grammar compiles faster"))
+                    grammar.set_exception(compile_deadline_error(self.compile_timeout))
                 except concurrent.futures.InvalidStateError:
                     pass  # ready at the last moment
             if request.is_finished or grammar.done():
@@ -216,19 +241,21 @@ class StructuredOutputManager:
         ceil(vocab_size / 32) int32 words, bit j of word w standing for token id 32 * w + j.
         """
         rows = [s.request_id for s in scheduler_output.scheduled
-                if s.samples_token and requests[s.request_id].grammar is not None]
+                if s.samples_token and _masked_this_step(requests[s.request_id])]
         if not rows:
             return
         start = time.perf_counter()
         bitmask = torch.zeros((len(rows), (self.vocab_size + 31) // 32), dtype=torch.int32)
         for row, request_id in enumerate(rows):
-            grammar = requests[request_id].grammar.result()
-            if grammar.is_terminated:  # nothing may follow but the end: EOS (the request stops on it)
-                for token_id in self.eos_token_ids:
-                    bit = 1 << (token_id % 32)
-                    bitmask[row, token_id // 32] |= bit if bit < 2**31 else -(2**31)  # int32: bit 31 is the sign
-                continue
-            grammar.fill_bitmask(bitmask, row)
+            request = requests[request_id]
+            grammar = request.grammar.result()
+            if not request.reasoning_ended:  # still reasoning: every token but the implicit ends
+                bitmask[row] = -1
+                _set_bits(bitmask, row, request.reasoning_end.masked_token_ids, allowed=False)
+            elif grammar.is_terminated:  # nothing may follow but the end: EOS (the request stops on it)
+                _set_bits(bitmask, row, self.eos_token_ids, allowed=True)
+            else:
+                grammar.fill_bitmask(bitmask, row)
         scheduler_output.structured_output_request_ids = rows
         scheduler_output.grammar_bitmask = bitmask.numpy().tobytes()
         scheduler_output.grammar_bitmask_time = time.perf_counter() - start

@@ -8,6 +8,7 @@ turning token ids back into text.
 """
 
 import atexit
+import contextlib
 import itertools
 from dataclasses import asdict
 from pathlib import Path
@@ -15,7 +16,8 @@ from pathlib import Path
 import msgspec
 from tqdm.auto import tqdm
 
-from tinyserve.config import EngineArgs, ModelInfo
+from tinyserve import assemble
+from tinyserve.config import ModelInfo
 from tinyserve.frontend.input_processor import ProcessedPrompt
 from tinyserve.frontend.llm_engine import LLMEngine
 from tinyserve.lifecycle import schema
@@ -46,12 +48,14 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, trace_dir: str | None = None, otlp_endpoint: str | None = None,
                  trace_max_mb: float | None = None, **engine_args) -> None:
-        self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
+        self.engine_args = assemble.engine_args(model=model, **engine_args)  # checked, the layers' flags too
         self.model_name = model or "tinyserve-default"
         self.model_info = ModelInfo.from_args(self.engine_args)
         self.trace_run_dir = self._start_tracing(trace_dir, otlp_endpoint, trace_max_mb)
         self.tokenizer = load_tokenizer(self.model_info.path)
-        self.llm_engine = LLMEngine(self.engine_args, self.model_info, self.tokenizer)
+        # Traced (here or by an LLM before): each sampled request without a seed gets one, so the run replays.
+        self.llm_engine = LLMEngine(self.engine_args, self.model_info, self.tokenizer,
+                                    seed_unseeded=tracing_enabled())
         self.input_processor = self.llm_engine.input_processor
         self._request_counter = itertools.count()
 
@@ -103,12 +107,15 @@ class LLM:
                pooling_task: str = "embed") -> list[PoolingRequestOutput]:
         """A vector per prompt, from a pooling model (`LLM(model, runner="pooling")`), as vLLM's LLM.encode.
 
-        prompts: as generate's. Each request is one pass over its prompt and done (engine/core/pooling_scheduler.py).
+        prompts: as generate's; pooling_params: a PoolingParams or a dict of its fields (as a trace logs them).
+        Each request is one pass over its prompt and done (engine/core/pooling_scheduler.py).
         """
         prompts = self._prompt_list(prompts)
         if not prompts:
             return []
         params = pooling_params or PoolingParams(task=pooling_task)
+        if isinstance(params, dict):
+            params = PoolingParams(**{"task": pooling_task, **params})
         if not isinstance(params, PoolingParams):
             raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
         return self._run(prompts, self.input_processor.tokenize_prompt, schema.OPERATION_EMBEDDINGS,
@@ -157,33 +164,8 @@ class LLM:
 
     def _run(self, prompts: list, render, operation: str, params: list, use_tqdm: bool, lora_request=None) -> list:
         """Render, check and queue every prompt (params: one per prompt), then step until all are done."""
-        loras = lora_requests_per_prompt(lora_request, len(prompts))
+        order = self._queue(prompts, render, operation, params, lora_requests_per_prompt(lora_request, len(prompts)))
         engine = self.llm_engine
-        # Build and check every request before the first one is queued: one bad
-        # prompt rejects the call and leaves the engine untouched.
-        opened, made = [], []  # every request's spans; (id, spans, params, prompt, engine requests)
-        try:
-            for raw_prompt, p, lora in zip(prompts, params, loras):
-                request_id = str(next(self._request_counter))
-                spans = start_request_spans(operation, self.model_name, request_id)
-                opened.append(spans)
-                p = spans.replayable(p)  # tracing on: a sampled request without a seed gets one, logged
-                with spans.stage(schema.RENDER) as render_span:
-                    prompt = render(raw_prompt)
-                    messages = raw_prompt if operation == schema.OPERATION_CHAT else None
-                    spans.log_inputs(render_span, prompt=prompt.prompt, prompt_token_ids=prompt.prompt_token_ids,
-                                     sampling_params=p, messages=messages)
-                    spans.log_lora(lora, render_span)
-                made.append((request_id, spans, p, prompt,
-                             engine.make_requests(request_id, prompt, p, spans=spans, lora_request=lora)))
-        except Exception as error:
-            for spans in opened:
-                spans.fail(error)
-            raise
-        order = {}
-        for request_id, spans, p, prompt, requests in made:
-            order[request_id] = len(order)
-            engine.add_request(request_id, prompt, p, requests, spans=spans)
         try:
             return self._run_engine(order, use_tqdm and len(order) >= _PROGRESS_BAR_MIN_PROMPTS)
         except BaseException:
@@ -195,6 +177,38 @@ class LLM:
             if self.trace_run_dir is not None or tracing_enabled():
                 engine.flush_spans()
                 flush_tracing()
+
+    def _queue(self, prompts: list, render, operation: str, params: list, loras: list) -> dict[str, int]:
+        """Render and check every prompt, then queue them all; request id -> its index.
+
+        Every request is built and checked before the first one is queued: one bad prompt
+        rejects the call and leaves the engine untouched. Each request's spans are registered
+        under its id (engine.observers) until it is queued, so the front end finds them.
+        """
+        engine = self.llm_engine
+        opened, made = [], []  # every request's spans; (id, params, prompt, engine requests)
+        with contextlib.ExitStack() as observing:
+            try:
+                for raw_prompt, p, lora in zip(prompts, params, loras):
+                    request_id = str(next(self._request_counter))
+                    spans = start_request_spans(operation, self.model_name, request_id)
+                    opened.append(spans)
+                    observing.enter_context(engine.observers.observing(request_id, spans))
+                    p = engine.input_processor.seeded(p)  # a traced LLM: a sampled request without a seed gets one
+                    with spans.stage(schema.RENDER) as render_span:
+                        prompt = render(raw_prompt)
+                        messages = raw_prompt if operation == schema.OPERATION_CHAT else None
+                        spans.log_inputs(render_span, prompt=prompt.prompt, prompt_token_ids=prompt.prompt_token_ids,
+                                         sampling_params=p, messages=messages)
+                        spans.log_lora(lora, render_span)
+                    made.append((request_id, p, prompt, engine.make_requests(request_id, prompt, p, lora_request=lora)))
+            except Exception as error:
+                for spans in opened:
+                    spans.fail(error)
+                raise
+            for request_id, p, prompt, requests in made:
+                engine.add_request(request_id, prompt, p, requests)
+        return {request_id: index for index, (request_id, *_) in enumerate(made)}
 
     def _start_tracing(self, trace_dir: str | None, otlp_endpoint: str | None,
                        trace_max_mb: float | None) -> Path | None:

@@ -37,10 +37,8 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-import msgspec
-
 from tinyserve.config import EngineArgs, ModelInfo
-from tinyserve.errors import InvalidInputError
+from tinyserve.errors import InvalidInputError, QueueFullError, RequestRejectedError
 from tinyserve.frontend.core_client import MPClient
 from tinyserve.frontend.dp_client import data_parallel_engine_indices
 from tinyserve.frontend.remote_engines import MultiNode
@@ -50,17 +48,13 @@ from tinyserve.frontend.input_processor import InputProcessor, ProcessedPrompt, 
 from tinyserve.frontend.output_processor import OutputKind, OutputProcessor
 from tinyserve.frontend.pooling_output import PoolingOutputProcessor
 from tinyserve.frontend.render_threads import RenderThreads
+from tinyserve.frontend.request_observers import RequestObservers
 from tinyserve.frontend.request_stream import RequestStream, end_now, engine_refusal
-from tinyserve.lifecycle import schema
-from tinyserve.lifecycle.request_spans import NO_SPANS
 from tinyserve.models.tokenizer import load_tokenizer
 from tinyserve.outputs import PoolingRequestOutput, RequestOutput
 from tinyserve.pooling_params import PoolingParams
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.wire.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
-
-class RequestRejectedError(RuntimeError):
-    """A new request was refused before anything was sent: the waiting queue is full, or the server is draining."""
 
 
 class AsyncLLM:
@@ -75,12 +69,14 @@ class AsyncLLM:
         max_waiting_requests: int | None = None,
         multi_node: MultiNode | None = None,
         client: MPClient | None = None,
+        seed_unseeded: bool = False,
     ) -> None:
         """max_waiting_requests: most engine requests waiting for a seat before new ones are refused (None: no bound).
 
         multi_node: some of the data_parallel_size engines run on headless nodes (remote_engines.py).
         client: the MPClient.for_engines of the same arguments, made already (`tinyserve serve`
         launches its engines before it imports this module, so that they load meanwhile).
+        seed_unseeded: a traced server's: a sampled request without a seed gets one (InputProcessor.seeded).
         """
         self.engine_indices = data_parallel_engine_indices(data_parallel_size, data_parallel_rank, in_process)
         if max_waiting_requests is not None and max_waiting_requests < 1:
@@ -90,11 +86,13 @@ class AsyncLLM:
         self.log_requests = log_requests
         self.model_info = ModelInfo.from_args(engine_args)
         self.tokenizer = load_tokenizer(self.model_info.path)
-        self.input_processor = InputProcessor.from_engine_args(self.model_info, self.tokenizer, engine_args)
+        self.input_processor = InputProcessor.from_engine_args(self.model_info, self.tokenizer, engine_args,
+                                                               seed_unseeded=seed_unseeded)
         self.render_threads = RenderThreads(self.input_processor)  # templates and tokenizing, off the event loop
+        self.observers = RequestObservers()  # each request's spans, registered by the caller (tracing on)
         # A pooling engine's outputs are vectors, not tokens: nothing to detokenize (pooling_output.py).
-        self.output_processor = PoolingOutputProcessor() if engine_args.runner == "pooling" else \
-            OutputProcessor(self.tokenizer)
+        self.output_processor = PoolingOutputProcessor(self.observers) if engine_args.runner == "pooling" else \
+            OutputProcessor(self.tokenizer, self.observers)
         if client is None:
             client = AsyncInprocClient(engine_args, self.model_info) if in_process else MPClient.for_engines(
                 engine_args, self.model_info, data_parallel_size, data_parallel_rank, multi_node)
@@ -172,15 +170,14 @@ class AsyncLLM:
             raise EngineDeadError("the engine is dead; no new requests are accepted") from self._dead
         if self._draining:
             raise RequestRejectedError("the server is shutting down and accepts no new requests")
-        limit = self.max_waiting_requests
-        if limit is None:
+        if (limit := self.max_waiting_requests) is None:
             return
         if num_requests > limit:
             raise InvalidInputError(f"the request needs {num_requests} sequences (prompts × n) but at most "
                                     f"max_waiting_requests={limit} can ever wait", "n")
         waiting = self.num_waiting_requests
         if waiting + num_requests > limit:
-            raise RequestRejectedError(f"the server is overloaded: {waiting} requests are waiting "
+            raise QueueFullError(f"the server is overloaded: {waiting} requests are waiting "
                                        f"(max_waiting_requests={limit}); retry later")
 
     async def process_prompt(self, prompt) -> ProcessedPrompt:
@@ -194,12 +191,11 @@ class AsyncLLM:
         *,
         output_kind: OutputKind = OutputKind.DELTA,
         priority: int = 0,
-        spans=NO_SPANS,
         lora_request=None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutputs (deltas by default) until the request finishes."""
         stream = await self.add_request(prompt, sampling_params, request_id, output_kind=output_kind,
-                                        priority=priority, spans=spans, lora_request=lora_request)
+                                        priority=priority, lora_request=lora_request)
         try:
             async for output in stream:
                 yield output
@@ -213,60 +209,73 @@ class AsyncLLM:
         request_id: str,
         *,
         priority: int = 0,
-        spans=NO_SPANS,
     ) -> AsyncIterator[PoolingRequestOutput]:
         """Yield the one PoolingRequestOutput of a pooling request (a pooling engine: --runner pooling)."""
         async for output in self.generate(prompt, pooling_params, request_id, output_kind=OutputKind.FINAL_ONLY,
-                                          priority=priority, spans=spans):
+                                          priority=priority):
             yield output
 
-    async def add_request(
-        self,
-        prompt,
-        sampling_params: SamplingParams | PoolingParams,
-        request_id: str,
-        *,
-        output_kind: OutputKind = OutputKind.DELTA,
-        priority: int = 0,
-        spans=NO_SPANS,
-        lora_request=None,  # a LoRARequest (tinyserve/lora/): the adapter it runs under
-    ) -> RequestStream:
-        """Admit, validate and send a request; its outputs arrive on the returned stream.
-
-        The caller must `close()` the stream (it aborts the request if unfinished).
-        """
+    async def add_request(self, prompt, sampling_params: SamplingParams | PoolingParams, request_id: str, *,
+                          output_kind: OutputKind = OutputKind.DELTA, priority: int = 0,
+                          lora_request=None, reasoning_end=None) -> RequestStream:
+        """Admit, validate and send a request; its outputs arrive on the returned stream (the caller must
+        `close()` it: that aborts it if unfinished). lora_request: a LoRARequest; reasoning_end: a ReasoningEnd
+        (wire/messages.py). Its spans, if traced, are found by its id (self.observers, registered by the caller)."""
         if self._output_task is None:
             await self.start()
+        observer = self.observers.get(request_id)
         try:
-            self.check_admission(sampling_params.n)
-            prompt = await self.process_prompt(prompt)
-            child_requests = self.input_processor.make_requests(
-                request_id, prompt, sampling_params, num_kv_blocks=self.num_kv_blocks, priority=priority,
-                trace_context=spans.carrier(), lora_request=lora_request,
-            )
-            if self.log_requests:
-                log_inputs(request_id, prompt, sampling_params)
-            with spans.stage(schema.ENQUEUE, {schema.REQUEST_ID: request_id}) as enqueue_span:
-                self.output_processor.add_request(
-                    request_id, prompt.prompt, prompt.prompt_token_ids, sampling_params, output_kind, spans,
-                    lora_request=lora_request)
-                # Registered from here on: a failure must abort what was sent.
-                stream = RequestStream(self, request_id, spans)
-                self.queues[request_id] = stream.queue
-                for logger in self.stat_loggers:  # before the first send: an output may follow at once
-                    logger.on_request(request_id, child_requests, sampling_params)
-                try:
-                    for request in child_requests:
-                        engine_index = await self._send(request, spans)
-                except BaseException:
-                    await stream.close()
-                    raise
-                if enqueue_span is not None:
-                    enqueue_span.set_attribute(schema.ENGINE_INDEX, engine_index)
+            child_requests, prompt = await self._make_requests(prompt, sampling_params, request_id, priority,
+                                                               lora_request, reasoning_end)
+            with observer.enqueueing(request_id) as enqueued:
+                stream = self._register(prompt, sampling_params, request_id, output_kind, lora_request,
+                                        child_requests)
+                enqueued.engine_index = await self._send(request_id, child_requests, stream)
         except Exception as error:
-            spans.fail(error)
+            observer.fail(error)
             raise
         return stream
+
+    async def _make_requests(self, prompt, sampling_params, request_id, priority: int, lora_request, reasoning_end):
+        """Admission, the prompt tokenized (if it is not yet) and the engine requests validated and made; arrival is
+        before all of it (vLLM's), and a constraint is checked off the loop, within its deadline (render_threads.py)."""
+        arrival_time = time.time()
+        self.check_admission(sampling_params.n)
+        prompt = await self.process_prompt(prompt)
+        await self.render_threads.check_constraint(sampling_params, arrival_time, self.engine_args)
+        child_requests = self.input_processor.make_requests(  # the constraint passed: make_requests remembers it
+            request_id, prompt, sampling_params, num_kv_blocks=self.num_kv_blocks, priority=priority,
+            trace_context=self.observers.get(request_id).carrier(), lora_request=lora_request,
+            arrival_time=arrival_time, reasoning_end=reasoning_end)
+        if self.log_requests:
+            log_inputs(request_id, prompt, sampling_params)
+        return child_requests, prompt
+
+    def _register(self, prompt: ProcessedPrompt, sampling_params, request_id: str, output_kind: OutputKind,
+                  lora_request, child_requests: list[EngineCoreRequest]) -> RequestStream:
+        """The request known to the output processor, its stream and the stat loggers, before the first send
+        (an output may follow it at once)."""
+        self.output_processor.add_request(request_id, prompt.prompt, prompt.known_token_ids, sampling_params,
+                                          output_kind, lora_request=lora_request)
+        stream = RequestStream(self, request_id)
+        self.queues[request_id] = stream.queue
+        for logger in self.stat_loggers:
+            logger.on_request(request_id, child_requests, sampling_params)
+        return stream
+
+    async def _send(self, request_id: str, child_requests: list[EngineCoreRequest], stream: RequestStream) -> int:
+        """Send each engine request (n > 1: each child); the engine the last went to. The request is
+        registered: if a send fails, closing its stream aborts what was sent."""
+        observer = self.observers.get(request_id)
+        try:
+            for request in child_requests:
+                with observer.sending(request.request_id) as sent:
+                    sent.engine_index = await self.client.add_request(request)
+                    sent.num_bytes = self.client.last_sent_bytes  # None: an engine in this process
+        except BaseException:
+            await stream.close()
+            raise
+        return sent.engine_index
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its iterator (if any) ends without a final output. Unknown or finished ids are ignored."""
@@ -286,17 +295,6 @@ class AsyncLLM:
         return [await self.client.call_utility("reset_prefix_cache", engine_index=i)
                 for i in self.live_engine_indices]
 
-    async def _send(self, request: EngineCoreRequest, spans) -> int:
-        with spans.stage(schema.IPC_SEND, {schema.REQUEST_ID: request.request_id}) as send_span:
-            engine_index = await self.client.add_request(request)
-            if send_span is not None:
-                send_span.set_attribute(schema.ENGINE_INDEX, engine_index)
-                sent_bytes = getattr(self.client, "last_sent_bytes", None)  # engine processes: what was sent
-                if sent_bytes is None:  # an engine in this process: nothing was encoded; what would cross
-                    sent_bytes = len(msgspec.msgpack.encode(request))
-                send_span.set_attribute(schema.IPC_BYTES, sent_bytes)
-        return engine_index
-
     def start_draining(self) -> None:
         """Refuse every new request from now on; those in flight go on."""
         self._draining = True
@@ -313,7 +311,9 @@ class AsyncLLM:
         return len(child_ids)
 
     def shutdown(self) -> None:
-        """Stop the output task and the engines (as vLLM's, a plain call); safe to call twice."""
+        """Stop the output task and the engines (as vLLM's, a plain call), a start under way too; safe to call twice."""
+        if self._start is not None:
+            self._start.cancel()  # nothing once started; else MPClient.start stops what it started
         if self._output_task is not None:
             self._output_task.cancel()
         self.render_threads.shutdown()

@@ -9,11 +9,13 @@ gives for any process, not only a child. So an API process notices an engine's d
 once, as a lone server does, and fails the requests it held there.
 
 Starting, stopping and reaping the engines is the main process's: `start`, `terminate`
-and `stop` do nothing here, and how an engine ended (its exit status) is known only there.
+and `stop` do nothing here (`kill` is the engine watchdog's), and how an engine ended (its exit status) is known only there.
 """
 
+import contextlib
 import os
 import select
+import signal
 
 
 class AttachedEngine:
@@ -31,6 +33,11 @@ class AttachedEngine:
 
     def terminate(self) -> None:
         """Nothing: the main process stops its engines."""
+
+    def kill(self) -> None:
+        """SIGKILL by its pidfd: the engine watchdog's, for an engine that stopped stepping (engine_watchdog.py)."""
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(self.sentinel, signal.SIGKILL)
 
     def close(self) -> None:
         os.close(self.sentinel)

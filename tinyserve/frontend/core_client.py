@@ -13,7 +13,8 @@ APIServerClient (api_server_client.py), which starts no engine.
 
 It also watches the engines: the event loop watches each process's sentinel (a file
 descriptor readable the moment the process exits), so a crash is noticed at once; a
-headless node's rank is reported by remote_engines.py. A dead engine loses only what it
+headless node's rank is reported by remote_engines.py; one alive that stops stepping, by
+engine_watchdog.py. A dead engine loses only what it
 held: `get_outputs` raises one EngineRankDeadError naming the rank and its engine request
 ids, the caller fails those alone and goes on with the live ranks; the load balancer never
 picks the rank again, and the log says how many requests were lost where. With no engine
@@ -34,9 +35,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from tinyserve.assemble import build_engine_core as build  # what each engine process builds its engine with
 from tinyserve.config import EngineArgs, ModelInfo
-from tinyserve.frontend.dp_client import DPLoadBalancer, data_parallel_engine_indices
+from tinyserve.frontend.dp_client import DPLoadBalancer, check_engine_range, data_parallel_engine_indices
 from tinyserve.frontend.engine_client import ClientLiveness, EngineDeadError, EngineRankDeadError, EngineStartupError
+from tinyserve.frontend.engine_watchdog import EngineWatchdog
 from tinyserve.engine.engine_procs import EngineProcesses
 from tinyserve.frontend.remote_engines import MultiNode, RemoteEngines
 from tinyserve.models.fingerprint import manifest_fingerprint
@@ -71,18 +74,11 @@ class MPClient(ClientLiveness):
         ipc_dir: where to create the private socket directory (default: the system temp dir).
         multi_node: engines [multi_node.size_local, data_parallel_size) are served by headless nodes.
         """
-        if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
-        if not isinstance(start_index, int) or start_index < 0:
-            raise ValueError(f"start_index must be a non-negative integer, got {start_index}")
+        check_engine_range(data_parallel_size, start_index)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if multi_node is not None:
-            if start_index != 0:
-                raise ValueError(f"a head with headless nodes starts at engine 0, got start_index={start_index}")
-            if not 1 <= multi_node.size_local <= data_parallel_size:
-                raise ValueError(f"data_parallel_size_local must be in [1, {data_parallel_size}], "
-                                 f"got {multi_node.size_local}")
+            multi_node.check(data_parallel_size, start_index)
             transport = "tcp"  # the other nodes must reach every socket
         self.multi_node = multi_node
         self.bind_host = None if multi_node is None else multi_node.address  # TCP: where engines reach us
@@ -98,10 +94,11 @@ class MPClient(ClientLiveness):
         self.num_kv_blocks: list[int] = []  # per engine, from the handshakes
         self.max_model_len = model_info.max_model_len
         self.load_balancer = DPLoadBalancer(data_parallel_size)
+        self.watchdog = EngineWatchdog(args.engine_iteration_timeout_s, start_index)  # engines that stop stepping
         self._ipc_parent = ipc_dir
         self._ipc_dir: str | None = None
         self.num_local_engines = data_parallel_size if multi_node is None else multi_node.size_local
-        self._engines = EngineProcesses(args, model_info, self.num_local_engines, start_index)
+        self._engines = EngineProcesses(args, model_info, self.num_local_engines, start_index, make_engine_core=build)
         self._context: zmq.asyncio.Context | None = None
         self._input_sockets: list[zmq.Socket] = []
         self._output_socket: zmq.asyncio.Socket | None = None
@@ -188,6 +185,7 @@ class MPClient(ClientLiveness):
         for index, process in enumerate(self._engines.processes):
             self._loop.add_reader(process.sentinel, self._on_engine_exit, index)
         self._output_task = asyncio.create_task(self._output_loop(), name="engine-outputs")
+        self.watchdog.start(self.in_flight, lambda: self._engines.processes, self._mark_dead)
 
     async def _wait_for_handshakes(self) -> None:
         ready = {}
@@ -293,6 +291,8 @@ class MPClient(ClientLiveness):
             except ValueError as error:
                 logger.warning("dropped a malformed message from an engine: %s", error)
                 continue
+            if kind in (EngineOutputKind.OUTPUTS, EngineOutputKind.HEARTBEAT):
+                self.watchdog.heard(message.engine_index)
             if kind is EngineOutputKind.OUTPUTS:
                 self._on_outputs(message)
             elif kind is EngineOutputKind.UTILITY_RESULT:
@@ -386,6 +386,7 @@ class MPClient(ClientLiveness):
                 self._loop.remove_reader(process.sentinel)
             if self._output_task is not None:
                 self._output_task.cancel()
+            self.watchdog.stop()
         if self.remote is not None:
             self.remote.shutdown()
         self._engines.stop()

@@ -20,6 +20,14 @@ from tinyserve.frontend.engine_client import EngineDeadError
 from tinyserve.wire.messages import SchedulerStats
 
 
+def check_engine_range(data_parallel_size: int, start_index: int) -> None:
+    """An engine client's engines: data_parallel_size of them, from engine start_index."""
+    if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
+    if not isinstance(start_index, int) or start_index < 0:
+        raise ValueError(f"start_index must be a non-negative integer, got {start_index}")
+
+
 def data_parallel_engine_indices(data_parallel_size: int, data_parallel_rank: int | None, in_process: bool) -> range:
     """The indices of the engines this front end runs: all of 0..size-1, or the one rank given."""
     if data_parallel_rank is None:

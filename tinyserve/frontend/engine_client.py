@@ -54,6 +54,9 @@ class ClientLiveness:
 
 class EngineClient(Protocol):
     in_flight: dict[str, int]  # engine request id -> index of the engine that has it
+    # The size of the message the latest add_request sent, for its ipc.send span; None in this
+    # process (nothing is encoded: the span then has no size).
+    last_sent_bytes: int | None
 
     async def start(self) -> None:
         """Bring the engine(s) up; returns once each can take requests."""

@@ -12,20 +12,33 @@ Neither validates a request: the front end's input processor did, once.
 """
 
 import asyncio
+import gc
 import os
 import threading
+import weakref
 
 from tinyserve.config import EngineArgs, ModelInfo
-from tinyserve.engine.engine_core import EngineCore
+from tinyserve.assemble import build_engine_core
 from tinyserve.frontend.engine_client import ClientLiveness, EngineDeadError
 from tinyserve.wire.ipc import UTILITY_METHODS, outputs_message
 from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
 
+def freeze_while_alive(owner) -> None:
+    """What start-up allocated (the model, tokenizer, libraries) out of the garbage collector's sight while
+    `owner` lives, as an engine process keeps it (engine_core_proc.py): else every full collection walks those
+    objects again, a ~200 ms pause mid-step. Here the heap is the caller's: once the owner is dropped, the
+    heap thaws, and the next collection frees the engine (its KV cache lies in reference cycles)."""
+    gc.collect()
+    gc.freeze()
+    weakref.finalize(owner, gc.unfreeze)
+
+
 class InprocClient:
     def __init__(self, args: EngineArgs, model_info: ModelInfo, *, spans_inline: bool = False) -> None:
         """spans_inline: build step spans in this thread (see engine_spans.py), as the offline LLM wants."""
-        self.engine_core = EngineCore(args, 0, model_info, spans_inline=spans_inline)
+        self.engine_core = build_engine_core(args, 0, model_info, spans_inline=spans_inline)
+        freeze_while_alive(self)
         self.in_flight: dict[str, int] = {}  # request id -> engine index (always 0)
         self._pending: list[EngineCoreOutput] = []  # abort outputs, not yet returned
 
@@ -62,7 +75,7 @@ class InprocClient:
             raise ValueError(f"method must be one of {sorted(UTILITY_METHODS)}, got {method!r}")
         if engine_index != 0:
             raise ValueError(f"engine_index must be 0 for the in-process engine, got {engine_index}")
-        return getattr(self.engine_core, method)(*args)
+        return self.engine_core.call_utility(method, *args)
 
     @property
     def num_kv_blocks(self) -> list[int]:
@@ -81,6 +94,8 @@ class InprocClient:
 
 
 class AsyncInprocClient(ClientLiveness):
+    last_sent_bytes = None  # the request is handed over, never encoded: its ipc.send span has no size
+
     def __init__(self, args: EngineArgs, model_info: ModelInfo) -> None:
         self.args = args
         self.model_info = model_info

@@ -7,6 +7,7 @@ here into n engine requests.
 """
 
 import logging
+import secrets
 import time
 
 from tinyserve.config import ModelInfo, check_kv_fit
@@ -16,8 +17,8 @@ from tinyserve.errors import InvalidInputError
 from tinyserve.frontend.render import ProcessedPrompt, Renderer
 from tinyserve.pooling_params import POOLING_SAMPLING_PARAMS, PoolingParams
 from tinyserve.lora.registry import LoRAChecker
-from tinyserve.lora.request import LoRARequest
-from tinyserve.wire.messages import EngineCoreRequest
+from tinyserve.lora_request import LoRARequest
+from tinyserve.wire.messages import EngineCoreRequest, ReasoningEnd
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.structured_output import check_structured_outputs
 
@@ -30,22 +31,27 @@ class InputProcessor(Renderer):
     """The render stage (render.py) plus the checks of everything else a request carries."""
 
     @classmethod
-    def from_engine_args(cls, model_info: ModelInfo, tokenizer, args) -> "InputProcessor":
+    def from_engine_args(cls, model_info: ModelInfo, tokenizer, args, *,
+                         seed_unseeded: bool = False) -> "InputProcessor":
         return cls(model_info, tokenizer, args.block_size, args.max_logprobs, args.scheduling_policy,
                    args.structured_outputs_backend, args.runner, LoRAChecker.from_engine_args(model_info.path, args),
                    speculative=args.speculative_config is not None,
                    kv_transfer=KVTransferConfig.from_dict(args.kv_transfer_config)
-                   if args.kv_transfer_config is not None else None)
+                   if args.kv_transfer_config is not None else None, seed_unseeded=seed_unseeded,
+                   enable_prompt_embeds=args.enable_prompt_embeds)
 
     def __init__(self, model_info: ModelInfo, tokenizer, block_size: int, max_logprobs: int = 20,
                  scheduling_policy: str = "fcfs", structured_outputs_backend: str = "xgrammar",
                  runner: str = "generate", lora_checker: LoRAChecker | None = None, speculative: bool = False,
-                 kv_transfer: KVTransferConfig | None = None) -> None:
+                 kv_transfer: KVTransferConfig | None = None, seed_unseeded: bool = False,
+                 enable_prompt_embeds: bool = False) -> None:
         """max_logprobs: the most logprobs or prompt_logprobs a request may ask for (vLLM's flag, default 20).
         scheduling_policy: the engine's; a request's priority means something only under "priority".
         structured_outputs_backend: the engine's grammar library (it must compile a request's constraint).
-        runner: the engine's (EngineArgs.runner): "generate" takes SamplingParams, "pooling" PoolingParams."""
-        super().__init__(model_info, tokenizer)
+        runner: the engine's (EngineArgs.runner): "generate" takes SamplingParams, "pooling" PoolingParams.
+        seed_unseeded: a traced run's (`serve --trace`, a traced LLM): see `seeded`.
+        enable_prompt_embeds: the engine's (--enable-prompt-embeds): prompts may come as embeddings (render.py)."""
+        super().__init__(model_info, tokenizer, enable_prompt_embeds=enable_prompt_embeds)
         self.runner = runner
         self.structured_outputs_backend = structured_outputs_backend
         self.scheduling_policy = scheduling_policy
@@ -55,6 +61,22 @@ class InputProcessor(Renderer):
         self.lora_checker = lora_checker or LoRAChecker(model_info.path, enable_lora=False, max_lora_rank=0)
         self.speculative = speculative  # --speculative-config: structured outputs are refused (spec_decode/)
         self.kv_transfer = kv_transfer  # --kv-transfer-config's: kv_transfer_params are served (distributed/)
+        self.seed_unseeded = seed_unseeded
+        if seed_unseeded:
+            logging.getLogger("tinyserve").info("tracing: each sampled request without a seed gets a random one, "
+                                                "logged in its trace, so that the run replays")
+
+    def seeded(self, params):
+        """The params to run with: with seed_unseeded, a sampled request without a seed gets a random 63-bit one.
+
+        A traced run must replay from its trace, which logs the params. A seed drawn at random gives
+        the same distribution as no seed, and the trace then holds the seed that produced the output.
+        Greedy, seeded and pooling requests are left as they are (nothing else is drawn at random).
+        """
+        if (not self.seed_unseeded or isinstance(params, PoolingParams) or params.is_greedy
+                or params.seed is not None):
+            return params
+        return params.clone(seed=secrets.randbits(63))
 
     def check_extra_args(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """SamplingParams.extra_args: kv_transfer_params alone, and only where a KV connector serves them (the
@@ -91,6 +113,7 @@ class InputProcessor(Renderer):
         priority: int = 0,
         trace_context: dict[str, str] | None = None,
         lora_request: LoRARequest | None = None,
+        reasoning_end: ReasoningEnd | None = None,
     ) -> list[EngineCoreRequest]:
         """Check the request, then fan it out: one EngineCoreRequest per sample (n > 1 → n of them).
 
@@ -98,7 +121,8 @@ class InputProcessor(Renderer):
         alike: the prompt against the vocabulary and max_model_len, token ids in the
         sampling parameters (bad_words tokenized first), and whether the request could
         ever fit in the KV pool of `num_kv_blocks` blocks. Child i of an n > 1 request gets `child_request_id(...)`
-        and, if seeded, the seed + i, so the n samples differ yet each is reproducible.
+        and, if seeded, the seed + i, so the n samples differ yet each is reproducible. reasoning_end: where a
+        constraint starts, given by a reasoning parser (wire/messages.py's ReasoningEnd); None: at the first token.
         """
         self.check_runner(sampling_params)
         self.model_info.validate_prompt(prompt.prompt_token_ids)
@@ -109,16 +133,10 @@ class InputProcessor(Renderer):
         if priority != 0 and self.scheduling_policy != "priority":  # as vLLM: never silently ignored
             raise InvalidInputError(f"priority={priority} needs --scheduling-policy priority; this engine schedules "
                                     f"{self.scheduling_policy!r}", "priority")
+        self.check_embeds_params(prompt, sampling_params)
         self.check_extra_args(prompt.prompt_token_ids, sampling_params)
         sampling_params = self.resolve_bad_words(sampling_params)
-        for name, token_ids in (("stop_token_ids", sampling_params.stop_token_ids),
-                                ("logit_bias", sampling_params.logit_bias),
-                                ("allowed_token_ids", sampling_params.allowed_token_ids),
-                                ("bad_words", [t for word in sampling_params.bad_words_token_ids or () for t in word])):
-            for token_id in token_ids or ():
-                if not 0 <= token_id < self.model_info.vocab_size:
-                    raise InvalidInputError(
-                        f"{name} contains {token_id}, outside the vocabulary [0, {self.model_info.vocab_size})", name)
+        self.check_token_ids(sampling_params)
         sampling_params = self.resolve_logprobs(sampling_params)
         if sampling_params.structured_outputs is not None:
             self.check_structured_outputs(sampling_params.structured_outputs)
@@ -137,9 +155,18 @@ class InputProcessor(Renderer):
                 priority=priority,
                 trace_context=trace_context or {},
                 lora_request=lora_request,
+                reasoning_end=reasoning_end if sampling_params.structured_outputs is not None else None,
+                prompt_embeds=prompt.prompt_embeds,
             )
             for index in range(n)
         ]
+
+    @staticmethod
+    def check_embeds_params(prompt: ProcessedPrompt, sampling_params: SamplingParams) -> None:
+        """A prompt given as embeddings has no tokens to score: prompt_logprobs is a 400, as in vLLM."""
+        if prompt.prompt_embeds is not None and sampling_params.prompt_logprobs is not None:
+            raise InvalidInputError("prompt_logprobs is not compatible with prompt embeds: the prompt has no tokens "
+                                    "to score", "prompt_logprobs")
 
     def check_runner(self, params) -> None:
         """SamplingParams for a generating engine, PoolingParams for a pooling one; else a 400 saying which this is."""
@@ -170,6 +197,7 @@ class InputProcessor(Renderer):
             priority=priority,
             trace_context=trace_context or {},
             pooling_params=pooling_params,
+            prompt_embeds=prompt.prompt_embeds,
         )
 
     def resolve_bad_words(self, sampling_params: SamplingParams) -> SamplingParams:
@@ -180,6 +208,19 @@ class InputProcessor(Renderer):
         resolved = sampling_params.clone()
         resolved.update_from_tokenizer(self.tokenizer)
         return resolved
+
+    def check_token_ids(self, sampling_params: SamplingParams) -> None:
+        """Every token id a request names is in the vocabulary; those outside it are named, all of them (as vLLM)."""
+        for name, token_ids in (("stop_token_ids", sampling_params.stop_token_ids),
+                                ("logit_bias", sampling_params.logit_bias),
+                                ("allowed_token_ids", sampling_params.allowed_token_ids),
+                                ("logprob_token_ids", sampling_params.logprob_token_ids),
+                                ("bad_words", [t for word in sampling_params.bad_words_token_ids or () for t in word])):
+            outside = [token_id for token_id in token_ids or () if not 0 <= token_id < self.model_info.vocab_size]
+            if outside:
+                raise InvalidInputError(f"{name} contains {', '.join(map(str, outside[:20]))}"
+                                        f"{' ...' if len(outside) > 20 else ''}, outside the vocabulary "
+                                        f"[0, {self.model_info.vocab_size})", name)
 
     def resolve_logprobs(self, sampling_params: SamplingParams) -> SamplingParams:
         """logprobs and prompt_logprobs checked against --max-logprobs, -1 (vLLM's "the whole vocabulary")

@@ -19,8 +19,7 @@ from tinyserve.frontend.inproc_client import InprocClient
 from tinyserve.frontend.input_processor import InputProcessor, ProcessedPrompt
 from tinyserve.frontend.output_processor import OutputKind, OutputProcessor
 from tinyserve.frontend.pooling_output import PoolingOutputProcessor
-from tinyserve.lifecycle import schema
-from tinyserve.lifecycle.request_spans import NO_SPANS
+from tinyserve.frontend.request_observers import RequestObservers
 from tinyserve.outputs import RequestOutput
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.frontend.request_stream import engine_refusal
@@ -28,30 +27,34 @@ from tinyserve.wire.messages import EngineCoreRequest
 
 
 class LLMEngine:
-    def __init__(self, engine_args: EngineArgs, model_info: ModelInfo, tokenizer) -> None:
+    def __init__(self, engine_args: EngineArgs, model_info: ModelInfo, tokenizer, *,
+                 seed_unseeded: bool = False) -> None:
+        """seed_unseeded: a traced LLM's: a sampled request without a seed gets one (InputProcessor.seeded)."""
         self.engine_args = engine_args
         self.model_info = model_info
-        self.input_processor = InputProcessor.from_engine_args(model_info, tokenizer, engine_args)
+        self.input_processor = InputProcessor.from_engine_args(model_info, tokenizer, engine_args,
+                                                               seed_unseeded=seed_unseeded)
+        self.observers = RequestObservers()  # each request's spans, registered by the LLM (tracing on)
         # A pooling engine's outputs are vectors, not tokens: nothing to detokenize (pooling_output.py).
-        self.output_processor = PoolingOutputProcessor() if engine_args.runner == "pooling" else \
-            OutputProcessor(tokenizer)
+        self.output_processor = PoolingOutputProcessor(self.observers) if engine_args.runner == "pooling" else \
+            OutputProcessor(tokenizer, self.observers)
         self.client = InprocClient(engine_args, model_info, spans_inline=True)
 
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, *, priority: int = 0,
-                      spans=NO_SPANS, lora_request=None) -> list[EngineCoreRequest]:
+                      lora_request=None) -> list[EngineCoreRequest]:
         """Validate a request and fan it out, without queueing anything (raises ValueError)."""
         return self.input_processor.make_requests(
             request_id, prompt, params, num_kv_blocks=min(self.client.num_kv_blocks), priority=priority,
-            trace_context=spans.carrier(), lora_request=lora_request,
+            trace_context=self.observers.get(request_id).carrier(), lora_request=lora_request,
         )
 
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                    requests: list[EngineCoreRequest], *, output_kind: OutputKind = OutputKind.FINAL_ONLY,
-                    spans=NO_SPANS) -> None:
-        """Register a request made by make_requests and send its engine requests."""
-        with spans.stage(schema.ENQUEUE, {schema.REQUEST_ID: request_id}):
-            self.output_processor.add_request(request_id, prompt.prompt, prompt.prompt_token_ids, params,
-                                              output_kind, spans, lora_request=requests[0].lora_request)
+                    requests: list[EngineCoreRequest], *, output_kind: OutputKind = OutputKind.FINAL_ONLY) -> None:
+        """Register a request made by make_requests and send its engine requests (its spans, if traced, are
+        found by its id: self.observers, registered by the caller)."""
+        with self.observers.get(request_id).enqueueing(request_id):
+            self.output_processor.add_request(request_id, prompt.prompt, prompt.known_token_ids, params,
+                                              output_kind, lora_request=requests[0].lora_request)
             for request in requests:
                 self.client.add_request(request)
 

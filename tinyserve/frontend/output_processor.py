@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from tinyserve.errors import InvalidInputError
 from tinyserve.frontend.detokenizer import IncrementalDetokenizer
 from tinyserve.frontend.input_processor import child_request_id
+from tinyserve.frontend.request_observers import RequestObservers
 from tinyserve.wire.messages import EngineCoreOutput, RequestTimes, TokenLogprobs
 from tinyserve.lifecycle.request_spans import NO_SPANS
 from tinyserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
@@ -79,8 +80,10 @@ class OutputProcessorOutput:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, observers: RequestObservers | None = None) -> None:
+        """observers: where a request's spans are found by its id (AsyncLLM's, LLMEngine's)."""
         self.tokenizer = tokenizer
+        self.observers = observers if observers is not None else RequestObservers()
         self.parents: dict[str, ParentRequest] = {}
         self.children: dict[str, ChildState] = {}
 
@@ -91,7 +94,6 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
-        spans=NO_SPANS,
         lora_request=None,
     ) -> list[str]:
         """Register a request; returns the engine request ids of its children.
@@ -106,8 +108,8 @@ class OutputProcessor:
             raise InvalidInputError(f"request_id {request_id!r} is already in use" if request_id in clashes else
                                     f"request_id {request_id!r} (n={params.n}) clashes with running request ids "
                                     f"{clashes}", "request_id")
-        parent = ParentRequest(request_id, prompt, prompt_token_ids, params.n, output_kind, spans=spans,
-                               lora_request=lora_request)
+        parent = ParentRequest(request_id, prompt, prompt_token_ids, params.n, output_kind,
+                               spans=self.observers.get(request_id), lora_request=lora_request)
         self.parents[request_id] = parent
         for index, child_id in enumerate(child_ids):
             detokenizer = IncrementalDetokenizer(

@@ -16,6 +16,7 @@ import torch
 
 from tinyserve.errors import InvalidInputError
 from tinyserve.frontend.output_processor import OutputProcessorOutput
+from tinyserve.frontend.request_observers import RequestObservers
 from tinyserve.lifecycle.request_spans import NO_SPANS
 from tinyserve.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput
 from tinyserve.wire.messages import EngineCoreOutput
@@ -35,7 +36,9 @@ class PoolingRequest:
 
 
 class PoolingOutputProcessor:
-    def __init__(self) -> None:
+    def __init__(self, observers: RequestObservers | None = None) -> None:
+        """observers: where a request's spans are found by its id (AsyncLLM's, LLMEngine's)."""
+        self.observers = observers if observers is not None else RequestObservers()
         self.parents: dict[str, PoolingRequest] = {}
         self.children = self.parents  # one engine request per request, under the same id
 
@@ -44,10 +47,11 @@ class PoolingOutputProcessor:
         return len(self.parents)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params,
-                    output_kind=None, spans=NO_SPANS, lora_request=None) -> list[str]:
+                    output_kind=None, lora_request=None) -> list[str]:
         if request_id in self.parents:
             raise InvalidInputError(f"request_id {request_id!r} is already in use", "request_id")
-        self.parents[request_id] = PoolingRequest(request_id, prompt, prompt_token_ids, spans)
+        self.parents[request_id] = PoolingRequest(request_id, prompt, prompt_token_ids,
+                                                  self.observers.get(request_id))
         return [request_id]
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:

@@ -90,6 +90,12 @@ class MultiNode:
     rpc_port: int  # the handshake and heartbeat port (--data-parallel-rpc-port)
     node_secret: str | None = field(default=None, repr=False)  # --data-parallel-node-secret
 
+    def check(self, data_parallel_size: int, start_index: int) -> None:
+        if start_index != 0:
+            raise ValueError(f"a head with headless nodes starts at engine 0, got start_index={start_index}")
+        if not 1 <= self.size_local <= data_parallel_size:
+            raise ValueError(f"data_parallel_size_local must be in [1, {data_parallel_size}], got {self.size_local}")
+
 
 @dataclass(slots=True)
 class Node:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from tinyserve.config import ModelInfo
 from tinyserve.errors import InvalidInputError
+from tinyserve.prompt_embeds.tensors import check_prompt_embeds, decode_prompt_embeds
+from tinyserve.wire.messages import PromptEmbeds
 
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")  # the usual ones; a template may take others
 
@@ -25,13 +27,45 @@ CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")  # the usual o
 @dataclass(slots=True)
 class ProcessedPrompt:
     prompt: str | None  # the text that was tokenized, if any
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # given as embeddings: one placeholder (0) per row
+    prompt_embeds: PromptEmbeds | None = None  # a prompt given as embeddings (tinyserve/prompt_embeds/)
+
+    @property
+    def known_token_ids(self) -> list[int]:
+        """The ids the prompt's text is: none for a prompt given as embeddings (its ids are placeholders), so
+        the output's text is read on its own, as vLLM reads it."""
+        return self.prompt_token_ids if self.prompt_embeds is None else []
+
+
+@dataclass(frozen=True, slots=True)
+class Truncation:
+    """vLLM's truncate_prompt_tokens: a prompt longer than `keep` tokens keeps `keep` of them, from its
+    end (side "left": the start is cut off, vLLM's default when generating) or from its start (side
+    "right", its default for embeddings). The request's -1 ("as much as the context takes") is resolved
+    to a number before it gets here."""
+
+    keep: int
+    side: str = "left"
+
+    def apply(self, token_ids: list[int]) -> list[int]:
+        if len(token_ids) <= self.keep:
+            return token_ids
+        if self.keep == 0:
+            return []
+        return token_ids[-self.keep:] if self.side == "left" else token_ids[:self.keep]
+
+    def apply_to(self, prompt: ProcessedPrompt) -> ProcessedPrompt:
+        """The prompt truncated: its text left out when any token was cut (what is left of it is its ids)."""
+        kept = self.apply(prompt.prompt_token_ids)
+        return prompt if kept is prompt.prompt_token_ids else ProcessedPrompt(None, kept)
 
 
 class Renderer:
-    def __init__(self, model_info: ModelInfo, tokenizer) -> None:
+    def __init__(self, model_info: ModelInfo, tokenizer, *, enable_prompt_embeds: bool = False) -> None:
+        """enable_prompt_embeds: the engine's (--enable-prompt-embeds); without it a prompt_embeds is a 400."""
         self.model_info = model_info
         self.tokenizer = tokenizer
+        self.enable_prompt_embeds = enable_prompt_embeds
         # The most characters one token can stand for: the longest entry of the vocabulary,
         # special tokens included. Byte-level vocabularies spell each byte as one character,
         # so there the length counts bytes, never fewer than the characters they encode.
@@ -157,13 +191,22 @@ class Renderer:
         return {"conversation": normalized, "chat_template": template, "add_generation_prompt": add_generation_prompt,
                 "continue_final_message": continue_final_message, **(template_kwargs or {})}
 
-    def tokenize_prompt(self, prompt, *, add_special_tokens: bool = True) -> ProcessedPrompt:
-        """A string, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}."""
+    def tokenize_prompt(self, prompt, *, add_special_tokens: bool = True,
+                        truncation: Truncation | None = None) -> ProcessedPrompt:
+        """A string, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}.
+
+        truncation: keep that many tokens of a longer prompt (vLLM's truncate_prompt_tokens); the
+        prompt's text is then None (what is left of it is its tokens). A text too long to fit the
+        context is first cut, on the side truncation keeps, to what max_model_len tokens could
+        cover, as vLLM cuts it, so that a huge prompt is not tokenized whole.
+        """
         if isinstance(prompt, dict):
-            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "prompt_embeds"})
             if unknown:  # multi_modal_data, say: refused, not silently dropped
-                raise InvalidInputError(f"a prompt dict takes 'prompt' or 'prompt_token_ids'; {', '.join(unknown)} "
-                                 "is not supported")
+                raise InvalidInputError(f"a prompt dict takes 'prompt', 'prompt_token_ids' or 'prompt_embeds'; "
+                                        f"{', '.join(unknown)} is not supported")
+            if "prompt_embeds" in prompt:
+                return self.embeds_prompt(prompt["prompt_embeds"], truncation)
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
@@ -173,11 +216,33 @@ class Renderer:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidInputError("prompt must not be empty")
-            self.check_text_fits(prompt)
-            return ProcessedPrompt(prompt, self.encode(prompt, add_special_tokens=add_special_tokens))
+            if truncation is None:
+                self.check_text_fits(prompt)
+                return ProcessedPrompt(prompt, self.encode(prompt, add_special_tokens=add_special_tokens))
+            most = self.model_info.max_model_len * self.max_chars_per_token * 4  # 4: what a normalizer may fold
+            text = prompt if len(prompt) <= most else prompt[-most:] if truncation.side == "left" else prompt[:most]
+            token_ids = self.encode(text, add_special_tokens=add_special_tokens)
+            kept = truncation.apply(token_ids)
+            return ProcessedPrompt(prompt if kept is token_ids and text is prompt else None, kept)
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return ProcessedPrompt(None, prompt)
+            return ProcessedPrompt(None, prompt if truncation is None else truncation.apply(prompt))
         raise InvalidInputError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def check_embeds_enabled(self) -> None:
+        if not self.enable_prompt_embeds:
+            raise InvalidInputError("prompt_embeds needs an engine started with --enable-prompt-embeds "
+                                    "(offline: LLM(..., enable_prompt_embeds=True))", "prompt_embeds")
+
+    def embeds_prompt(self, prompt_embeds, truncation: Truncation | None = None) -> ProcessedPrompt:
+        """A prompt given as embeddings: a tensor (offline), or torch.save's bytes in base64 (the API's), checked
+        against the model (tinyserve/prompt_embeds/tensors.py); its token ids are one placeholder per row."""
+        self.check_embeds_enabled()
+        if truncation is not None:  # vLLM truncates token ids only; here that is said, not left unsaid
+            raise InvalidInputError("truncate_prompt_tokens applies to token ids, not to prompt_embeds",
+                                    "truncate_prompt_tokens")
+        load = decode_prompt_embeds if isinstance(prompt_embeds, (str, bytes)) else check_prompt_embeds
+        embeds = load(prompt_embeds, self.model_info)
+        return ProcessedPrompt(None, [0] * embeds.rows, embeds)
 
 
 def _normalize_message(index: int, message) -> dict:
@@ -198,7 +263,9 @@ def _normalize_message(index: int, message) -> dict:
     if not isinstance(content, str):
         raise InvalidInputError(f"messages[{index}].content must be a string or a list of text parts")
     normalized = {"role": role, "content": content}
-    for key, kind in (("name", str), ("tool_call_id", str), ("tool_calls", list)):
+    # reasoning, reasoning_content: an assistant turn's reasoning, for a reasoning model's template (vLLM's names)
+    for key, kind in (("name", str), ("tool_call_id", str), ("tool_calls", list), ("reasoning", str),
+                      ("reasoning_content", str)):
         if message.get(key) is not None:
             if not isinstance(message[key], kind):
                 raise InvalidInputError(f"messages[{index}].{key} must be a {'string' if kind is str else 'list'}")

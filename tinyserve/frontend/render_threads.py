@@ -20,15 +20,20 @@ millions of ids into a Python list, or JSON-encoding them in one go. Those are
 kept to what cannot be avoided (InputProcessor.encode) or cut into slices (the
 /tokenize answer, serving_tokenization.py).
 
+A request's structured-output constraint is checked in a third lane (two threads), within the
+grammar deadline (--structured-outputs-compile-timeout) counted from the request's arrival.
+
 Before a job is queued, the cheap size checks of the input processor refuse
 what could never fit the context, so a hopeless request does not wait for a lane.
 """
 
 import asyncio
 import functools
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from tinyserve.frontend.input_processor import InputProcessor, ProcessedPrompt
+from tinyserve.structured_output import compile_deadline_error
 
 # A job above this many characters takes the large lane. Tokenizing this much takes
 # tens of milliseconds, so no small job holds its lane long.
@@ -44,6 +49,7 @@ class RenderThreads:
         self.input_processor = input_processor
         self.small = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyserve-render")
         self.large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyserve-render-large")
+        self.constraints = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tinyserve-constraints")
 
     async def run(self, size: int, function, /, *args, **kwargs):
         """`function(*args, **kwargs)` in the lane for a job of `size` characters."""
@@ -62,14 +68,36 @@ class RenderThreads:
                 if isinstance(messages, list) else 0
         return await self.run(size, self.input_processor.tokenize_chat, messages, fit_context=fit_context, **kwargs)
 
-    async def tokenize_prompt(self, prompt, *, add_special_tokens: bool = True) -> ProcessedPrompt:
-        """InputProcessor.tokenize_prompt; a text that cannot fit max_model_len is refused before it queues."""
+    async def tokenize_prompt(self, prompt, *, add_special_tokens: bool = True, truncation=None) -> ProcessedPrompt:
+        """InputProcessor.tokenize_prompt; a text that cannot fit max_model_len is refused before it queues
+        (unless it is to be truncated: render.Truncation). {"prompt_embeds": base64} is read in a lane too."""
         if isinstance(prompt, str):
-            if prompt:
+            if prompt and truncation is None:
                 self.input_processor.check_text_fits(prompt)
             return await self.run(len(prompt), self.input_processor.tokenize_prompt, prompt,
-                                  add_special_tokens=add_special_tokens)
-        return self.input_processor.tokenize_prompt(prompt, add_special_tokens=add_special_tokens)
+                                  add_special_tokens=add_special_tokens, truncation=truncation)
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt_embeds"), str):
+            # base64 decoded and torch.load read in a lane: megabytes of it would hold up the loop
+            self.input_processor.check_embeds_enabled()
+            return await self.run(len(prompt["prompt_embeds"]), self.input_processor.embeds_prompt,
+                                  prompt["prompt_embeds"], truncation)
+        return self.input_processor.tokenize_prompt(prompt, add_special_tokens=add_special_tokens,
+                                                    truncation=truncation)
+
+    async def check_constraint(self, params, arrival_time: float, engine_args) -> None:
+        """InputProcessor.check_structured_outputs, in a lane of its own, within the grammar deadline counted from
+        `arrival_time`: parsing a schema of thousands of properties takes seconds, and the deadline bounds the
+        client's whole wait. A check past it runs on (it cannot be stopped); one not started is dropped."""
+        constraint = getattr(params, "structured_outputs", None)
+        if constraint is None:
+            return
+        compile_timeout = engine_args.structured_outputs_compile_timeout
+        check = self.constraints.submit(self.input_processor.check_structured_outputs, constraint)
+        left = compile_timeout - (time.time() - arrival_time) if compile_timeout else None
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(check), left)
+        except asyncio.TimeoutError:
+            raise compile_deadline_error(compile_timeout) from None
 
     async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """InputProcessor.encode: any length (/tokenize counts what it is given)."""
@@ -80,6 +108,6 @@ class RenderThreads:
 
     def shutdown(self) -> None:
         """Stop both lanes; jobs queued and not started are dropped. Safe to call twice."""
-        for lane in (self.small, self.large):
+        for lane in (self.small, self.large, self.constraints):
             lane.shutdown(wait=False, cancel_futures=True)
 

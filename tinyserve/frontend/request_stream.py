@@ -33,11 +33,11 @@ def end_now(queue: asyncio.Queue) -> None:
 class RequestStream:
     """The outputs of one request as they arrive: `async for output in stream`, then `close()`."""
 
-    def __init__(self, engine, request_id: str, spans) -> None:
-        """engine: the AsyncLLM that feeds this stream."""
+    def __init__(self, engine, request_id: str) -> None:
+        """engine: the AsyncLLM that feeds this stream (and has the request's spans, if traced)."""
         self.engine = engine
         self.request_id = request_id
-        self.spans = spans
+        self.spans = engine.observers.get(request_id)  # an error that ends the request ends them too
         # RequestOutputs, then possibly the error or the ABORTED mark that ends the request.
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False

@@ -9,12 +9,15 @@ Every backend (the PyTorch reference, the CPU's decode kernel, Triton kernels) t
 the same tensors and must return the same numbers. The model never looks inside.
 """
 
+from __future__ import annotations
+
 import logging
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:  # the command line reads ATTENTION_BACKENDS without loading torch
+    import torch
 
-from tinyserve.kernels.metadata import AttentionMetadata
+    from tinyserve.kernels.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):

@@ -228,10 +228,17 @@ def why_unusable() -> str | None:
     """
     threads = torch.get_num_threads()
     try:
-        cache = torch.zeros(2, 1, 16, 1, 8)
-        paged_decode_attention(torch.zeros(1, 1, 8), cache, np.zeros((1, 1), np.int32), np.ones(1, np.int32), 1.0)
+        warm_up((torch.float32,))
     except Exception as error:  # noqa: BLE001 - any failure means: use the reference instead
         return f"{type(error).__name__}: {error}"
     finally:  # starting numba's OpenMP layer sets the process's thread count to all the cores: torch's goes back
         torch.set_num_threads(threads)
     return None
+
+
+def warm_up(kv_cache_dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)) -> None:
+    """Compile (or load from the disk cache) the kernel for these caches' dtypes: the defaults are its four
+    signatures (fp32, bf16 as bits, fp16 and fp8 as bits through a table). Starts numba's threads."""
+    for dtype in kv_cache_dtypes:
+        cache = torch.zeros(2, 1, 16, 1, 8).to(dtype)
+        paged_decode_attention(torch.zeros(1, 1, 8), cache, np.zeros((1, 1), np.int32), np.ones(1, np.int32), 1.0)

@@ -4,9 +4,9 @@
     events.py     the wire format: KVEventBatch of BlockStored, BlockRemoved, AllBlocksCleared (msgspec)
     recorder.py   KVEventRecorder: the block pool's event sink, drained into events after each step
     publisher.py  ZmqEventPublisher: a PUB socket and its own thread, [topic, sequence, payload]
-    attach.py     plugs the three into an engine (engine process), at seams the step does not see
+    layer.py      the layer: plugs the three into an engine as it is assembled, at seams the step does not see
 
-The rest of tinyserve meets this layer at two seams: `BlockPool.event_sink` (the pool says
-when a block gets a hash, loses it, or all are cleared) and the step recorder's
-`end_hooks` (run after every step, traced or not). See docs/design.md, "KV cache events".
+The rest of tinyserve meets this layer at two seams: the block pool's event sink, given when
+it is built (the pool says when a block gets a hash, loses it, or all are cleared), and the
+engine's post-step hooks (run after every step, traced or not). See docs/design.md, "KV cache events".
 """

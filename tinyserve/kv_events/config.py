@@ -4,6 +4,11 @@
 
 An endpoint with a `*` (or ipc://, inproc://) is bound, any other is connected to, as in vLLM.
 Under data parallelism each engine publishes on the endpoint's port plus its rank.
+
+The `*` binds `bind_host` (tinyserve's own field), not every interface: a server's --host (so 127.0.0.1
+by default, as its HTTP), loopback offline. The events carry every prompt's token ids (BlockStored), so
+a subscriber on the network would read other users' prompts; `--host 0.0.0.0` (or bind_host "0.0.0.0")
+publishes on every interface, as vLLM's `tcp://*:5557` does.
 """
 
 from dataclasses import asdict, dataclass
@@ -21,6 +26,7 @@ class KVEventsConfig:
     hwm: int = 100_000  # the PUB socket's high-water mark
     max_queue_size: int = 100_000  # batches waiting for the publisher's thread
     topic: str = ""
+    bind_host: str | None = None  # the interface a `*` binds: the server's --host; None: loopback
 
     @classmethod
     def from_dict(cls, config: dict) -> "KVEventsConfig":
@@ -47,6 +53,8 @@ class KVEventsConfig:
                                  f"got {value!r}")
         if not isinstance(made.topic, str):
             raise ValueError(f"kv_events_config.topic must be a string, got {made.topic!r}")
+        if made.bind_host is not None and not (isinstance(made.bind_host, str) and made.bind_host.strip()):
+            raise ValueError(f"kv_events_config.bind_host must be a host name or address, got {made.bind_host!r}")
         return made
 
     @classmethod
@@ -76,6 +84,28 @@ def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str |
         base, _, port = endpoint.rpartition(":")
         return f"{base}:{int(port) + data_parallel_rank}"
     return f"{endpoint}_dp{data_parallel_rank}"
+
+
+LOOPBACK = "127.0.0.1"
+EVERY_INTERFACE = ("*", "0.0.0.0", "::", "")
+
+
+def bound_endpoint(endpoint: str | None, bind_host: str | None) -> str | None:
+    """A `tcp://*:PORT` endpoint with its `*` made bind_host (None: loopback); any other endpoint as it is."""
+    if not endpoint or not endpoint.startswith("tcp://*:"):
+        return endpoint
+    host = LOOPBACK if bind_host is None else bind_host.strip()
+    if host in EVERY_INTERFACE:
+        return endpoint
+    port = endpoint.rpartition(":")[2]
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def with_server_host(config: dict | None, host: str | None) -> dict | None:
+    """A server's kv_events_config: bind_host its --host (HTTP's interface), unless the config names one."""
+    if config is None or host is None or config.get("bind_host") is not None:
+        return config
+    return {**config, "bind_host": host}
 
 
 def parse_kv_events_config(text: str) -> dict:

@@ -19,7 +19,7 @@ from itertools import count
 import msgspec
 import zmq
 
-from tinyserve.kv_events.config import KVEventsConfig, offset_endpoint_port
+from tinyserve.kv_events.config import KVEventsConfig, bound_endpoint, offset_endpoint_port
 
 logger = logging.getLogger("tinyserve.kv_events")
 
@@ -38,12 +38,17 @@ class ZmqEventPublisher:
         self._pub = self._context.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         if any(mark in self.endpoint for mark in ("*", "::")) or self.endpoint.startswith(("ipc://", "inproc://")):
-            self._pub.bind(self.endpoint)  # vLLM's rule: a wildcard or a local transport is bound
+            # vLLM's rule: a wildcard or a local transport is bound; the wildcard on bind_host (loopback by default)
+            self.endpoint = bound_endpoint(self.endpoint, config.bind_host)
+            self._pub.setsockopt(zmq.IPV6, int("[" in self.endpoint))
+            self._pub.bind(self.endpoint)
         else:
             self._pub.connect(self.endpoint)
         self._replay = None
         if self.replay_endpoint is not None:
+            self.replay_endpoint = bound_endpoint(self.replay_endpoint, config.bind_host)
             self._replay = self._context.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.IPV6, int("[" in self.replay_endpoint))
             self._replay.bind(self.replay_endpoint)
         self._sequence = count()
         self._thread = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)

@@ -9,7 +9,7 @@ a request's newly full blocks together).
 
 from tinyserve.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, external_block_hash
 
-_LORA_ROOT = b"lora\x00"  # lora/request.py's block_hash_root: b"lora\0<id>\0<name>\0<path>"
+_LORA_ROOT = b"lora\x00"  # engine/core/request.py's Request.block_hash_root: b"lora\0<id>\0<name>\0<path>"
 
 
 class KVEventRecorder:

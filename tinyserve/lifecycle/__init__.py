@@ -1,37 +1,14 @@
-"""Lifecycle tracing: the span schema, and the readers of a traced run.
+"""The lifecycle's record: the span schema, tracing set-up, and the span builders that write a run.
 
-    from tinyserve.lifecycle import load_run, summarize, plots, replay_run
-    run = load_run("traces/my-run")          per-request timelines, per-step records
-    print(summarize(run))
-    plots.plot_request_waterfall(run)
-    replay_run(run, LLM(run.manifest["model"]))
+    schema            every span name and attribute key, in one place
+    tracing           the tracer provider and its exporters, trace context across processes
+    request_spans     the API process's spans of a request (render, enqueue, detokenize, respond)
+    engine_spans      an engine's spans (queue → prefill → decode, steps), built off its busy loop,
+                      with engine_records, ended_spans and timeline_windows
+    http_spans        the HTTP server span of every route
+    otlp_file         the OTLP-JSON-lines file exporter (otlp_capped: the same, capped in size)
 
-The names below are imported on first use, so `import tinyserve.lifecycle.schema`
-(which every process does) loads neither matplotlib nor the readers.
+All of it runs while a server runs. Reading a recorded run back (load_run, views, plots,
+replay, export to Jaeger or Perfetto, merging the folders of several nodes) is
+tinyserve/trace_reading/, which imports this package and nothing else of tinyserve.
 """
-
-import importlib
-
-_EXPORTS = {
-    "load_run": "tinyserve.lifecycle.run",
-    "Run": "tinyserve.lifecycle.run",
-    "RequestTimeline": "tinyserve.lifecycle.timeline",
-    "SequenceTimeline": "tinyserve.lifecycle.timeline",
-    "StepRecord": "tinyserve.lifecycle.step_record",
-    "summarize": "tinyserve.lifecycle.summary",
-    "to_jaeger": "tinyserve.lifecycle.export",
-    "to_perfetto": "tinyserve.lifecycle.export",
-    "write_export": "tinyserve.lifecycle.export",
-    "replay_run": "tinyserve.lifecycle.replay",
-    "ReplayResult": "tinyserve.lifecycle.replay",
-}
-_MODULES = {"plots": "tinyserve.lifecycle.plots"}
-__all__ = [*_EXPORTS, *_MODULES]
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    if name in _MODULES:
-        return importlib.import_module(_MODULES[name])
-    raise AttributeError(f"module 'tinyserve.lifecycle' has no attribute {name!r}")

@@ -195,7 +195,8 @@ class EngineSpanBuilder:
                               _ns(times.structured_output_end or end), {
                                   **common, schema.STRUCTURED_OUTPUT_KIND: request.structured_output_kind,
                                   schema.STRUCTURED_OUTPUT_CACHE_HIT: times.structured_output_cache_hit,
-                                  schema.STRUCTURED_OUTPUT_BACKEND: self.structured_outputs_backend})
+                                  schema.STRUCTURED_OUTPUT_BACKEND: self.structured_outputs_backend,
+                                  schema.STRUCTURED_OUTPUT_GRAMMAR_START: times.structured_output_grammar_start})
         if times.first_scheduled_time is None:  # aborted while waiting: nothing else happened
             return
         first_token = times.first_token_time or end

@@ -5,17 +5,21 @@
         ...
         spans.log_inputs(render, prompt=..., prompt_token_ids=..., sampling_params=...)
     carrier = spans.carrier()                                 # into EngineCoreRequest.trace_context
-    ...
+    with spans.enqueueing(request_id) as enqueued:            # the front end registers and sends it
+        with spans.sending(child_id) as sent:                 # one ipc.send per engine request
+            sent.engine_index, sent.num_bytes = ...
+        enqueued.engine_index = ...
     with spans.detokenizing:                                  # each detokenizer update, clocked
         ...
     spans.finish(completions)                                  # or spans.fail(error)
 
 With tracing off, start_request_spans returns NO_SPANS, whose methods do nothing (and
-whose `detokenizing` reads no clock).
+whose `detokenizing` reads no clock). The front end does not take these as a parameter: it
+finds them by request id (frontend/request_observers.py) and reports what it did; the span
+names and attributes are written here alone.
 """
 
 import json
-import secrets
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -57,17 +61,27 @@ class RequestSpans:
     def carrier(self) -> dict[str, str]:
         return inject_context(self.context)
 
-    @staticmethod
-    def replayable(sampling_params):
-        """The params to run with: a sampled request without a seed gets a random one, logged with it.
+    @contextmanager
+    def enqueueing(self, request_id: str):
+        """The enqueue span: the request registered with the output processor and sent. The front end sets
+        the yielded record's engine_index (the engine of its last send); offline, nothing is sent."""
+        enqueued = Sent()
+        with self.stage(schema.ENQUEUE, {schema.REQUEST_ID: request_id}) as span:
+            yield enqueued
+            if enqueued.engine_index is not None:
+                span.set_attribute(schema.ENGINE_INDEX, enqueued.engine_index)
 
-        With tracing on, every request must be replayable from its trace. A seed drawn at
-        random gives the same distribution as no seed, and the trace then holds the seed
-        that produced the output. (Greedy and seeded requests are left as they are.)
-        """
-        if _is_pooling(sampling_params) or sampling_params.is_greedy or sampling_params.seed is not None:
-            return sampling_params  # (a pooling request draws nothing at random)
-        return sampling_params.clone(seed=secrets.randbits(63))
+    @contextmanager
+    def sending(self, request_id: str):
+        """The ipc.send span of one engine request (request_id: its own, a child's for n > 1). The front end
+        sets the yielded record's engine_index and num_bytes (the message's size; None: an engine in this
+        process, where nothing crosses a socket, and the span has no size)."""
+        sent = Sent()
+        with self.stage(schema.IPC_SEND, {schema.REQUEST_ID: request_id}) as span:
+            yield sent
+            span.set_attribute(schema.ENGINE_INDEX, sent.engine_index)
+            if sent.num_bytes is not None:
+                span.set_attribute(schema.IPC_BYTES, sent.num_bytes)
 
     def log_inputs(self, span, *, prompt: str | None, prompt_token_ids: list[int], sampling_params,
                    messages: list[dict] | None = None) -> None:
@@ -134,6 +148,14 @@ class RequestSpans:
         if stop_strings and not self.redact_inputs:
             span.set_attribute(schema.STOP_STRING, stop_strings[-1])
         span.end(end_time=int(clock.last * 1e9))
+
+    def reasoning_read(self, parser: str, num_tokens: list[int], ended_at: list[int]) -> None:
+        """The reasoning parser read the answer (tinyserve/reasoning/): a tinyserve.reasoning span, as long as
+        none (the reading follows the output), in the request's trace; per choice, the tokens read as reasoning
+        and the output token count its reasoning ended at (-1: never)."""
+        self.tracer.start_span(schema.REASONING, context=self.context, attributes={
+            schema.REASONING_PARSER: parser, schema.REASONING_NUM_TOKENS: num_tokens,
+            schema.REASONING_ENDED_AT: ended_at}).end()
 
     def pooled(self, dimensions: int) -> None:
         """A pooling request got its vector, of this many dimensions (the span keeps its size, not its values)."""
@@ -215,6 +237,17 @@ class DetokenizeClock:
             self.first = now
 
 
+class Sent:
+    """What the front end reports from inside `enqueueing` and `sending`: the engine it sent to, and how
+    many bytes crossed (None: unknown, or nothing crossed)."""
+
+    __slots__ = ("engine_index", "num_bytes")
+
+    def __init__(self) -> None:
+        self.engine_index: int | None = None
+        self.num_bytes: int | None = None
+
+
 def _is_pooling(params) -> bool:
     """PoolingParams (a pooling request's), told from SamplingParams by its `task` (this package imports neither)."""
     return hasattr(params, "task")
@@ -231,14 +264,19 @@ class _NoSpans:
     def carrier(self) -> dict[str, str]:
         return {}
 
-    @staticmethod
-    def replayable(sampling_params):
-        return sampling_params
+    def enqueueing(self, request_id: str):
+        return nullcontext(Sent())
+
+    def sending(self, request_id: str):
+        return nullcontext(Sent())
 
     def log_inputs(self, span, **kwargs) -> None:
         pass
 
     def pooled(self, dimensions: int) -> None:
+        pass
+
+    def reasoning_read(self, parser: str, num_tokens: list[int], ended_at: list[int]) -> None:
         pass
 
     def log_lora(self, lora_request, span=None) -> None:

@@ -22,6 +22,8 @@ Each engine also writes one trace per step:
     ├── tinyserve.execute            one per tensor-parallel rank (tinyserve.tp.*), if any;
     │                                one per rank of each pipeline stage (tinyserve.pp.*)
     └── tinyserve.update
+
+The module is over 300 lines because every name is here, in one place, with what it means.
 """
 
 # ---- services (resource attribute service.name) ------------------------------
@@ -144,6 +146,9 @@ FINISH_REASON = "tinyserve.finish_reason"
 STRUCTURED_OUTPUT_KIND = "tinyserve.structured_output.kind"
 STRUCTURED_OUTPUT_CACHE_HIT = "tinyserve.structured_output.cache_hit"
 STRUCTURED_OUTPUT_BACKEND = "tinyserve.structured_output.backend"
+# The output tokens before the grammar started constraining: 0, or, with a reasoning parser and the reasoning
+# open, the reasoning and its </think> (the grammar starts after it, as vLLM's); -1: the reasoning never ended
+STRUCTURED_OUTPUT_GRAMMAR_START = "tinyserve.structured_output.grammar_start_token"
 # detokenize
 DETOKENIZE_CALLS = "tinyserve.detokenize.calls"
 DETOKENIZE_TIME = "tinyserve.detokenize.time_s"  # time actually spent detokenizing
@@ -212,15 +217,25 @@ LORA_REQUEST = "tinyserve.lora.request"
 STEP_LORA_ADAPTERS = "tinyserve.step.lora_adapters"
 STEP_RUNNING_LORA_ADAPTERS = "tinyserve.step.running_lora_adapters"
 STEP_WAITING_LORA_ADAPTERS = "tinyserve.step.waiting_lora_adapters"
+# Prompt embeddings (tinyserve/prompt_embeds/), on the engine's queue span of a request whose prompt came as
+# embeddings: its rows (the prompt's tokens) and their width (the model's hidden_size).
+PROMPT_EMBEDS_ROWS = "tinyserve.prompt_embeds.rows"
+PROMPT_EMBEDS_HIDDEN_SIZE = "tinyserve.prompt_embeds.hidden_size"
 # Speculative decoding (tinyserve/spec_decode/), on the step span: the requests whose drafts this step
 # verified, and for each (aligned) the drafts proposed, accepted and rejected; the seconds the worker
-# spent verifying them and proposing the next ones (both inside tinyserve.execute).
+# spent verifying them and proposing the next ones (both inside tinyserve.execute; absent on a step that
+# ran no forward pass). The rollback after verifying frees the KV blocks only rejected drafts reached:
+# for each verified request (aligned) how many, their ids flat in one list. The request held them while
+# this step ran and not after: Run.block_table drops them from the next step's table. (Runs recorded
+# before steps logged them have no STEP_SPEC_NUM_FREED_BLOCK_IDS.)
 STEP_SPEC_REQUEST_IDS = "tinyserve.step.spec_decode.request_ids"
 STEP_SPEC_NUM_PROPOSED = "tinyserve.step.spec_decode.num_proposed"
 STEP_SPEC_NUM_ACCEPTED = "tinyserve.step.spec_decode.num_accepted"
 STEP_SPEC_NUM_REJECTED = "tinyserve.step.spec_decode.num_rejected"
 STEP_SPEC_PROPOSE_TIME = "tinyserve.step.spec_decode.propose_time_s"
 STEP_SPEC_VERIFY_TIME = "tinyserve.step.spec_decode.verify_time_s"
+STEP_SPEC_NUM_FREED_BLOCK_IDS = "tinyserve.step.spec_decode.num_freed_block_ids"
+STEP_SPEC_FREED_BLOCK_IDS = "tinyserve.step.spec_decode.freed_block_ids"
 # ... and on a request's tinyserve.decode span: its drafts over its whole life, proposed, accepted, rejected
 SPEC_NUM_PROPOSED = "tinyserve.spec_decode.num_proposed"
 SPEC_NUM_ACCEPTED = "tinyserve.spec_decode.num_accepted"
@@ -251,6 +266,14 @@ ROUTER_PD_LEG = "tinyserve.router.pd.leg"  # the prefill/decode mode (router/pd.
 ROUTER_PROMPT_BLOCKS = "tinyserve.router.prompt_blocks"
 ROUTER_CACHED_BLOCKS = "tinyserve.router.cached_blocks"
 ROUTER_PENDING_BLOCKS = "tinyserve.router.pending_blocks"
+
+# The reasoning parser (tinyserve/reasoning/, --reasoning-parser): a span in the request's trace, made when its
+# answer has been read, with the parser's name and per choice (aligned with the choices' indexes) the output
+# tokens read as reasoning and the output token count at which the reasoning ended (-1: it never did).
+REASONING = "tinyserve.reasoning"
+REASONING_PARSER = "tinyserve.reasoning.parser"
+REASONING_NUM_TOKENS = "tinyserve.reasoning.num_tokens"
+REASONING_ENDED_AT = "tinyserve.reasoning.ended_at_token"
 
 # KV cache events (tinyserve/kv_events/), on the step span: the events published after the step
 # (BlockStored, BlockRemoved, AllBlocksCleared; a BlockStored may hold several blocks)

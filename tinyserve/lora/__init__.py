@@ -1,6 +1,7 @@
 """LoRA adapters, as a layer beside the base model (vLLM's interface).
 
-    request.py      LoRARequest: which adapter a request runs under (crosses the wire)
+    layer.py        the layer: its flags checked, and what it attaches to an engine as it is assembled
+    request.py      LoRARequest (tinyserve/lora_request.py, it crosses the wire), one per prompt for LLM
     peft_format.py  read and check an adapter saved in PEFT's format
     layers.py       LoRALinear: a model Linear plus every resident adapter's low-rank product
     manager.py      the worker's resident adapters: max_loras slots, max_cpu_loras loaded, LRU
@@ -9,5 +10,6 @@
 
 The rest of tinyserve meets this layer only at seams: a field on the request and on
 NewRequestData, an input hook of the model runner, an admission gate of the scheduler,
-and the prefix cache's root hash (docs/design.md, "LoRA adapters").
+a request check and a utility of the engine, and the prefix cache's root hash
+(docs/design.md, "LoRA adapters").
 """

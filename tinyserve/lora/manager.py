@@ -1,16 +1,23 @@
 """The worker's adapters: which are resident in the model's slots, which are loaded, which are read.
 
-    requested (LoRARequest in a NewRequestData) ──► loaded: weights read from the PEFT folder,
-                                                    kept for max_cpu_loras adapters (LRU)
-                                                 ──► resident: in one of max_loras slots of every
-                                                    LoRALinear (LRU among those the batch does not use)
+    a request arrives (check_request) ──► read from its PEFT folder and checked whole (peft_format.py),
+                                           or the request is refused alone, a 400 naming the adapter
+    loaded: at most max_cpu_loras adapters' weights (LRU); those of running requests are never let go
+    admitted (admit, an admission gate) ──► its adapter loaded: kept since arrival, or read again if it was
+                                           let go meanwhile; one that cannot be read any more fails that
+                                           request alone, named (failed_requests, at the next step)
+    resident: in one of max_loras slots of every LoRALinear (LRU among those the batch does not use)
 
 Before each forward pass the model runner hands its input hook the batch (`prepare_batch`):
-every adapter the batch uses is made resident, loaded from disk first if it is not
-in memory, evicting the least recently used ones the batch does not need. The scheduler
-admits no request whose adapter would make more than max_loras adapters run at once
-(scheduling.py), so a batch always fits in the slots. Then the token rows of each slot are
-set as the LoRALinear layers' groups.
+every adapter the batch uses is made resident, from the weights in memory (a running request's
+adapter is always loaded: the forward pass never reads a disk, and never fails on an adapter),
+evicting the least recently used ones the batch does not need. The scheduler admits no request
+whose adapter would make more than max_loras adapters run at once (scheduling.py), so a batch
+always fits in the slots, and the adapters kept for running requests never exceed max_cpu_loras.
+Then the token rows of each slot are set as the LoRALinear layers' groups.
+
+An adapter unloaded at run time (remove_lora) is let go at once, or, while requests run under it,
+once they are done; a waiting one reads it again (or fails alone, if its folder is gone too).
 """
 
 import logging
@@ -21,13 +28,15 @@ import torch
 from tinyserve.errors import InvalidInputError
 from tinyserve.lora.layers import LoRABatch, wrap_model
 from tinyserve.lora.peft_format import PeftAdapter, load_peft_adapter
-from tinyserve.lora.request import LoRARequest
+from tinyserve.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
 
 class LoRAManager:
-    def __init__(self, model, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None = None) -> None:
+    def __init__(self, model, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None = None,
+                 running_adapters=lambda: set()) -> None:
+        """running_adapters(): the ids of the adapters running requests use (the scheduler's), never let go."""
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
@@ -42,6 +51,9 @@ class LoRAManager:
         self.resident: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, LRU first
         self.num_loads = 0  # adapters read from disk, for tests and the step span
         self.batch_adapters: list[str] = []  # the names of the adapters of the latest batch
+        self.running_adapters = running_adapters
+        self.removed: set[int] = set()  # unloaded at run time while requests ran under them: let go once idle
+        self.failed: dict[str, str] = {}  # request id -> why its adapter could not be read again (admit)
 
     # ---- the model runner's input hook ----------------------------------------------------
 
@@ -64,6 +76,8 @@ class LoRAManager:
             for slot, rows in slot_rows.items()
         ]
         self.batch_adapters = names
+        if self.removed:  # adapters unloaded at run time whose last requests have finished
+            self._evict_loaded()
 
     # ---- the engine's request check ---------------------------------------------------------
 
@@ -76,8 +90,29 @@ class LoRAManager:
         try:
             self._load(lora_request)
         except Exception as error:  # an OSError, a bad safetensors file, a config that changed: all refuse it
-            raise InvalidInputError(f"LoRA adapter {lora_request.lora_name!r} cannot be loaded from "
-                                    f"{lora_request.lora_path}: {error}", "model") from None
+            raise InvalidInputError(_cannot_load(lora_request, error), "model") from None
+
+    # ---- the scheduler's admission gate, and the requests it failed -------------------------------
+
+    def admit(self, request, scheduler) -> bool:
+        """May `request` start now, as far as its adapter's weights go? Loaded: yes. Let go since it arrived
+        (max_cpu_loras, or unloaded): read again now; if that fails, no, and the request is failed alone."""
+        lora_request = request.lora_request
+        if lora_request is None or request.request_id in self.failed:
+            return lora_request is None
+        try:
+            self._load(lora_request)
+        except Exception as error:  # its folder deleted after an unload, say
+            self.failed[request.request_id] = _cannot_load(lora_request, error)
+            logger.warning("%s", self.failed[request.request_id])
+            return False
+        return True
+
+    def failed_requests(self) -> dict[str, tuple[str, str]]:
+        """The requests admit() failed since the last call: {request id: (error, error_param)}, for the engine
+        to end (EngineHooks.failed_requests)."""
+        failed, self.failed = self.failed, {}
+        return {request_id: (message, "model") for request_id, message in failed.items()}
 
     # ---- residency ----------------------------------------------------------------------------
 
@@ -86,7 +121,10 @@ class LoRAManager:
         if lora_id in self.resident:
             self.resident.move_to_end(lora_id)
             return self.resident[lora_id]
-        adapter = self._load(lora_request)
+        adapter = self.loaded.get(lora_id)
+        if adapter is None:  # admit() loaded it and running requests' adapters are kept: never here
+            raise RuntimeError(f"LoRA adapter {lora_request.lora_name!r} of a running request is not loaded")
+        self.loaded.move_to_end(lora_id)
         used = set(self.resident.values())
         free = [slot for slot in range(self.max_loras) if slot not in used]
         if free:
@@ -99,7 +137,6 @@ class LoRAManager:
         for wrapped, weights in self._slot_weights(adapter):
             wrapped.set_slot(slot, weights, adapter.scaling)
         self.resident[lora_id] = slot
-        self._evict_loaded()
         return slot
 
     def _slot_weights(self, adapter: PeftAdapter) -> list:
@@ -122,18 +159,25 @@ class LoRAManager:
         logger.info("loaded LoRA adapter %r (id %d, rank %d) from %s", lora_request.lora_name, lora_id,
                     adapter.rank, lora_request.lora_path)
         self.loaded[lora_id] = adapter
+        self._evict_loaded()
         return adapter
 
     def _evict_loaded(self) -> None:
-        """Keep max_cpu_loras adapters loaded: the least recently used of those not resident go."""
+        """At most max_cpu_loras adapters loaded, however many requests wait: the least recently used of those no
+        running request uses go (with their slot), and those unloaded at run time as soon as none does.
+        Running requests use at most max_loras <= max_cpu_loras adapters, so the bound always holds."""
+        running = self.running_adapters()
+        for lora_id in [i for i in self.removed if i not in running]:
+            self._let_go(lora_id)
         while len(self.loaded) > self.max_cpu_loras:
-            evicted = next((i for i in self.loaded if i not in self.resident), None)
+            evicted = next((i for i in self.loaded if i not in running), None)
             if evicted is None:
                 return
-            del self.loaded[evicted]
+            self._let_go(evicted)
 
-    def remove_lora(self, lora_id: int) -> bool:
-        """Forget an adapter's weights and free its slot (unloaded at run time); False if it was not held."""
+    def _let_go(self, lora_id: int) -> bool:
+        """Forget an adapter's weights and free its slot; False if neither was held."""
+        self.removed.discard(lora_id)
         held = self.loaded.pop(lora_id, None) is not None
         slot = self.resident.pop(lora_id, None)
         if slot is not None:
@@ -141,5 +185,17 @@ class LoRAManager:
                 wrapped.clear_slot(slot)
         return held or slot is not None
 
+    def remove_lora(self, lora_id: int) -> bool:
+        """An adapter unloaded at run time: its weights and slot let go, once no running request uses them (those
+        finish under it); False if it was not held."""
+        if lora_id in self.running_adapters():
+            self.removed.add(lora_id)
+            return True
+        return self._let_go(lora_id)
+
     def list_loras(self) -> list[int]:
         return list(self.loaded)
+
+
+def _cannot_load(lora_request: LoRARequest, error: Exception) -> str:
+    return f"LoRA adapter {lora_request.lora_name!r} cannot be loaded from {lora_request.lora_path}: {error}"

@@ -15,7 +15,11 @@ tensor over from a memory map, with no pickle and so no code run from the file.
 Everything PEFT can save that would change the outputs and that this layer does not
 compute is refused, named: DoRA, modules_to_save, biases, per-module rank or alpha
 patterns, a subset of layers, adapted embeddings or LM head. So is an adapter whose
-rank is over max_lora_rank, or whose shapes are not this base model's.
+rank is over max_lora_rank, or whose shapes are not this base model's, and one whose
+values would make a step's activations overflow (check_weight_values): a config field of
+the wrong type or not finite (`lora_alpha: NaN`), a weight that is nan, inf, or so large
+that the update overflows (1e30). Every refusal is a LoRAConfigError naming the adapter;
+the engine then refuses the request alone instead of failing a step.
 """
 
 import json
@@ -55,6 +59,10 @@ _UNSUPPORTED = {
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
+# The most an adapter's update may change one weight of the base model (check_weight_values).
+MAX_WEIGHT_CHANGE = 1e4
+
+
 class LoRAConfigError(ValueError):
     """An adapter this engine cannot serve; the message names the adapter and the reason."""
 
@@ -74,17 +82,24 @@ class PeftAdapter:
 
 
 def read_adapter_config(path: str | pathlib.Path, name: str) -> dict:
+    """The adapter's config, read as JSON. A path that does not exist, is no folder, cannot be read or holds no
+    adapter gets one answer: whoever may name a path (/v1/load_lora_adapter) learns nothing of what is there."""
     folder = pathlib.Path(path).expanduser()
-    config_file = folder / CONFIG_FILE
-    if not config_file.is_file():
-        raise LoRAConfigError(f"LoRA adapter {name!r}: no {CONFIG_FILE} in {str(folder)!r}")
-    if not (folder / WEIGHTS_FILE).is_file():
-        raise LoRAConfigError(f"LoRA adapter {name!r}: no {WEIGHTS_FILE} in {str(folder)!r} "
-                              "(only PEFT's safetensors format is read)")
     try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as error:
+        text = (folder / CONFIG_FILE).read_bytes() if (folder / WEIGHTS_FILE).is_file() else None
+    except (OSError, ValueError):  # missing, a folder, unreadable, a NUL in the path
+        text = None
+    if text is None:
+        raise LoRAConfigError(f"LoRA adapter {name!r}: {str(folder)!r} holds no readable PEFT adapter "
+                              f"({CONFIG_FILE} and {WEIGHTS_FILE}: only PEFT's safetensors format is read)")
+    try:
+        config = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise LoRAConfigError(f"LoRA adapter {name!r}: {CONFIG_FILE} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise LoRAConfigError(f"LoRA adapter {name!r}: {CONFIG_FILE} must hold a JSON object, "
+                              f"got {type(config).__name__}")
+    return config
 
 
 def check_adapter_config(config: dict, name: str, max_lora_rank: int) -> tuple[int, float]:
@@ -100,19 +115,46 @@ def check_adapter_config(config: dict, name: str, max_lora_rank: int) -> tuple[i
     if isinstance(targets, str):
         raise LoRAConfigError(f"LoRA adapter {name!r}: target_modules as a pattern ({targets!r}) is not supported; "
                               f"list them (any of {', '.join(TARGET_MODULES)})")
+    if targets is not None and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise LoRAConfigError(f"LoRA adapter {name!r}: target_modules must be a list of module names, got {targets!r}")
     unsupported = sorted(set(targets or ()) - set(TARGET_MODULES))
     if unsupported:
         raise LoRAConfigError(f"LoRA adapter {name!r}: target modules {unsupported} are not supported; "
                               f"supported: {', '.join(TARGET_MODULES)}")
     rank = config.get("r")
-    if not isinstance(rank, int) or rank < 1:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise LoRAConfigError(f"LoRA adapter {name!r}: r must be a positive integer, got {rank!r}")
     if rank > max_lora_rank:
         raise LoRAConfigError(f"LoRA adapter {name!r} has rank {rank}, over this server's max_lora_rank "
                               f"{max_lora_rank} (--max-lora-rank)")
     alpha = config.get("lora_alpha", 8)
-    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise LoRAConfigError(f"LoRA adapter {name!r}: lora_alpha must be a finite number, got {alpha!r}")
+    use_rslora = config.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise LoRAConfigError(f"LoRA adapter {name!r}: use_rslora must be true or false, got {use_rslora!r}")
+    scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
     return rank, scaling
+
+
+def check_weight_values(name: str, layer: int, target: str, a: torch.Tensor, b: torch.Tensor, scaling: float,
+                         dtype: torch.dtype) -> None:
+    """Refuse weights that would make a step's activations overflow: a value not finite (nan, inf, or one the
+    engine's dtype cannot hold), or a low-rank update that could move one weight by more than MAX_WEIGHT_CHANGE.
+
+    |(scaling * B @ A)[i, j]| <= |scaling| * r * max|B| * max|A|, a bound computed in float64; trained adapters
+    stay orders of magnitude below it (a base model's weights are mostly under 1). Weights of 1e30, say, are
+    finite in float32 but overflow the attention's scores on the first step: NaN there fails every step after.
+    """
+    for which, weight in (("lora_A", a), ("lora_B", b)):
+        if weight.is_floating_point() and not bool(torch.isfinite(weight.to(dtype)).all()):
+            raise LoRAConfigError(f"LoRA adapter {name!r}: layer {layer} {target} {which} holds values that are not "
+                                  f"finite in {str(dtype).removeprefix('torch.')} (nan, inf, or out of its range)")
+    bound = abs(scaling) * a.shape[0] * float(a.abs().max().double()) * float(b.abs().max().double())
+    if not bound <= MAX_WEIGHT_CHANGE:
+        raise LoRAConfigError(f"LoRA adapter {name!r}: layer {layer} {target} could change a weight by up to "
+                              f"{bound:.3g} (scaling x r x max|B| x max|A|), over the {MAX_WEIGHT_CHANGE:g} "
+                              "this server accepts: its values would overflow the activations")
 
 
 def expected_shapes(model_config: dict) -> dict[str, tuple[int, int]]:
@@ -126,12 +168,8 @@ def expected_shapes(model_config: dict) -> dict[str, tuple[int, int]]:
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
 
 
-def load_peft_adapter(path: str | pathlib.Path, name: str, model_config: dict, max_lora_rank: int,
-                      dtype: torch.dtype = torch.float32) -> PeftAdapter:
-    """Read and check an adapter for the base model of `model_config` (its config.json as a dict)."""
-    config = read_adapter_config(path, name)
-    rank, scaling = check_adapter_config(config, name, max_lora_rank)
-    shapes, num_layers = expected_shapes(model_config), model_config["num_hidden_layers"]
+def _read_weights(path, name: str, num_layers: int) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """{(layer, target): {"A": lora_A, "B": lora_B}} as the weights file holds them."""
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     with safe_open(pathlib.Path(path).expanduser() / WEIGHTS_FILE, framework="pt", device="cpu") as f:
         for key in f.keys():
@@ -144,17 +182,37 @@ def load_peft_adapter(path: str | pathlib.Path, name: str, model_config: dict, m
                 raise LoRAConfigError(f"LoRA adapter {name!r} was trained for another base model: it adapts "
                                       f"layer {layer}, this model has {num_layers}")
             parts.setdefault((layer, target), {})[match.group(4)] = f.get_tensor(key)
+    return parts
+
+
+def load_peft_adapter(path: str | pathlib.Path, name: str, model_config: dict, max_lora_rank: int,
+                      dtype: torch.dtype = torch.float32) -> PeftAdapter:
+    """Read and check an adapter for the base model of `model_config` (its config.json as a dict)."""
+    config = read_adapter_config(path, name)
+    rank, scaling = check_adapter_config(config, name, max_lora_rank)
+    shapes, num_layers = expected_shapes(model_config), model_config["num_hidden_layers"]
+    try:
+        parts = _read_weights(path, name, num_layers)
+    except (LoRAConfigError, MemoryError):
+        raise
+    except Exception as error:  # a truncated or malformed safetensors file, a file that went away
+        raise LoRAConfigError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} cannot be read: {error}") from None
     weights = {}
     for (layer, target), ab in sorted(parts.items()):
         if set(ab) != {"A", "B"}:
             raise LoRAConfigError(f"LoRA adapter {name!r}: layer {layer} {target} lacks lora_{({'A', 'B'} - set(ab)).pop()}")
         a, b = ab["A"], ab["B"]
+        if not (a.is_floating_point() and b.is_floating_point()):
+            raise LoRAConfigError(f"LoRA adapter {name!r}: layer {layer} {target} has weights of dtype "
+                                  f"{str(a.dtype).removeprefix('torch.')}/{str(b.dtype).removeprefix('torch.')}, "
+                                  "not floating point")
         in_features, out_features = shapes[target]
         if a.shape != (rank, in_features) or b.shape != (out_features, rank):
             raise LoRAConfigError(
                 f"LoRA adapter {name!r} was trained for another base model: layer {layer} {target} has lora_A "
                 f"{list(a.shape)} and lora_B {list(b.shape)}, this model needs [{rank}, {in_features}] and "
                 f"[{out_features}, {rank}]")
+        check_weight_values(name, layer, target, a, b, scaling, dtype)
         weights[(layer, target)] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
     if not weights:
         raise LoRAConfigError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")

@@ -254,10 +254,14 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
         intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size]
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The final hidden states; or, on a pipeline stage before the last, (hidden, residual) for the next
-        stage, which hands them back here as `intermediate` in place of the embedding."""
-        hidden, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
+        stage, which hands them back here as `intermediate` in place of the embedding. inputs_embeds: rows
+        in place of the lookup (transformers' `inputs_embeds`: these families scale nothing after it)."""
+        if inputs_embeds is None and intermediate is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        hidden, residual = (inputs_embeds, None) if intermediate is None else intermediate
         rope = self.rotary_emb.lookup(positions, hidden.dtype)  # the same rotation in every layer
         for layer, kv_cache in zip(self.stage_layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rope, kv_cache, metadata)

@@ -36,10 +36,21 @@ from tinyserve.models.packed_linear import pack_linear_weights, packs_weights, w
 from tinyserve.models.pipeline_parallel import PipelineStage
 from tinyserve.models.tensor_parallel import TensorParallel, checkpoint_slice
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# config.json's model_type -> the architecture transformers names for it (its "architectures").
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
+
+
+A_MODEL = "a model is a folder of config.json and *.safetensors, or a hub id already in the local Hugging Face cache"
+
+
+def _is_path(model: str) -> bool:
+    """Spelled as a path: a hub id is NAME or ORG/NAME, never /..., ./..., ~/... or A/B/C."""
+    return model.startswith(("/", ".", "~")) or model.count("/") > 1 or "\\" in model
 
 
 def resolve_model_path(model: str) -> pathlib.Path:
@@ -47,14 +58,20 @@ def resolve_model_path(model: str) -> pathlib.Path:
     folder = pathlib.Path(model).expanduser()
     if folder.is_dir():
         if not (folder / "config.json").is_file():
-            raise ValueError(f"model folder {str(folder)!r} has no config.json")
+            raise ValueError(f"model folder {str(folder)!r} has no config.json, so it is not a model; {A_MODEL}")
         return folder
+    if folder.exists():
+        raise ValueError(f"model {model!r} is a file, not a checkpoint folder; {A_MODEL}")
+    if _is_path(model):
+        raise ValueError(f"model {model!r}: no such folder; {A_MODEL}")
     try:
         snapshot = pathlib.Path(snapshot_download(model, local_files_only=True))
-    except (LocalEntryNotFoundError, HFValidationError):
+    except HFValidationError:
+        raise ValueError(f"model {model!r}: no such folder, and not a valid hub id; {A_MODEL}") from None
+    except LocalEntryNotFoundError:
         raise ValueError(
-            f"model {model!r}: no such folder, and not a hub id in the local Hugging Face "
-            f"cache. tinyserve never downloads; fetch it first (hf download {model})."
+            f"model {model!r}: no such folder, and not a hub id in the local Hugging Face cache. "
+            f"tinyserve never downloads; fetch it first: hf download {model}"
         ) from None
     if not (snapshot / "config.json").is_file():
         raise ValueError(f"model {model!r}: the cached snapshot {str(snapshot)!r} has no config.json")
@@ -110,6 +127,19 @@ def default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def check_architecture(config: dict, path: pathlib.Path) -> None:
+    """config.json (as read) names a model tinyserve serves; checked before any field of one is read."""
+    model_type = config.get("model_type")
+    if model_type in ARCHITECTURES:
+        return
+    architectures = ", ".join(config.get("architectures") or [])
+    given = f"{architectures} checkpoint (model_type {model_type!r})" if architectures else \
+        f"checkpoint of model_type {model_type!r}"
+    supported = ", ".join(f"{name} ({kind})" for kind, name in ARCHITECTURES.items())
+    raise ValueError(f"{path} holds a {given}, which tinyserve does not serve: it serves decoder-only text "
+                     f"models, {supported}")
 
 
 def check_supported(config, max_model_len: int) -> None:

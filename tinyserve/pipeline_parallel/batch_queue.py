@@ -13,13 +13,14 @@ engine keeps up to N batches in flight, and each step does one of two things:
               stage 1 │    │ B1 │ B2 │ B1'│ B2'        scheduler does not schedule a request
                                                        again while its batch is in flight
 
-A step is recorded from its batch's scheduling to its return (step_recorder.py's begin and
-finish), so the step spans of batches in flight together overlap: that overlap is the pipeline.
-EngineCore.step is untouched; this step replaces it as the engine's `step_fn` when the engine is
-built (attach.py), as vLLM picks its step function.
+It is built from EngineCore's two public halves, as vLLM's `step_with_batch_queue` is from its
+engine's: `schedule_step` (grammars, the scheduler, the bitmask) before a batch is submitted, and
+`finish_step` (the scheduler updated, the step's outputs) once it is back. A step is recorded from
+its batch's scheduling to its return, so the step spans of batches in flight together overlap:
+that overlap is the pipeline. EngineCore.step is untouched; this step is the engine's `step_fn`
+(layer.py), as vLLM picks its step function.
 """
 
-import time
 from collections import deque
 
 from tinyserve.engine.step_recorder import StepRecord
@@ -28,21 +29,20 @@ from tinyserve.wire.messages import EngineCoreOutputs
 
 class BatchQueue:
     def __init__(self, engine, size: int) -> None:
-        self.engine = engine  # EngineCore: its scheduler, model runner (a PipelineParallelRunner), recorder
+        self.engine = engine  # EngineCore: its step's halves, its model runner (a PipelineParallelRunner), recorder
         self.size = size  # batches in flight at most: the number of stages
         self.queue: deque[StepRecord] = deque()  # in flight, oldest first
 
     def step(self) -> EngineCoreOutputs | None:
         """Submit a new batch if there is room and work (None: no outputs yet, as vLLM's); else retire the
         oldest batch in flight and return its outputs."""
-        engine = self.engine
         if len(self.queue) < self.size:
             record = self._schedule_and_submit()
             if not record.scheduler_output.is_empty:
                 self.queue.append(record)
                 return None
             # An empty step, as the plain engine's: it told the stages of finished requests.
-            ended = engine.recorder.finish(record)
+            ended = self.engine.finish_step(record, None)
             if not self.queue:
                 return ended
             retired = self._retire()
@@ -53,19 +53,13 @@ class BatchQueue:
     def _schedule_and_submit(self) -> StepRecord:
         engine = self.engine
         record = engine.recorder.begin()
-        record.outputs = engine._wait_for_grammars()
-        scheduler_output = engine.scheduler.schedule()
-        engine.structured_output.grammar_bitmask(scheduler_output, engine.scheduler.requests)
-        record.scheduled(scheduler_output)
+        scheduler_output = engine.schedule_step(record)
         with record.executing():  # stage 0's layers; the later stages run on while the engine goes on
             engine.model_runner.submit(scheduler_output)
         return record
 
     def _retire(self) -> EngineCoreOutputs:
-        engine = self.engine
         record = self.queue.popleft()
-        scheduler_output = record.scheduler_output
-        runner_output = engine.model_runner.result(scheduler_output)  # waits for the last stage
-        record.executed_at = time.time()
-        record.outputs += engine.scheduler.update_from_output(scheduler_output, runner_output)
-        return engine.recorder.finish(record)
+        runner_output = self.engine.model_runner.result(record.scheduler_output)  # waits for the last stage
+        record.executed()
+        return self.engine.finish_step(record, runner_output)

@@ -28,7 +28,12 @@ class PipelineParallelRunner:
         workers.send(scheduler_output)
         started, waited = time.time(), link.recv_wait_s
         all_reduced = workers.tp.timer.seconds if workers.tp is not None else 0.0
-        self.runner.execute_model(scheduler_output)  # stage 0 samples nothing: its output is empty
+        try:
+            self.runner.execute_model(scheduler_output)  # stage 0 samples nothing: its output is empty
+        except Exception as error:
+            if workers.watchdog is not None and workers.watchdog.fired:  # stage 0's peers were killed: say why
+                raise RuntimeError(workers.watchdog.fired) from error
+            raise
         self.last_rank_times = None
         if workers.traced and not scheduler_output.is_empty:
             self._own_times[scheduler_output.step_id] = workers.placement.clock(started, workers.tp, all_reduced,
@@ -47,6 +52,7 @@ class PipelineParallelRunner:
 
     def warm_up(self) -> None:
         self.runner.warm_up()  # every rank runs the same dummy batch: the sends and receives pair up
+        self.workers.watch()
 
     def __getattr__(self, name):  # requests, kv_caches, ...: stage 0's
         return getattr(self.runner, name)

@@ -39,7 +39,7 @@ from tinyserve.engine.core.scheduler_output import SchedulerOutput
 from tinyserve.engine.worker.model_runner import ModelRunnerOutput
 from tinyserve.engine.worker.tensor_parallel_workers import bind_rank_sockets, bind_socket, check_split
 from tinyserve.engine.worker.tp_group import RENDEZVOUS_TIMEOUT_S, GroupTimer, host_store, join_store
-from tinyserve.engine.worker.tp_watchdog import rank_state
+from tinyserve.engine.worker.tp_watchdog import CollectiveWatchdog, rank_state
 from tinyserve.lifecycle.engine_records import RankTimes
 from tinyserve.lifecycle.tracing import tracing_enabled
 from tinyserve.models.pipeline_parallel import PipelineStage
@@ -135,6 +135,7 @@ class PipelineParallelWorkers:
             torch.set_num_threads(num_threads)
         self._wait_for_ranks()
         self.tp, self.link = self.placement.join(self._store)
+        self.watchdog: CollectiveWatchdog | None = None  # watch(), once every rank has warmed up
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(StageResult)
         self._arrived: dict[int, list[StageResult]] = {}  # step_id -> what has come back for it so far
@@ -156,6 +157,13 @@ class PipelineParallelWorkers:
                 self.shutdown()
                 raise RuntimeError(f"pipeline-parallel rank {rank} (stage {rank // self.placement.tp_size}) "
                                    f"{what} ({exit_reason(process.exitcode)})")
+
+    def watch(self) -> None:
+        """Stage 0's tensor-parallel peers hold rank 0 in its all-reduces, inside stage 0's part of a step, where
+        receive's bound never looks: the collective watchdog watches there (as under tensor parallelism alone).
+        Armed after the warm-up, whose first all-reduce waits for every rank to have loaded its layers."""
+        if self.tp is not None and self.watchdog_s > 0:
+            self.watchdog = CollectiveWatchdog(self.tp.timer, self.processes, self.watchdog_s)
 
     def start(self, num_blocks: int) -> None:
         """Tell every rank how many KV blocks to allocate (rank 0's count), and whether to report its clock."""
@@ -199,6 +207,8 @@ class PipelineParallelWorkers:
                             "the ranks were killed")
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
+        if getattr(self, "watchdog", None) is not None:
+            self.watchdog.stop()
         for socket in self._sockets:
             with contextlib.suppress(zmq.ZMQError):
                 socket.send(STOP, flags=zmq.NOBLOCK)

@@ -12,22 +12,37 @@ Each request goes to two servers, as vLLM's disaggregated proxy sends it
 
 A prefill that answers with an error is the client's answer as it is; one that ended before its
 length (EOS as the first token) hands nothing over, and the decode server computes the prompt itself.
+kv_transfer_params come from the prefill server only: a client's own are refused (400, app.py's
+request_object), where vLLM's proxy would pass them to the decode server when the prefill hands
+nothing over, and a decode server would pull K/V from wherever they point. The prefill's answer is
+read whole, at most MAX_BACKEND_ANSWER_BYTES of it.
 Each leg is a `tinyserve.route` span under the router's HTTP span, and its context goes to that server
 as `traceparent`: one trace holds the router, the prefill and the decode. Servers are taken in turn
-within each pool; one that cannot be reached is skipped for a while (backends.py), as in Router.
+within each pool; one that cannot be reached or fails is taken out until a health check finds it
+answering (backends.py, health.py), as in Router.
 """
 
 import itertools
 import json
 
+import httpx
 from opentelemetry import trace
 
 from tinyserve.lifecycle import schema
 from tinyserve.lifecycle.tracing import inject_context
-from tinyserve.router.app import Router, _end, _error, _finished, _json_object, _none_available, _route_span
+from tinyserve.router.app import Router, _end, _error, _finished, _none_available, _route_span, request_object
 from tinyserve.router.backends import Backend
+from tinyserve.router.defaults import MAX_BACKEND_ANSWER_BYTES
 from tinyserve.router.policies import Choice
-from tinyserve.router.proxy import BackendFailed, BackendUnreachable, forwarded_headers, open_response, pass_back
+from tinyserve.router.proxy import (
+    AnswerTooLarge,
+    BackendFailed,
+    BackendUnreachable,
+    forwarded_headers,
+    open_response,
+    pass_back,
+    read_bounded,
+)
 from tinyserve.entrypoints.api.load_reports import FORMAT_HEADER
 
 POLICY = "pd"
@@ -45,20 +60,21 @@ def prefill_body(body: dict) -> dict:
 class PDRouter(Router):
     """Prefill servers and decode servers; `dispatch` runs one request over one of each."""
 
-    def __init__(self, prefills: list[Backend], decodes: list[Backend]) -> None:
-        super().__init__([*prefills, *decodes], policy=None)
+    def __init__(self, prefills: list[Backend], decodes: list[Backend], **settings) -> None:
+        """settings: Router's (health, header_timeout_s)."""
+        super().__init__([*prefills, *decodes], policy=None, **settings)
         self.pools = {"prefill": prefills, "decode": decodes}
         self._turns = {leg: itertools.count() for leg in self.pools}
 
     async def dispatch(self, request) -> object:
-        body = _json_object(await request.body())
-        if not body:
-            return _error(400, "the request body must be a JSON object")
+        body = request_object(await request.body())
+        if not isinstance(body, dict):
+            return body  # the client's 400: not a JSON object, or its own kv_transfer_params
         prefill = await self._leg("prefill", request, prefill_body(body))
         if not isinstance(prefill, dict):
             return prefill  # the prefill server's error, or the router's
         params = prefill.get("kv_transfer_params")
-        decode = {**body, "kv_transfer_params": params} if params else body
+        decode = {**body, "kv_transfer_params": params} if isinstance(params, dict) and params else body
         return await self._leg("decode", request, decode)
 
     async def _leg(self, leg: str, request, body: dict):
@@ -74,19 +90,32 @@ class PDRouter(Router):
             backend.in_flight += 1
             backend.routed += 1
             try:
-                response = await open_response(self.client, backend, "POST", request.url.path, content, headers)
+                response = await open_response(self.client, backend, "POST", request.url.path, content, headers,
+                                               self.header_timeout_s)
             except (BackendUnreachable, BackendFailed) as error:
                 backend.in_flight -= 1
-                _end(span, 502, str(error))
+                status = error.status if isinstance(error, BackendFailed) else 502
+                _end(span, status, str(error))
                 if isinstance(error, BackendFailed):
-                    return _error(502, str(error))
+                    return _error(status, str(error))
                 unreachable.append(backend.url)
                 continue
             if leg == "decode" or response.status_code != 200:
-                return pass_back(response, FORMAT_HEADER in request.headers,
-                                 on_close=lambda b=backend, s=span, r=response: _finished(b, s, r.status_code))
-            answer = await response.aread()
-            await response.aclose()
-            _finished(backend, span, response.status_code)
-            return json.loads(answer)
+                return pass_back(response, backend, FORMAT_HEADER in request.headers,
+                                 on_close=lambda error, b=backend, s=span, r=response:
+                                 _finished(b, s, r.status_code, error))
+            return await self._prefill_answer(backend, span, response)
         return _error(503, _none_available(self.pools[leg], unreachable))
+
+    async def _prefill_answer(self, backend: Backend, span, response):
+        """The prefill server's answer as a dict, or the client's 502 if it is not a JSON object of a sane size."""
+        try:
+            answer = json.loads(await read_bounded(response, MAX_BACKEND_ANSWER_BYTES,
+                                                   f"prefill server {backend.url}'s answer"))
+            problem = None if isinstance(answer, dict) else f"prefill server {backend.url} answered with no JSON object"
+        except (AnswerTooLarge, ValueError, RecursionError, httpx.HTTPError) as error:
+            problem = f"prefill server {backend.url} failed: {error}"
+        finally:
+            await response.aclose()
+        _finished(backend, span, response.status_code, problem)
+        return answer if problem is None else _error(502, problem)

@@ -23,9 +23,11 @@ import httpx
 
 from tinyserve.lifecycle import schema
 from tinyserve.router.backends import Backend
+from tinyserve.router.defaults import DEFAULT_KV_INDEX_MAX_BLOCKS, MAX_BACKEND_ANSWER_BYTES
 from tinyserve.router.kv_index import KVIndex
 from tinyserve.router.policies import Choice, RoutedRequest, least_loaded
 from tinyserve.router.prefix_hashes import PromptHasher
+from tinyserve.router.proxy import AnswerTooLarge, read_bounded
 
 PENDING_S = 30.0
 MIN_MATCH_SHARE = 0.5
@@ -47,8 +49,9 @@ class PrefixAware:
         index.listeners.append(self._stored)
 
     @classmethod
-    def from_flags(cls, backends: list[Backend], endpoints: list[str], model: str, block_size: int) -> "PrefixAware":
-        return cls(backends, KVIndex(endpoints), PromptHasher(model, block_size))
+    def from_flags(cls, backends: list[Backend], endpoints: list[str], model: str, block_size: int,
+                   max_blocks: int = DEFAULT_KV_INDEX_MAX_BLOCKS) -> "PrefixAware":
+        return cls(backends, KVIndex(endpoints, max_blocks), PromptHasher(model, block_size))
 
     async def start(self) -> None:
         await self.index.start()
@@ -110,13 +113,16 @@ def block_size_in_metrics(text: str) -> int | None:
 
 
 async def backends_block_size(urls: list[str]) -> int:
-    """The KV block size the backends report on /metrics; DEFAULT_BLOCK_SIZE, with a warning, if none does."""
+    """The KV block size the backends report on /metrics (read up to MAX_BACKEND_ANSWER_BYTES);
+    DEFAULT_BLOCK_SIZE, with a warning, if none does."""
     sizes = {}
     async with httpx.AsyncClient(timeout=5.0) as client:
         for url in urls:
             try:
-                sizes[url] = block_size_in_metrics((await client.get(f"{url}/metrics")).text)
-            except httpx.HTTPError:
+                async with client.stream("GET", f"{url}/metrics") as answer:
+                    text = await read_bounded(answer, MAX_BACKEND_ANSWER_BYTES, f"{url}/metrics")
+                sizes[url] = block_size_in_metrics(text.decode(errors="replace"))
+            except (httpx.HTTPError, AnswerTooLarge):
                 sizes[url] = None
     known = {size for size in sizes.values() if size is not None}
     if len(known) > 1:

@@ -9,10 +9,12 @@ and shortened to the 64-bit int the KV events carry (kv_events/events.py). Only 
 are ever cached, so only they are hashed.
 """
 
+import json
+
 from tinyserve.engine.core.block_pool import BlockHash
 from tinyserve.kv_events.events import external_block_hash
 
-_MAX_PROMPT_CHARS = 1 << 20  # a bigger prompt is not hashed (the backend will refuse it anyway)
+_MAX_PROMPT_CHARS = 1 << 20  # a bigger prompt or chat is not hashed (the backend will refuse it anyway)
 
 
 class PromptHasher:
@@ -31,6 +33,8 @@ class PromptHasher:
         """The prompt's token ids as the backend will see them; None when there is no single prompt to read."""
         try:
             if path.endswith("/chat/completions"):
+                if len(json.dumps([body["messages"], body.get("tools")])) > _MAX_PROMPT_CHARS:
+                    return None  # rendering and tokenizing it would hold many times its size
                 return self.renderer.tokenize_chat(
                     body["messages"], fit_context=False, add_generation_prompt=body.get("add_generation_prompt", True),
                     continue_final_message=body.get("continue_final_message", False),

@@ -7,5 +7,5 @@
 
 Greedy requests get exactly the tokens of one-token-a-step decoding; sampled ones exactly the
 target's distribution. The engine's step is unchanged: the layer plugs in through
-SpecDecodeScheduler, SpecDecodeModelRunner and hooks (attach.py; docs/design.md).
+SpecDecodeScheduler, SpecDecodeModelRunner and hooks (layer.py; docs/design.md).
 """

@@ -31,14 +31,17 @@ class SpecDecodeModelRunner(ModelRunner):
         self.max_model_len = kwargs.get("max_model_len", 2048)
         self.proposer = make_proposer(self)  # after the target's KV pool: the draft's is sized from it
         self.rejection_sampler = RejectionSampler(self.sampler)
-        self.last_propose_s = 0.0  # the latest step's time proposing and verifying (the step span's)
-        self.last_verify_s = 0.0
+        # The latest step's time verifying and proposing (the step span's); None for a step that ran no
+        # forward pass (nothing scheduled: a step that only releases blocks), so no earlier step's time is told
+        self.last_propose_s: float | None = None
+        self.last_verify_s: float | None = None
 
     def warm_up(self) -> None:
         super().warm_up()
         self.proposer.warm_up()
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
+        self.last_propose_s = self.last_verify_s = None  # every step starts here, empty ones too
         super().update_states(scheduler_output)
         drafts = scheduler_output.scheduled_spec_decode_tokens
         for scheduled in scheduler_output.scheduled:

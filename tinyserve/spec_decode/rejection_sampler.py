@@ -74,7 +74,9 @@ class RejectionSampler:
                 continue
             if raw_logprobs is None:
                 raw_logprobs = torch.log_softmax(logits, dim=-1)  # reported before any processing, as sample's
-            logprobs.append([top_logprobs(raw_logprobs[first + j], token, num_top) for j, token in enumerate(tokens)])
+            asked = state.sampling_params.logprob_token_ids
+            logprobs.append([top_logprobs(raw_logprobs[first + j], token, num_top, asked)
+                             for j, token in enumerate(tokens)])
         return emitted, logprobs
 
     def _verify(self, rows: torch.Tensor, drafts: list[int], state: CachedRequestState) -> list[int]:

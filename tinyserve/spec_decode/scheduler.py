@@ -7,7 +7,7 @@ may cut drafts off). Three helpers change:
 
     _schedule_cached    the drafts that fit go to the worker in scheduled_spec_decode_tokens
     update_from_output  rejected drafts are taken back before the new tokens are appended:
-                        num_computed_tokens rolls back, the blocks only they reached are freed,
+                        num_computed_tokens rolls back, the blocks only they reached are freed (named in last_freed),
                         the counters (SpecDecodingStats) count; the worker's new drafts are kept
     _preempt            a preempted request's drafts are dropped (it is recomputed first)
 
@@ -27,8 +27,11 @@ class SpecDecodeScheduler(Scheduler):
         self.spec_stats = SpecDecodingStats(num_spec_tokens=num_speculative_tokens,
                                             num_accepted_tokens_per_pos=[0] * num_speculative_tokens)
         self._step_drafts: dict[str, list[int]] = {}
-        # request id -> [proposed, accepted] in the last step (the step span's, spec_decode/attach.py)
+        # request id -> [proposed, accepted] in the last step (the step span's, spec_decode/layer.py)
         self.last_verified: dict[str, tuple[int, int]] = {}
+        # request id -> the KV blocks its rollback freed in the last step (only rejected drafts reached them),
+        # for each request in last_verified: what the step span records so block tables can be rebuilt
+        self.last_freed: dict[str, list[int]] = {}
         # request id -> [proposed, accepted] over its life; moved to finished_totals as it finishes, where
         # the decode span's hook reads it (kept until the next update or abort)
         self.request_totals: dict[str, list[int]] = {}
@@ -66,14 +69,14 @@ class SpecDecodeScheduler(Scheduler):
         super()._finish(request, status)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output) -> list[EngineCoreOutput]:
-        self.last_verified, self.finished_totals = {}, {}
+        self.last_verified, self.last_freed, self.finished_totals = {}, {}, {}
         for request_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.is_finished:  # aborted while the step ran
                 continue
             num_accepted = len(model_runner_output.sampled_token_ids[request_id]) - 1
             request.num_computed_tokens -= len(drafts) - num_accepted
-            self.kv.free_tail(request)
+            self.last_freed[request_id] = self.kv.free_tail(request)
             self._count(len(drafts), num_accepted)
             totals = self.request_totals.setdefault(request_id, [0, 0])
             totals[0] += len(drafts)

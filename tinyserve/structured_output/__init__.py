@@ -39,6 +39,13 @@ class GrammarError(InvalidInputError):
         super().__init__(message, "structured_outputs")
 
 
+def compile_deadline_error(timeout_s: float) -> GrammarError:
+    """A constraint not checked and compiled within --structured-outputs-compile-timeout of the request's arrival
+    (the front end's check, then the engine's compile: input_processor.py, engine/structured_output.py)."""
+    return GrammarError(f"structured_outputs: the constraint was not compiled within {timeout_s:g} s "
+                        "(--structured-outputs-compile-timeout); a smaller schema or grammar compiles faster")
+
+
 def get_backend_module(name: str):
     """The module of backend `name`; a clear error if it is unknown or its library is not installed."""
     if name not in STRUCTURED_OUTPUT_BACKENDS:

@@ -20,8 +20,8 @@ inputs, its N PUSH sockets one to each client's output:
     api 1 ── PUSH api-1-input-0 ──┴──► engine 0 ────┴── PUSH ──► api-1-output (PULL, api 1)
 
 A request carries its `client_index`; the engine sends its outputs, and the answer to
-a UtilityCall, to that client only, and its stats, READY and FAILED to every client
-(engine/client_outputs.py).
+a UtilityCall, to that client only, and its stats, READY, FAILED and HEARTBEAT to every
+client (engine/client_outputs.py).
 
 Every message is two frames, `[kind, msgpack payload]`. The kind byte picks the
 one msgspec type the payload is decoded into; nothing is pickled, and bytes that
@@ -59,6 +59,7 @@ class EngineOutputKind(bytes, enum.Enum):
     READY = b"R"  # payload: EngineReady
     FAILED = b"F"  # payload: EngineFailed
     UTILITY_RESULT = b"U"  # payload: UtilityResult
+    HEARTBEAT = b"H"  # payload: EngineHeartbeat
 
 
 class EngineCoreAbort(msgspec.Struct, array_like=True):
@@ -94,6 +95,17 @@ class EngineFailed(msgspec.Struct, array_like=True):
     error: str
 
 
+class EngineHeartbeat(msgspec.Struct, array_like=True):
+    """The engine's loop turns: sent while it has requests and has sent nothing else for ENGINE_HEARTBEAT_S
+    (a grammar compiling, a KV transfer awaited), so that its silence means a step that never ends
+    (frontend/engine_watchdog.py)."""
+
+    engine_index: int
+
+
+ENGINE_HEARTBEAT_S = 1.0
+
+
 # The engine methods a client may call, and the type each one returns. Anything
 # else is refused: a utility call is not a way to run arbitrary code remotely.
 UTILITY_METHODS: dict[str, type] = {
@@ -112,6 +124,7 @@ OUTPUT_TYPES: dict[EngineOutputKind, type] = {
     EngineOutputKind.READY: EngineReady,
     EngineOutputKind.FAILED: EngineFailed,
     EngineOutputKind.UTILITY_RESULT: UtilityResult,
+    EngineOutputKind.HEARTBEAT: EngineHeartbeat,
 }
 
 

@@ -13,8 +13,31 @@ to decode instead of running code.
 import msgspec
 
 from tinyserve.pooling_params import PoolingParams
-from tinyserve.lora.request import LoRARequest
+from tinyserve.lora_request import LoRARequest
 from tinyserve.sampling_params import SamplingParams
+
+
+class ReasoningEnd(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Where a constrained request's reasoning ends, as the front end's reasoning parser (tinyserve/reasoning/)
+    hands it over when the prompt leaves the reasoning open: until one of end_token_ids is in the output the
+    model reasons freely, and its grammar starts with the token after it (vLLM's reasoning_ended).
+
+    masked_token_ids: tokens that would end the reasoning implicitly, the end being also the content's first
+    token (Qwen3's <tool_call>); no constraint here starts with one, so while the request reasons they are
+    masked, as vLLM masks such an end its grammar would not take."""
+
+    end_token_ids: list[int]
+    masked_token_ids: list[int] = []
+
+
+class PromptEmbeds(msgspec.Struct, array_like=True):
+    """A prompt given as embeddings (--enable-prompt-embeds: tinyserve/prompt_embeds/): one row per prompt
+    position, in place of the embedding of a token, as raw bytes (msgpack carries bytes as they are)."""
+
+    data: bytes  # rows x hidden_size values of `dtype`, row after row
+    rows: int
+    hidden_size: int
+    dtype: str  # torch's name without "torch.": "float32", "bfloat16", "float16"
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -32,6 +55,11 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     lora_request: LoRARequest | None = None  # the adapter it runs under (tinyserve/lora/); None: the base model
     # Which API process sent it (--api-server-count N: 0..N-1; vLLM's field): its outputs go back to that one.
     client_index: int = 0
+    # A constraint's grammar starts after the reasoning (ReasoningEnd); None: from the first output token.
+    reasoning_end: ReasoningEnd | None = None
+    # A prompt given as embeddings: prompt_token_ids are then `rows` placeholders (0s, as vLLM's), which
+    # the scheduler counts as the prompt's tokens and the model never looks up.
+    prompt_embeds: PromptEmbeds | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -57,6 +85,8 @@ class RequestTimes(msgspec.Struct, array_like=True, omit_defaults=True):
     structured_output_start: float | None = None
     structured_output_end: float | None = None
     structured_output_cache_hit: bool = False
+    # The output tokens before its grammar started: 0, or the reasoning and its end (a ReasoningEnd); -1: never
+    structured_output_grammar_start: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

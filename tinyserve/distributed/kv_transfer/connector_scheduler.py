@@ -5,7 +5,8 @@
     update_state_after_alloc     its blocks are allocated: pull the producer's blocks into them
     build_connector_meta         this step's receives and sends, for the worker side
     request_finished             a prefill asked for with {"do_remote_decode": true} that finished: keep its
-                                 blocks for the consumer, and say where they are (kv_transfer_params);
+                                 blocks for the consumer, and say where they are (kv_transfer_params,
+                                 signed with the shared secret: trust.py);
                                  a request aborted while its blocks are being written: keep them until
                                  the worker side is done with them
 
@@ -16,15 +17,17 @@ import time
 
 from tinyserve.distributed.kv_transfer.config import KVTransferConfig
 from tinyserve.distributed.kv_transfer.metadata import KVConnectorMetadata, RecvSpec, SendSpec, prompt_hash
+from tinyserve.distributed.kv_transfer.trust import sign_params
 from tinyserve.engine.core.request import Request, RequestStatus
 from tinyserve.utils import cdiv
 
 
 class KVConnectorSchedulerSide:
-    def __init__(self, config: KVTransferConfig, block_size: int) -> None:
+    def __init__(self, config: KVTransferConfig, block_size: int, side_channel: tuple[str, int]) -> None:
+        """side_channel: the worker side's address, bound (what a finished prefill's kv_transfer_params name)."""
         self.config = config
         self.block_size = block_size
-        self.side_channel: tuple[str, int] = (config.kv_ip, config.kv_port)  # the worker side's, once bound
+        self.side_channel = side_channel
         self._reqs_to_recv: list[RecvSpec] = []
         self._reqs_to_send: list[SendSpec] = []
         self.recving: set[str] = set()  # requests whose blocks a pull may be writing
@@ -45,7 +48,7 @@ class KVConnectorSchedulerSide:
         self._reqs_to_recv.append(RecvSpec(
             request.request_id, list(block_ids), params["remote_request_id"], list(params["remote_block_ids"]),
             params["remote_host"], params["remote_port"], prompt_hash(request.prompt_token_ids),
-            request.trace_context))
+            request.num_prompt_tokens, request.trace_context))
         self.recving.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
@@ -65,9 +68,12 @@ class KVConnectorSchedulerSide:
         self._reqs_to_send.append(SendSpec(request.request_id, block_ids, fingerprint,
                                            time.time() + self.config.abort_request_timeout, request.trace_context))
         host, port = self.side_channel
-        return True, {
+        params = {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.config.engine_id,
             "remote_host": host, "remote_port": port, "remote_block_ids": block_ids,
             "remote_request_id": request.request_id, "remote_num_tokens": request.num_prompt_tokens,
             "remote_prompt_hash": fingerprint, "kv_connector": self.config.kv_connector, "tp_size": 1,
         }
+        if self.config.shared_secret is not None:  # without it the request was refused at the door (params.py)
+            params["remote_signature"] = sign_params(self.config.shared_secret, params)
+        return True, params

@@ -16,11 +16,15 @@ died mid-transfer: the connection closes), when it cannot be reached, when the p
 (an unknown request, another prompt, another cache layout) or after transfer_timeout seconds. Its
 blocks are freed on both sides: here when the failure is reported, there when the deadline
 (abort_request_timeout) passes with nobody having pulled them.
+
+The side channel admits only peers holding the shared secret (ZeroMQ CURVE with a ZAP handler:
+trust.py), takes no frame over MAX_MESSAGE_BYTES (ZMQ_MAXMSGSIZE: libzmq drops the peer at the
+frame's header), and drops a malformed message (a wrong frame count, bytes that are no message),
+logged, and goes on serving. The consumer's side of a pull is pull.py.
 """
 
 import collections
 import concurrent.futures
-import contextlib
 import logging
 import threading
 import time
@@ -28,7 +32,6 @@ import time
 import msgspec
 import torch
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from tinyserve.distributed.kv_transfer import spans
 from tinyserve.distributed.kv_transfer.config import KVTransferConfig
@@ -36,23 +39,29 @@ from tinyserve.distributed.kv_transfer.metadata import (
     SIDE_CHANNEL_MESSAGE, KVConnectorMetadata, KVConnectorOutput, KVLayout, PullDone, PullReply, PullRequest,
     RecvSpec, SendSpec,
 )
+from tinyserve.distributed.kv_transfer.pull import MAX_MESSAGE_BYTES, pull_blocks
 from tinyserve.distributed.kv_transfer.transports import TRANSPORTS, KVTransferError
+from tinyserve.distributed.kv_transfer.trust import SECRET_ENV, SideChannelKeys
 
 logger = logging.getLogger(__name__)
 
 REGISTRATION_WAIT_S = 5.0  # a pull may come before the step that registers its request's send: it waits that long
 REMEMBERED = 4096  # requests whose blocks were sent or freed, remembered to refuse a late pull with the reason
 POLL_MS = 50  # how often the side channel looks at deadlines (and frees expired sends) when no message comes
-GONE_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
 
 
 class KVConnectorWorkerSide:
-    def __init__(self, config: KVTransferConfig, kv_caches: list[torch.Tensor], block_size: int) -> None:
+    def __init__(self, config: KVTransferConfig, kv_caches: list[torch.Tensor], block_size: int,
+                 on_finished=lambda: None) -> None:
+        """on_finished(): called from the transfer threads as one ends (the assembly's wake_loop: an idle
+        engine process steps to free or admit)."""
         self.config = config
         cache = kv_caches[0]
         self.layout = KVLayout(len(kv_caches), block_size, cache.shape[3], cache.shape[4], str(cache.dtype))
         self.transport = TRANSPORTS[config.kv_connector](kv_caches, config.kv_ip)
+        self.keys = SideChannelKeys(config.shared_secret)
         self.context = zmq.Context()
+        self._authenticator = self.keys.start_authenticator(self.context)  # ZAP: only the secret's holders
         self.encoder = msgspec.msgpack.Encoder()
         self._lock = threading.Lock()
         self._landed = threading.Event()  # a transfer ended: an idle step stops waiting
@@ -63,14 +72,19 @@ class KVConnectorWorkerSide:
         self._metadata: KVConnectorMetadata | None = None
         self._pulls = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kv-pull")
         self._server = self.context.socket(zmq.ROUTER)
+        self.keys.serve(self._server)
+        self._server.maxmsgsize = MAX_MESSAGE_BYTES
         port = config.kv_port or self._server.bind_to_random_port(f"tcp://{config.kv_ip}")
         if config.kv_port:
             self._server.bind(f"tcp://{config.kv_ip}:{port}")
         self.address = (config.kv_ip, port)
         self._stop = threading.Event()
-        self.on_finished = lambda: None  # called from the transfer threads as one ends (attach.py: wakes the loop)
+        self.on_finished = on_finished
         self._thread = threading.Thread(target=self._serve, name="kv-side-channel", daemon=True)
         self._thread.start()
+        if config.shared_secret is None:
+            logger.warning("KV connector without %s: kv_transfer_params are refused (no K/V is handed out or "
+                           "pulled); set it, the same, on every prefill and decode server", SECRET_ENV)
 
     # ---- vLLM's worker-side calls, around each step's forward pass ------------------------------
 
@@ -120,6 +134,7 @@ class KVConnectorWorkerSide:
         self._stop.set()
         self._thread.join(timeout=5)
         self._pulls.shutdown(wait=False, cancel_futures=True)
+        self._authenticator.stop()
         self.context.term()
         self.transport.close()
 
@@ -130,21 +145,37 @@ class KVConnectorWorkerSide:
         parked: list[tuple[float, bytes, PullRequest]] = []  # pulls that came before their request finished
         try:
             while not self._stop.is_set():
-                if self._server.poll(POLL_MS):
-                    identity, payload = self._server.recv_multipart()
-                    try:
-                        message = decoder.decode(payload)
-                    except msgspec.DecodeError as error:
-                        logger.warning("KV side channel: dropped a malformed message: %s", error)
-                        continue
+                if self._server.poll(POLL_MS) and (received := self._receive(decoder)) is not None:
+                    identity, message = received
                     if isinstance(message, PullDone):
                         self._sent(message.request_id)
                     else:
                         parked.append((time.monotonic() + REGISTRATION_WAIT_S, identity, message))
-                parked = [item for item in parked if not self._answer(*item)]
+                parked = [item for item in parked if not self._answered(*item)]
                 self._expire_sends()
         finally:
             self._server.close(linger=0)
+
+    def _receive(self, decoder) -> tuple[bytes, PullRequest | PullDone] | None:
+        """(the peer's identity, its message); None for a malformed one, logged and dropped."""
+        frames = self._server.recv_multipart()
+        if len(frames) != 2:  # the peer's identity, then one message
+            logger.warning("KV side channel: dropped a message of %d frames (a pull or a done is one)",
+                           len(frames) - 1)
+            return None
+        try:
+            return frames[0], decoder.decode(frames[1])
+        except msgspec.DecodeError as error:
+            logger.warning("KV side channel: dropped a malformed message: %s", error)
+            return None
+
+    def _answered(self, deadline: float, identity: bytes, pull: PullRequest) -> bool:
+        """_answer, and an answer that fails is logged and dropped: the side channel goes on serving."""
+        try:
+            return self._answer(deadline, identity, pull)
+        except Exception:  # noqa: BLE001 - one pull's failure (its consumer times out) must not end the thread
+            logger.exception("KV side channel: could not answer the pull of request %s", pull.request_id)
+            return True
 
     def _answer(self, deadline: float, identity: bytes, pull: PullRequest) -> bool:
         """Answer a pull if its request is registered (True); past its deadline, refuse it."""
@@ -217,7 +248,7 @@ class KVConnectorWorkerSide:
     def _pull(self, spec: RecvSpec) -> None:
         start, num_bytes, error = time.time(), 0, None
         try:
-            num_bytes = self._pull_blocks(spec)
+            num_bytes = pull_blocks(self, spec)
         except Exception as failure:  # noqa: BLE001 - whatever it was, the request fails with it, named
             error = str(failure) if isinstance(failure, KVTransferError) else f"{type(failure).__name__}: {failure}"
             error = f"the KV transfer from {spec.remote_host}:{spec.remote_port} failed: {error}"
@@ -230,38 +261,3 @@ class KVConnectorWorkerSide:
         self.on_finished()
         spans.transfer_span("consumer", spec, start, time.time(), len(spec.local_block_ids), num_bytes,
                             self.config.kv_connector, error)
-
-    def _pull_blocks(self, spec: RecvSpec) -> int:
-        socket = self.context.socket(zmq.DEALER)
-        monitor = socket.get_monitor_socket(GONE_EVENTS)
-        try:
-            socket.connect(f"tcp://{spec.remote_host}:{spec.remote_port}")
-            socket.send(self.encoder.encode(PullRequest(spec.remote_request_id, spec.remote_block_ids,
-                                                        spec.prompt_hash, self.layout, self.config.kv_connector)))
-            frames = self._await_reply(socket, monitor)
-            reply = msgspec.msgpack.decode(frames[0].bytes, type=PullReply)
-            if reply.error is not None:
-                raise KVTransferError(reply.error)
-            num_bytes = self.transport.receive(reply, frames[1:], spec.local_block_ids, spec.remote_block_ids)
-            socket.send(self.encoder.encode(PullDone(spec.remote_request_id)))
-            return num_bytes
-        finally:
-            with contextlib.suppress(zmq.ZMQError):  # the context may be ending (close): the sockets close all the same
-                socket.disable_monitor()
-            monitor.close(linger=0)
-            socket.close(linger=1000)  # PullDone still leaves
-
-    def _await_reply(self, socket: zmq.Socket, monitor: zmq.Socket) -> list:
-        poller = zmq.Poller()
-        poller.register(socket, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        deadline = time.monotonic() + self.config.transfer_timeout
-        while (left := deadline - time.monotonic()) > 0:
-            ready = dict(poller.poll(left * 1000))
-            if socket in ready:
-                return socket.recv_multipart(copy=False)
-            if monitor in ready:
-                event = recv_monitor_message(monitor)["event"]
-                what = "could not be reached" if event == zmq.EVENT_CONNECT_RETRIED else "went away mid-transfer"
-                raise KVTransferError(f"the prefill engine {what}")
-        raise KVTransferError(f"no answer within {self.config.transfer_timeout:g} s (transfer_timeout)")

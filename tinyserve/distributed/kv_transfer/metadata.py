@@ -28,6 +28,7 @@ class RecvSpec(msgspec.Struct, array_like=True):
     remote_host: str
     remote_port: int
     prompt_hash: str
+    num_tokens: int  # the prompt's: the slots of the received blocks checked before they are used
     trace_context: dict[str, str] = {}
 
 

@@ -17,9 +17,11 @@ IDLE_WAIT_S = 0.02
 
 
 class KVConnectorModelRunner(ModelRunner):
-    def __init__(self, *args, kv_transfer_config: KVTransferConfig, **kwargs) -> None:
+    def __init__(self, *args, kv_transfer_config: KVTransferConfig, on_transfer_finished, **kwargs) -> None:
+        """on_transfer_finished(): a transfer ended, from its thread (wakes an idle engine process's loop)."""
         super().__init__(*args, **kwargs)
-        self.connector = KVConnectorWorkerSide(kv_transfer_config, self.kv_caches, self.block_size)
+        self.connector = KVConnectorWorkerSide(kv_transfer_config, self.kv_caches, self.block_size,
+                                               on_transfer_finished)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         connector = self.connector

@@ -31,15 +31,19 @@ def not_waiting_for_remote_kvs(request: Request, scheduler) -> bool:
 
 
 class KVConnectorScheduler(Scheduler):
-    def __init__(self, *args, connector: KVConnectorSchedulerSide, **kwargs) -> None:
+    def __init__(self, *args, connector: KVConnectorSchedulerSide, transfers_ended, **kwargs) -> None:
+        """transfers_ended(): whether the worker side has transfers that ended, for the next step to free or
+        admit (the connector's worker side's has_finished_transfers)."""
         super().__init__(*args, **kwargs)
         self.connector = connector
         self.admission_gates.append(not_waiting_for_remote_kvs)
         self.held: dict[str, Request] = {}  # finished, their blocks kept while a transfer uses them
         self._params_out: dict[str, dict] = {}  # a finished prefill's kv_transfer_params, for its output
-        self.num_received_tokens: dict[str, int] = {}  # a landed request's tokens it did not compute (spans)
-        # Whether the worker side has transfers that ended, for the next step to free or admit (attach.py)
-        self.transfers_ended = lambda: False
+        # A landed request's tokens it did not compute, while it runs; moved to finished_received_tokens as it
+        # finishes, where the step's prefill span attributes read them (layer.py), kept until the next step.
+        self.num_received_tokens: dict[str, int] = {}
+        self.finished_received_tokens: dict[str, int] = {}
+        self.transfers_ended = transfers_ended
 
     @property
     def has_finished_requests(self) -> bool:
@@ -72,6 +76,7 @@ class KVConnectorScheduler(Scheduler):
         return super()._computed_blocks(request)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output) -> list[EngineCoreOutput]:
+        self.finished_received_tokens = {}
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if model_runner_output.kv_connector_output is not None:
             outputs += self._update_from_kv_xfer_finished(model_runner_output.kv_connector_output)
@@ -102,6 +107,16 @@ class KVConnectorScheduler(Scheduler):
         request.num_computed_tokens = request.num_tokens - 1
         request.status = RequestStatus.WAITING
         self.num_received_tokens[request.request_id] = request.num_computed_tokens
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        self.finished_received_tokens = {}
+        return super().abort_requests(request_ids)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        received = self.num_received_tokens.pop(request.request_id, None)
+        if received is not None:
+            self.finished_received_tokens[request.request_id] = received
+        super()._finish(request, status)
 
     def _release(self, request_id: str) -> None:
         request = self.held.pop(request_id, None)

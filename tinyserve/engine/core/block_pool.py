@@ -52,7 +52,7 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, event_sink=None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -60,8 +60,9 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached_blocks: dict[BlockHash, KVBlock] = {}
-        # Told block_stored(hash), block_removed(hash), all_cleared(): kv_events/recorder.py's recorder.
-        self.event_sink = None
+        # Told block_stored(hash), block_removed(hash), all_cleared(): KV cache events' recorder, given at
+        # assembly (tinyserve/kv_events/); None: nobody listens.
+        self.event_sink = event_sink
 
     @property
     def num_free_blocks(self) -> int:

@@ -20,12 +20,14 @@ from tinyserve.engine.core.request import Request
 from tinyserve.utils import cdiv
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
+                 event_sink=None) -> None:
+        """event_sink: told of every block cached or evicted (block_pool.py), or None."""
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, event_sink)
         self.req_to_blocks: dict[str, list[KVBlock]] = defaultdict(list)
         self.req_to_hashes: dict[str, list[BlockHash]] = defaultdict(list)
         self.req_num_cached_blocks: dict[str, int] = defaultdict(int)
@@ -111,16 +113,18 @@ class KVCacheManager:
         self.req_to_hashes.pop(request.request_id, None)
         self.req_num_cached_blocks.pop(request.request_id, None)
 
-    def free_tail(self, request: Request) -> None:
+    def free_tail(self, request: Request) -> list[int]:
         """Free the blocks past the request's computed tokens: those that only rejected speculative
-        drafts reached (spec_decode/). Never prefix-cached: only blocks full of known tokens are."""
+        drafts reached (spec_decode/). Never prefix-cached: only blocks full of known tokens are.
+        Returns the ids of the blocks freed, in table order (the step span records them)."""
         blocks = self.req_to_blocks.get(request.request_id)
         keep = self.blocks_needed(request.num_computed_tokens)
         if blocks is None or len(blocks) <= keep:
-            return
+            return []
         tail = blocks[keep:]
         del blocks[keep:]
         self.pool.free_blocks(list(reversed(tail)))
+        return [block.block_id for block in tail]
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -16,14 +16,16 @@ computes the newest token and samples the next one ("decode").
 """
 
 import enum
+import functools
+import hashlib
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import msgspec
 
-from tinyserve.lora.request import LoRARequest, block_hash_root
-from tinyserve.wire.messages import EngineCoreRequest, RequestTimes
+from tinyserve.lora_request import LoRARequest
+from tinyserve.wire.messages import EngineCoreRequest, PromptEmbeds, ReasoningEnd, RequestTimes
 from tinyserve.pooling_params import PoolingParams
 from tinyserve.sampling_params import SamplingParams
 
@@ -58,6 +60,8 @@ class Request:
     pooling_params: PoolingParams | None = None  # a pooling request: a vector, no tokens (pooling_scheduler.py)
     lora_request: LoRARequest | None = None
     client_index: int = 0  # the API process that sent it (vLLM's field; engine/client_outputs.py routes by it)
+    reasoning_end: ReasoningEnd | None = None  # its grammar starts after the reasoning ends (None: at once)
+    prompt_embeds: PromptEmbeds | None = None  # its prompt as embeddings (tinyserve/prompt_embeds/), else None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -82,6 +86,11 @@ class Request:
         self.kv_transfer_params = dict(extra_args["kv_transfer_params"]) \
             if extra_args.get("kv_transfer_params") is not None else None
         self.times = RequestTimes(arrival_time=self.arrival_time, queued_time=time.time())
+        # Structured outputs after a reasoning parser's reasoning (vLLM's reasoning_ended): until the end token
+        # is sampled, the grammar neither masks (engine/structured_output.py) nor advances (append_output_token).
+        self.reasoning_ended = self.reasoning_end is None
+        if not self.reasoning_ended:
+            self.times.structured_output_grammar_start = -1
         self.stop_token_ids = set(self.sampling_params.stop_token_ids or ())
         if not self.sampling_params.ignore_eos:
             self.stop_token_ids.update(self.eos_token_ids)
@@ -115,19 +124,49 @@ class Request:
 
     @property
     def block_hash_root(self) -> bytes:
-        """What the prefix cache chains the first block's hash from: the adapter's identity, or b""."""
-        return block_hash_root(self.lora_request)
+        """What the prefix cache chains the first block's hash from: b"" for the base model.
+
+        An adapter changes every K and V, so the same prompt under two adapters (or under one
+        and the base model) is different KV: its blocks must never be shared. The adapter's
+        id, name and path all go into the root, so a name loaded again from elsewhere gets
+        its own blocks too.
+
+        A prompt given as embeddings has placeholder token ids (all 0): two such prompts would hash
+        alike whatever their rows. The SHA-256 of its rows goes into the root, so only the same
+        embeddings share blocks (vLLM hashes them into each block's key; here, into the chain's start).
+        """
+        lora = self.lora_request
+        root = b"" if lora is None else f"lora\x00{lora.lora_int_id}\x00{lora.lora_name}\x00{lora.lora_path}".encode()
+        if self.prompt_embeds is not None:
+            root += b"embeds\x00" + self._embeds_digest
+        return root
+
+    @functools.cached_property
+    def _embeds_digest(self) -> bytes:
+        return hashlib.sha256(self.prompt_embeds.data).digest()
 
     @property
     def waiting_for_grammar(self) -> bool:
         return self.grammar is not None and not self.grammar.done()
 
     def append_output_token(self, token_id: int, now: float) -> None:
-        grammar = self.grammar.result() if self.grammar is not None else None
-        if grammar is not None and not grammar.is_terminated:  # the sampler kept to its bitmask: it accepts
-            grammar.accept(token_id)  # (once ended, only EOS was allowed: ignore_eos goes on with EOS)
+        if self.grammar is not None:
+            self._advance_grammar(token_id)
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if self.times.first_token_time is None:
             self.times.first_token_time = now
         self.times.token_times.append(now)
+
+    def _advance_grammar(self, token_id: int) -> None:
+        """The sampled token into the request's grammar, which accepts it: the sampler kept to its bitmask (once
+        the grammar ended, only EOS was allowed: ignore_eos goes on with EOS). While the reasoning is open the
+        token is only looked at: the one that ends the reasoning starts the grammar with the next token."""
+        if not self.reasoning_ended:
+            if token_id in self.reasoning_end.end_token_ids:
+                self.reasoning_ended = True
+                self.times.structured_output_grammar_start = self.num_output_tokens + 1
+            return
+        grammar = self.grammar.result()
+        if not grammar.is_terminated:
+            grammar.accept(token_id)

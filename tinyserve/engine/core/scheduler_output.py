@@ -31,8 +31,9 @@ tokens it sampled itself.
 from dataclasses import dataclass, field
 
 from tinyserve.pooling_params import PoolingParams
-from tinyserve.lora.request import LoRARequest
+from tinyserve.lora_request import LoRARequest
 from tinyserve.sampling_params import SamplingParams
+from tinyserve.wire.messages import PromptEmbeds
 
 
 @dataclass(slots=True)
@@ -62,6 +63,7 @@ class NewRequestData(ScheduledRequest):
     output_token_ids: list[int]  # empty, unless resumed after a preemption
     pooling_params: PoolingParams | None = None  # a pooling request's (pooling_runner.py)
     lora_request: LoRARequest | None = None  # its adapter (tinyserve/lora/), None: the base model
+    prompt_embeds: PromptEmbeds | None = None  # its prompt as embeddings (tinyserve/prompt_embeds/)
 
     @property
     def num_cached_tokens(self) -> int:

@@ -56,6 +56,9 @@ class ModelInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # flat index of the last token of each sampling request
     sampling_request_ids: list[str]
+    # [num_tokens, hidden_size]: what the model reads in place of its embedding lookup, or None (it looks
+    # input_ids up): a layer's rows for the batch (prompt embeddings: tinyserve/prompt_embeds/)
+    inputs_embeds: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -81,6 +84,10 @@ class ModelRunner:
         # Layers beside the model that must see each batch as it is flattened (LoRA: lora/manager.py),
         # each hook(scheduled requests, their states), called at the end of prepare_inputs.
         self.input_hooks: list = []
+        # Layers that give some positions' input rows themselves (prompt embeddings: tinyserve/prompt_embeds/):
+        # each hook(scheduled requests, their states, input_ids on the device) -> ModelInputs.inputs_embeds or
+        # None; the first that answers is the batch's.
+        self.embeds_hooks: list = []
 
     @staticmethod
     def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -100,7 +107,7 @@ class ModelRunner:
             state = self.requests.get(new.request_id)
             if state is None:
                 state = CachedRequestState(new.request_id, new.prompt_token_ids, new.sampling_params, new.eos_token_ids,
-                                           lora_request=new.lora_request)
+                                           lora_request=new.lora_request, prompt_embeds=new.prompt_embeds)
                 self.requests[new.request_id] = state
             state.output_token_ids = list(new.output_token_ids)  # empty, unless resumed after a preemption
             state.block_ids = list(new.block_ids)
@@ -141,12 +148,16 @@ class ModelRunner:
         )
         for hook in self.input_hooks:
             hook(scheduled_requests, states)
+        input_ids = on_device(input_ids, torch.int64)
+        inputs_embeds = next((rows for hook in self.embeds_hooks
+                              if (rows := hook(scheduled_requests, states, input_ids)) is not None), None)
         return ModelInputs(
-            input_ids=on_device(input_ids, torch.int64),
+            input_ids=input_ids,
             positions=on_device(positions, torch.int64),
             metadata=metadata,
             logits_indices=on_device(logits_indices, torch.int64),
             sampling_request_ids=sampling_ids,
+            inputs_embeds=inputs_embeds,
         )
 
     def warm_up_step(self) -> SchedulerOutput:
@@ -235,9 +246,12 @@ class ModelRunner:
         return result
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """The model over the batch: a decode step's recorded graph where one fits (the graphs look token ids
+        up themselves, so not with a layer's rows), else the model itself."""
         graphs = self.decode_graphs
-        if (graphs is not None and inputs.metadata.is_decode_only
+        if (graphs is not None and inputs.metadata.is_decode_only and inputs.inputs_embeds is None
                 and graphs.bucket_for(inputs.metadata.num_seqs) is not None):
             self.num_graph_steps += 1
             return graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata,
+                          inputs_embeds=inputs.inputs_embeds)

@@ -1,7 +1,8 @@
 """What starts tensor-parallel ranks 1..N-1 for tensor_parallel_workers.py, by --distributed-executor-backend.
 
-    mp   (the default) each rank a child process of the engine process, on its machine
-    ray  each rank a Ray actor, in a placement group, on any node (distributed/ray_ranks.py)
+    mp   (the default) each rank a child process of the engine process, on its machine: ProcessRanks
+    ray  each rank a Ray actor, in a placement group, on any node (distributed/ray_ranks.py, the Ray
+         layer's launcher, handed over by the assembly)
 
 Either way a rank runs the same `run_worker`, joins the same torch.distributed group through
 rank 0's store at `host`, and comes back as something with a child process's face
@@ -10,7 +11,6 @@ rank 0's store at `host`, and comes back as something with a child process's fac
 
 import os
 
-from tinyserve.config import EngineArgs
 from tinyserve.engine.child_process import ChildProcess
 from tinyserve.utils import sigint_ignored
 
@@ -31,12 +31,3 @@ class ProcessRanks:
 
     def shutdown(self) -> None:
         pass
-
-
-def rank_launcher(args: EngineArgs, engine_index: int):
-    """What starts ranks 1..N-1: ProcessRanks, or Ray actors (distributed/ray_ranks.py)."""
-    if args.distributed_executor_backend == "ray" and args.tensor_parallel_size > 1:
-        from tinyserve.distributed.ray_ranks import RayRanks
-
-        return RayRanks(args, engine_index)
-    return ProcessRanks()

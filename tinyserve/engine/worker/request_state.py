@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tinyserve.lora.request import LoRARequest
+from tinyserve.lora_request import LoRARequest
 from tinyserve.sampling_params import SamplingParams
+from tinyserve.wire.messages import PromptEmbeds
 
 
 @dataclass(slots=True, eq=False)
@@ -38,6 +39,7 @@ class CachedRequestState:
     lora_request: LoRARequest | None = None  # its adapter (tinyserve/lora/manager.py reads it)
     # Speculative decoding: this step's drafts, fed after the known tokens (SchedulerOutput.scheduled_spec_decode_tokens)
     spec_token_ids: list[int] = field(default_factory=list)
+    prompt_embeds: PromptEmbeds | None = None  # its prompt as embeddings (tinyserve/prompt_embeds/ reads them)
 
     @property
     def num_output_tokens(self) -> int:

@@ -77,7 +77,8 @@ class Sampler:
 
         token_ids = sampled.tolist()
         logprobs = [
-            top_logprobs(raw_logprobs[row], token_ids[row], p.logprobs) if p.logprobs is not None else None
+            top_logprobs(raw_logprobs[row], token_ids[row], p.logprobs, p.logprob_token_ids)
+            if p.logprobs is not None else None
             for row, p in enumerate(params)
         ]
         return token_ids, logprobs
@@ -201,8 +202,10 @@ def apply_top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def top_logprobs(logprobs: torch.Tensor, sampled_token: int, num_top: int) -> TokenLogprobs:
-    """The sampled token's logprob and rank, followed by the num_top most likely tokens.
+def top_logprobs(logprobs: torch.Tensor, sampled_token: int, num_top: int,
+                 asked: list[int] | None = None) -> TokenLogprobs:
+    """The sampled token's logprob and rank, followed by the num_top most likely tokens, or with `asked`
+    (vLLM's logprob_token_ids) by exactly those tokens, in the order asked, each with its own rank.
 
     The rank counts the tokens at least as likely as the sampled one (vLLM's rule: a tie
     ranks the sampled token last among equals).
@@ -210,6 +213,11 @@ def top_logprobs(logprobs: torch.Tensor, sampled_token: int, num_top: int) -> To
     sampled_logprob = logprobs[sampled_token]
     rank = int((logprobs >= sampled_logprob).sum())
     token_ids, values, ranks = [sampled_token], [float(sampled_logprob)], [rank]
+    if asked:
+        index = torch.tensor(asked, device=logprobs.device)
+        chosen = logprobs[index]
+        ranks += (logprobs[None, :] >= chosen[:, None]).sum(dim=-1).tolist()
+        return TokenLogprobs(token_ids=token_ids + list(asked), logprobs=values + chosen.tolist(), ranks=ranks)
     if num_top > 0:
         top_values, top_ids = logprobs.topk(num_top)
         token_ids += top_ids.tolist()

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import zmq
 
 from tinyserve.config import EngineArgs, ModelInfo
-from tinyserve.engine.worker.rank_launchers import rank_launcher
+from tinyserve.engine.worker.rank_launchers import ProcessRanks
 from tinyserve.engine.worker.tp_group import RENDEZVOUS_TIMEOUT_S, host_store, join_group, join_store, rank_device
 from tinyserve.engine.worker.tp_watchdog import CollectiveWatchdog
 from tinyserve.engine.core.scheduler_output import SchedulerOutput
@@ -87,14 +87,15 @@ def bind_rank_sockets(context: zmq.Context, host: str, size: int) -> tuple[list[
 class TensorParallelWorkers:
     """Rank 0's side: start ranks 1..N-1, join the group, then send each step to them."""
 
-    def __init__(self, args: EngineArgs, model_info: ModelInfo, engine_index: int) -> None:
+    def __init__(self, args: EngineArgs, model_info: ModelInfo, engine_index: int, launcher=None) -> None:
+        """launcher: what starts ranks 1..N-1 (a layer's: Ray actors); None: this process's children."""
         check_devices(args)
         if dist.is_initialized():  # torch.distributed has one default group per process
             raise ValueError("a tensor-parallel engine is already running in this process: shut it down first "
                              "(LLM.shutdown())")
         check_split(model_info.path, args.tensor_parallel_size)  # before any process starts
         self.size = args.tensor_parallel_size
-        launcher = self._launcher = rank_launcher(args, engine_index)  # processes, or Ray actors
+        launcher = self._launcher = launcher or ProcessRanks()  # processes, or Ray actors
         host = launcher.host
         store = self._store = host_store(host, self.size)
         self._context = zmq.Context()
@@ -119,8 +120,14 @@ class TensorParallelWorkers:
         self._wait_for_ranks()
         self.tp = join_group(0, self.size, store, rank_device(args, engine_index, 0))
         self._encoder = msgspec.msgpack.Encoder()
-        self.watchdog = CollectiveWatchdog(self.tp.timer, self.processes, args.tensor_parallel_watchdog_s) \
-            if args.tensor_parallel_watchdog_s > 0 and self.processes else None
+        self.watchdog_s = args.tensor_parallel_watchdog_s
+        self.watchdog: CollectiveWatchdog | None = None  # watch(), once every rank has warmed up
+
+    def watch(self) -> None:
+        """Start the collective watchdog. Not before warm-up: rank 0 meets the others' first all_reduce
+        only once each has loaded its shard, which on a slow machine takes longer than the bound."""
+        if self.watchdog_s > 0 and self.processes:
+            self.watchdog = CollectiveWatchdog(self.tp.timer, self.processes, self.watchdog_s)
 
     def _wait_for_ranks(self) -> None:
         """Until every rank is about to join the group; RuntimeError at once if one has died. (Joining
@@ -213,6 +220,7 @@ class TensorParallelRunner:
 
     def warm_up(self) -> None:
         self.runner.warm_up()  # every rank warms up with the same dummy step: their collectives pair up
+        self.workers.watch()  # every rank has answered once: from now on a silent one is stuck
 
     def __getattr__(self, name):  # requests, kv_caches, num_graph_steps, ...: rank 0's
         return getattr(self.runner, name)

@@ -79,6 +79,8 @@ def install_error_handlers(app: FastAPI, metrics) -> None:
 
     @app.exception_handler(RequestRejectedError)
     async def on_rejected(request: Request, error: RequestRejectedError):
+        if getattr(error, "reason", None) is not None:  # the waiting queue was full (not a drain)
+            metrics.record_admission_rejection(error.reason)
         return error_response(request.url.path, 503, str(error), headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.exception_handler(ValueError)

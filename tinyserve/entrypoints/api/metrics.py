@@ -37,6 +37,7 @@ labels, reads best in one place (speculative decoding's own counters: spec_decod
 """
 
 import contextlib
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from tinyserve.entrypoints.api.defaults import DEFAULT_METRICS_PREFIX  # the CLI shows it too
 from tinyserve.entrypoints.api.http_metrics import HttpMetrics
 from tinyserve.spec_decode.metrics import SpecDecodeCounters
 from tinyserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, RequestTimes
@@ -60,9 +62,9 @@ ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 N_BUCKETS = (1, 2, 5, 10, 20)
 PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 
-DEFAULT_METRICS_PREFIX = "tinyserve"
 WAITING_REASON_CAPACITY = "capacity"  # vLLM's reasons (vllm/v1/metrics/loggers.py)
 WAITING_REASON_DEFERRED = "deferred"
+ENGINE_LABELS = ("model_name", "engine")  # the labels of every engine metric, in vLLM's order
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -115,19 +117,39 @@ class ServerMetrics:
         self.model_name = model_name
         self.engine_indices = list(engine_indices)
         self.prefix = prefix
-        labels = ["model_name", "engine"]
-        token_buckets = build_1_2_5_buckets(max_model_len)
+        # Registered in this order, which is the order /metrics lists them in.
+        self._add_scheduler_gauges()
+        self._add_counters()
+        self._add_request_histograms(build_1_2_5_buckets(max_model_len))
+        self._add_latency_histograms()
+        # Requests the server failed (a 500, its traceback in the server log), by path: a bad request is a 4xx
+        # and is not counted here, so that monitoring sees the server's own faults.
+        self.server_errors = Counter(f"{prefix}:server_errors", "Requests answered 500 (internal errors), by path.",
+                                     ["path"], registry=self.registry)
+        self.http = HttpMetrics(self.registry)  # filled by http_metrics.HttpMetricsMiddleware
+        self.cache_config_info = None  # set once the engines report their KV pools (record_cache_config)
+        self.spec_decode = SpecDecodeCounters(prefix, self.registry, ENGINE_LABELS)  # registered once used
+        self._clocks: dict[str, _RequestClock] = {}
+        self._parents: dict[str, _Parent] = {}
+        self._awaiting_engine_times: dict[str, tuple] = {}  # finished here on a stop string: id → labels
+        self._counters = {i: _EngineCounters() for i in self.engine_indices}
+        self._zero_scheduler_gauges()
 
-        def gauge(name, doc, extra=()):
-            return Gauge(f"{prefix}:{name}", doc, labels + list(extra), registry=self.registry,
-                         multiprocess_mode="mostrecent")
+    # ---- the metric families, by group (each labelled model_name, engine) ------------------------------
 
-        def counter(name, doc, extra=()):
-            return Counter(f"{prefix}:{name}", doc, labels + list(extra), registry=self.registry)
+    def _gauge(self, name: str, doc: str, extra=()) -> Gauge:
+        return Gauge(f"{self.prefix}:{name}", doc, [*ENGINE_LABELS, *extra], registry=self.registry,
+                     multiprocess_mode="mostrecent")
 
-        def histogram(name, doc, buckets):
-            return Histogram(f"{prefix}:{name}", doc, labels, buckets=buckets, registry=self.registry)
+    def _counter(self, name: str, doc: str, extra=()) -> Counter:
+        return Counter(f"{self.prefix}:{name}", doc, [*ENGINE_LABELS, *extra], registry=self.registry)
 
+    def _histogram(self, name: str, doc: str, buckets) -> Histogram:
+        return Histogram(f"{self.prefix}:{name}", doc, list(ENGINE_LABELS), buckets=buckets, registry=self.registry)
+
+    def _add_scheduler_gauges(self) -> None:
+        """What each engine's scheduler reports with every step: its queues and its KV cache's fill."""
+        gauge = self._gauge
         self.num_requests_running = gauge("num_requests_running", "Requests in the engine's running set.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.num_requests_waiting_by_reason = gauge(
@@ -135,6 +157,10 @@ class ServerMetrics:
             "scheduled; 'deferred' = not schedulable yet (structured-output grammar still compiling). The reasons "
             "sum to num_requests_waiting.", ["reason"])
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
+
+    def _add_counters(self) -> None:
+        """Running totals: the engines' prefix cache and preemptions, then the tokens and requests served."""
+        counter = self._counter
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
@@ -143,6 +169,10 @@ class ServerMetrics:
                                             "prefix cache (not computed).")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = counter("request_success", "Finished requests, by finish reason.", ["finished_reason"])
+
+    def _add_request_histograms(self, token_buckets: list[int]) -> None:
+        """Sizes: tokens per engine step, and per finished request its tokens, preemptions and parameters."""
+        histogram = self._histogram
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine step (prompt tokens of "
                                           "requests reaching their first token, plus generated).",
                                           ITERATION_TOKENS_BUCKETS)
@@ -161,6 +191,10 @@ class ServerMetrics:
         self.request_max_num_generation_tokens = histogram(
             "request_max_num_generation_tokens", "Most tokens generated by one of a request's n samples.",
             token_buckets)
+
+    def _add_latency_histograms(self) -> None:
+        """Times: first the front-end clock's (arrival, tokens, finish), then the engine clock's phases."""
+        histogram = self._histogram
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between two output tokens.",
                                              TOKEN_LATENCY_BUCKETS)
@@ -176,40 +210,53 @@ class ServerMetrics:
                                       REQUEST_LATENCY_BUCKETS)
         self.decode_time = histogram("request_decode_time_seconds", "Engine: first token to finish.",
                                      REQUEST_LATENCY_BUCKETS)
-        # Requests the server failed (a 500, its traceback in the server log), by path: a bad request is a 4xx
-        # and is not counted here, so that monitoring sees the server's own faults.
-        self.server_errors = Counter(f"{prefix}:server_errors", "Requests answered 500 (internal errors), by path.",
-                                     ["path"], registry=self.registry)
-        self.http = HttpMetrics(self.registry)  # filled by http_metrics.HttpMetricsMiddleware
-        self.cache_config_info = None  # set once the engines report their KV pools (record_cache_config)
-        self.spec_decode = SpecDecodeCounters(prefix, self.registry, labels)  # registered once used (spec_decode/)
-        self._clocks: dict[str, _RequestClock] = {}
-        self._parents: dict[str, _Parent] = {}
-        self._awaiting_engine_times: dict[str, tuple] = {}  # finished here on a stop string: id → labels
-        self._counters = {i: _EngineCounters() for i in self.engine_indices}
-        for engine in self.engine_indices:  # make every series visible from the start
+
+    def _zero_scheduler_gauges(self) -> None:
+        """Every engine's gauge series is visible from the start, at 0, before its first report."""
+        for engine in self.engine_indices:
             for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc):
-                metric.labels(model_name, str(engine)).set(0)
+                metric.labels(self.model_name, str(engine)).set(0)
             for reason in (WAITING_REASON_CAPACITY, WAITING_REASON_DEFERRED):
-                self.num_requests_waiting_by_reason.labels(model_name, str(engine), reason).set(0)
+                self.num_requests_waiting_by_reason.labels(self.model_name, str(engine), reason).set(0)
 
     def render(self) -> bytes:
+        self.admission_rejections  # noqa: B018 -- registered (at 0) by the first scrape, as vLLM's are at start
         if not self.multiprocess:
             return generate_latest(self.registry)
         registry = CollectorRegistry()
         MultiProcessCollector(registry)  # every API process's files, this one's included
         return generate_latest(registry)
 
-    def record_cache_config(self, engine_args, num_kv_blocks: list[int]) -> None:
-        """vLLM's cache_config_info: a gauge at 1 whose labels are the KV cache's configuration, per engine."""
+    @functools.cached_property
+    def admission_rejections(self) -> dict:
+        """vLLM's admission_rejections_total: requests refused because a queue limit was reached, by reason
+        (here max_num_queued_reqs alone: --max-waiting-requests; vLLM's max_num_queued_tokens never applies)."""
+        counter = Counter(f"{self.prefix}:admission_rejections",
+                          "Number of admission attempts rejected by a queue limit, by reason.",
+                          ["model_name", "reason"], registry=self.registry)
+        return {reason: counter.labels(self.model_name, reason)
+                for reason in ("max_num_queued_reqs", "max_num_queued_tokens")}
+
+    def record_admission_rejection(self, reason: str) -> None:
+        self.admission_rejections[reason].inc()
+
+    def record_cache_config(self, engine_args, num_kv_blocks: list[int], max_model_len: int | None = None) -> None:
+        """vLLM's cache_config_info: a gauge at 1 whose labels are the KV cache's configuration, per engine;
+        with max_model_len, vLLM's kv_cache_size_tokens and kv_cache_max_concurrency: how many requests of the
+        whole context the pool holds at once (its blocks over a context's blocks), and as many contexts' tokens."""
         info = {"block_size": engine_args.block_size, "enable_prefix_caching": engine_args.enable_prefix_caching,
                 "gpu_memory_utilization": engine_args.gpu_memory_utilization, "cache_dtype": engine_args.kv_cache_dtype}
+        capacity = ["kv_cache_size_tokens", "kv_cache_max_concurrency"] if max_model_len else []
         self.cache_config_info = Gauge(f"{self.prefix}:cache_config_info",
                                        "Information of the engine's KV cache config.",
-                                       [*info, "num_gpu_blocks", "engine"], registry=self.registry,
+                                       [*info, "num_gpu_blocks", *capacity, "engine"], registry=self.registry,
                                        multiprocess_mode="mostrecent")
         for engine, num_blocks in zip(self.engine_indices, num_kv_blocks, strict=True):
             values = {name: str(value) for name, value in info.items()}
+            if max_model_len:
+                concurrency = num_blocks / -(-max_model_len // engine_args.block_size)
+                values |= {"kv_cache_size_tokens": str(int(concurrency * max_model_len)),
+                           "kv_cache_max_concurrency": str(concurrency)}
             self.cache_config_info.labels(**values, num_gpu_blocks=str(num_blocks), engine=str(engine)).set(1)
         if getattr(engine_args, "speculative_config", None) is not None:  # visible before the first draft
             self.spec_decode.register()

@@ -30,12 +30,24 @@ from tinyserve.entrypoints.api.tools.structured_protocol import (
     check_tool_choice,
 )
 from tinyserve.errors import InvalidInputError
-from tinyserve.sampling_params import MAX_NUM_BAD_WORDS, SamplingParams
+from tinyserve.sampling_params import MAX_LOGPROB_TOKEN_IDS, MAX_NUM_BAD_WORDS, SamplingParams
 
 # Seeds and priorities cross to the engine as 64-bit integers. The bound is the largest float below 2**63
 # rather than 2**63 itself: a JSON Schema validator comparing numbers as floats reads 2**63 + 100 as 2**63,
 # so /openapi.json states a bound every validator holds exactly, and the server keeps the same one.
 INT64 = 2**63 - 1024
+# A seed is any int64, as vLLM takes it (clients send 2**63 - 1): there the document states the exact bounds,
+# which a float-comparing validator reads as +-2**63.
+SEED = {"ge": -(2**63), "le": 2**63 - 1}
+
+
+def exact_seed_bounds(schemas: dict, variants) -> None:
+    """FastAPI writes SEED's bounds into /openapi.json as floats (+-2**63), which would let 2**63 through: they
+    are written back as the integers they are. variants: a property's alternatives (openapi._variants)."""
+    for name in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest"):
+        for variant in variants(schemas.get(name, {}).get("properties", {}).get("seed") or {}):
+            if variant.get("type") == "integer":
+                variant["minimum"], variant["maximum"] = -(2**63), 2**63 - 1
 
 
 class StreamOptions(StrictBody):
@@ -60,6 +72,10 @@ class ChatMessage(StrictBody):
     name: Text | None = None
     tool_calls: list[AssistantToolCall] | None = None  # an assistant turn's calls
     tool_call_id: Text | None = None  # a tool turn: the call it answers
+    # An assistant turn's reasoning (vLLM 0.33's name; reasoning_content, its older one), handed to the
+    # template under both names, as vLLM does: a reasoning model's template may show it again
+    reasoning: Text | None = None
+    reasoning_content: Text | None = None
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> "ChatMessage":
@@ -80,14 +96,17 @@ class ChatMessage(StrictBody):
             message["tool_calls"] = [call.as_template_call() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None and self.role == "assistant":
+            message["reasoning"] = message["reasoning_content"] = reasoning
         return message
 
 
 def token_id_keys(logit_bias: dict | None) -> dict | None:
-    """logit_bias's keys must be token ids ("42"), as OpenAI sends them."""
-    for key in logit_bias or ():
-        if not (key.isascii() and key.isdigit()) or int(key) >= INT64:
-            raise ValueError(f"keys must be token ids, got {key!r}")
+    """logit_bias's keys must be token ids ("42"), as OpenAI sends them; every key that is not is named, as vLLM does."""
+    bad = [key for key in logit_bias or () if not (key.isascii() and key.isdigit()) or int(key) >= INT64]
+    if bad:
+        raise ValueError(f"keys must be token ids; these cannot be converted to integer token IDs: {bad!r}")
     return logit_bias
 
 
@@ -101,7 +120,7 @@ class SamplingFields(ConstrainedFields):
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    seed: int | None = Field(None, **SEED)
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -114,6 +133,10 @@ class SamplingFields(ConstrainedFields):
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, lt=2**31)
+    # vLLM's: keep this many tokens of a longer prompt (a chat's: of the rendered conversation; -1: as many as
+    # the context takes), from truncation_side's end ("left", the default, keeps the last ones); truncation.py
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, lt=INT64)
+    truncation_side: Literal["left", "right"] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=-INT64, lt=INT64)
@@ -121,6 +144,11 @@ class SamplingFields(ConstrainedFields):
     prompt_logprobs: int | None = Field(None, ge=-1, lt=2**31)  # of every prompt token after the first; -1: all
     # vLLM's: logprob tokens named "token_id:N"; None: as the server's --return-tokens-as-token-ids
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: the answer carries the prompt's token ids (prompt_token_ids) and each choice's (token_ids), streamed
+    # too: the prompt's with a choice's first chunk, each chunk's own tokens with it
+    return_token_ids: bool | None = None
+    # vLLM's: with logprobs, exactly these tokens' logprobs at each position (after the sampled token's), not the top
+    logprob_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = Field(None, max_length=MAX_LOGPROB_TOKEN_IDS)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # {"token id": bias}
     # only these may be sampled (empty: nothing could be, a 400 as in vLLM)
     allowed_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = Field(None, min_length=1)
@@ -148,6 +176,8 @@ class SamplingFields(ConstrainedFields):
     def _stream_options_need_stream(self) -> "SamplingFields":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be given with stream=true")
+        if self.logprob_token_ids and (self.logprobs is None or self.logprobs is False):  # as vLLM
+            raise InvalidInputError("when using `logprob_token_ids`, `logprobs` must be set", "logprob_token_ids")
         return self
 
     @field_validator("prompt_logprobs")
@@ -178,7 +208,8 @@ class SamplingFields(ConstrainedFields):
             min_tokens=self.min_tokens,
             stop=stop or None,
             ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
+            logprobs=0 if self.logprob_token_ids and logprobs is not None else logprobs,
+            logprob_token_ids=self.logprob_token_ids or None,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=value("repetition_penalty"),
@@ -217,6 +248,11 @@ class ChatCompletionRequest(SamplingFields):
     # (an assistant message the reply continues), as vLLM's echo does
     echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking)
+    # With --reasoning-parser (tinyserve/reasoning/): the effort goes to the template as vLLM renders it
+    # (reasoning_effort, and enable_thinking false for "none"), and include_reasoning false leaves the
+    # reasoning out of the answer. Without one there is no reasoning to read, and both change nothing.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    include_reasoning: bool = True
     tools: list[Tool] | None = Field(None, max_length=128)  # OpenAI's limit: each is shown to the template
     tool_choice: ToolChoice | None = None  # with tools: "auto" when left out, as OpenAI's
     parallel_tool_calls: bool = True
@@ -270,7 +306,22 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     refused_fields: ClassVar[str] = "completions"
-    prompt: Text | list[Text] | list[int] | list[list[int]]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_prompt(cls, data):
+        """No prompt and no prompt_embeds (an empty list, vLLM's clients send it): the prompt is what is missing,
+        in vLLM's words."""
+        if isinstance(data, dict) and data.get("prompt") in (None, "") and data.get("prompt_embeds") in (None, []):
+            raise InvalidInputError("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+        if isinstance(data, dict) and data.get("prompt_embeds") not in (None, []) and data.get("echo"):
+            raise InvalidInputError("Echo is unsupported with prompt embeds.", "echo")  # vLLM's words
+        return data
+
+    prompt: Text | list[Text] | list[int] | list[list[int]] | None = None
+    # --enable-prompt-embeds (tinyserve/prompt_embeds/): each a torch.save'd tensor [num_tokens, hidden_size] in
+    # base64, one prompt each, answered before the prompts of `prompt` (as vLLM orders them)
+    prompt_embeds: str | list[str] | None = None
     echo: bool = False
     max_tokens: int | None = Field(16, ge=0)  # 0 with echo: score the prompt, generate nothing (as vLLM)
     logprobs: int | None = Field(None, ge=-1, lt=2**31)  # as chat's top_logprobs: -1 is the whole vocabulary
@@ -289,13 +340,16 @@ class CompletionRequest(SamplingFields):
 
     @property
     def prompts(self) -> list:
-        """Always a list of prompts: strings or token-id lists."""
+        """Always a list of prompts: {"prompt_embeds": base64} dicts first, then strings or token-id lists."""
+        embeds = [self.prompt_embeds] if isinstance(self.prompt_embeds, str) else self.prompt_embeds or []
         prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if prompt and all(isinstance(t, int) for t in prompt):
-            return [prompt]
-        return list(prompt)
+        if prompt is None:
+            texts = []
+        elif isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            texts = [prompt]
+        else:
+            texts = list(prompt)
+        return [{"prompt_embeds": e} for e in embeds] + texts
 
 
 class TokenizeRequest(StrictBody):

@@ -1,26 +1,25 @@
 """The OpenAPI document (/openapi.json), made to say what the server really answers.
 
-FastAPI documents what a route returns and a 422 for a body it cannot
-validate. This server answers that 400, in the endpoint's own error format, and
-much else FastAPI cannot see: the 401 of --api-key, the 404 of an unknown
-model, the 408/413/415 of the body checks, the 503 (with Retry-After when the
-queue is full) of an overloaded server or a dead engine, an event stream for
-stream=true, the Prometheus text of /metrics, the small JSON of /health and
-/load, the ORCA load report a request may ask for (load_reports.py), and
-the field limits a request must keep. `make_truthful` adds all that to the
-document FastAPI generates, once, the first time it is asked for.
+FastAPI documents what a route returns and a 422 for a body it cannot validate. This server answers that
+400, in the endpoint's own error format, and much else FastAPI cannot see: the 401 of --api-key, the 404 of
+an unknown model, the 408/413/415 of the body checks, the 503 (with Retry-After when the queue is full) of
+an overloaded server or a dead engine, an event stream for stream=true, the Prometheus text of /metrics, the
+small JSON of /health and /load, the ORCA load report a request may ask for (load_reports.py), and the field
+limits a request must keep. `make_truthful` adds all that to the document FastAPI generates, once, the first
+time it is asked for.
 
-What no document can say is whether a prompt fits the context once tokenized, whether
-a tool_choice names one of the request's tools, whether a tool call's arguments
-string is JSON, or how long a schema takes to compile: a request the schema allows
-may still be refused with a 400 that names the field at fault, and the 400's
-description says so. Token ids are bounded by the vocabulary in the document too.
+What no document can say is whether a prompt fits the context once tokenized, whether a tool_choice names
+one of the request's tools, whether a tool call's arguments string is JSON, or how long a schema takes to
+compile: a request the schema allows may still be refused with a 400 that names the field at fault, and the
+400's description says so. Token ids are bounded by the vocabulary, and seeds exactly by int64's bounds.
 """
 
 from fastapi import FastAPI
 
 from tinyserve.entrypoints.api.errors import is_anthropic_path
+from tinyserve.entrypoints.api.guards.auth import needs_api_key
 from tinyserve.entrypoints.api.guards.field_limits import FieldLimits
+from tinyserve.entrypoints.api.openai_protocol import exact_seed_bounds
 
 OPENAI_ERROR = {
     "type": "object", "required": ["error"],
@@ -123,7 +122,7 @@ def _complete(document: dict, *, model_names: list[str] | None, api_key: bool, f
             if path in GENERATION_PATHS or path in POOLING_PATHS:
                 responses["503"] = _error("the waiting queue is full (with Retry-After), the server is shutting "
                                           "down, or the engine died", path, RETRY_AFTER)
-            if path.startswith("/v1") and api_key:
+            if api_key and needs_api_key(path):
                 responses["401"] = _error("the API key is missing or wrong", path)
                 operation["security"] = [{"bearer": []}, {"x-api-key": []}]
     document["paths"]["/health"]["get"]["responses"] = {
@@ -145,6 +144,7 @@ def _complete(document: dict, *, model_names: list[str] | None, api_key: bool, f
         "the id is not of the form this server gives (resp_ and 32 hexadecimal digits)", "/v1/responses/{response_id}")
     _write_limits(schemas, field_limits)
     _write_rules(schemas, auto_tool_choice)
+    exact_seed_bounds(schemas, _variants)
     if model_names is None:  # adapters may be loaded at run time: any name may be served later
         return
     [model_id] = document["paths"]["/v1/models/{model_id}"]["get"]["parameters"]
@@ -280,16 +280,15 @@ def _write_rules(schemas: dict, auto_tool_choice: bool = True) -> None:
         schemas["TokenizeRequest"]["oneOf"] = [
             {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
             {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]
-    for variant in _variants(schemas["CompletionRequest"]["properties"]["prompt"]):  # an empty prompt is a 400
-        if variant.get("type") == "string":
-            variant["minLength"] = 1
-        elif variant.get("type") == "array":
-            variant["minItems"] = 1
-            items = variant.get("items", {})
-            if items.get("type") == "string":
-                items["minLength"] = 1
-            elif items.get("type") == "array":
-                items["minItems"] = 1
+    # An empty prompt or input is a 400: a text, a list, an item of one. (The Responses API takes "", not [].)
+    for name, field in (("CompletionRequest", "prompt"), ("EmbeddingRequest", "input"), ("PoolingRequest", "input"),
+                        ("ResponsesRequest", "input")):
+        for variant in _variants(schemas.get(name, {}).get("properties", {}).get(field, {})):
+            for node in [variant] if name == "ResponsesRequest" else [variant, variant.get("items", {})]:
+                if node.get("type") == "array":
+                    node["minItems"] = 1
+                elif node.get("type") == "string" and name != "ResponsesRequest":
+                    node["minLength"] = 1
     for name, field in (("MessagesRequest", "stop_sequences"), ("ChatCompletionRequest", "stop"),
                         ("CompletionRequest", "stop")):
         for variant in _variants(schemas.get(name, {}).get("properties", {}).get(field, {})):

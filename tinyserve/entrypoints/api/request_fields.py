@@ -43,9 +43,6 @@ def _tools_unused(value, body: dict) -> bool:
     return value is None or value == [] or body.get("tool_choice") == "none"
 
 
-# What a model that does not reason takes in `reasoning` without it changing the answer: an effort (how
-# long a reasoning model thinks, as chat's reasoning_effort) and a summary of "auto" (whichever the model has).
-_REASONING_EFFORTS = (None, "none", "minimal", "low", "medium", "high", "xhigh", "max")
 # What `include` may name without it changing the answer: output of items this server never makes
 # (hosted tools' calls, reasoning items) and of input images, which it does not take.
 _NEVER_MADE = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
@@ -53,15 +50,8 @@ _NEVER_MADE = ("file_search_call.results", "web_search_call.results", "web_searc
                "code_interpreter_call.outputs", "reasoning.encrypted_content")
 
 
-def _no_reasoning_asked(value, body: dict) -> bool:
-    return value is None or (isinstance(value, dict) and set(value) <= {"effort", "summary", "generate_summary"}
-                             and value.get("effort") in _REASONING_EFFORTS
-                             and value.get("summary") in (None, "auto") and value.get("generate_summary") in (None, "auto"))
-
-
-def _nothing_included(value, body: dict) -> bool:
-    return value is None or (isinstance(value, list) and all(isinstance(item, str) and item in _NEVER_MADE
-                                                             for item in value))
+# What Responses' `include` may name: the output's logprobs (implemented), and the items never made.
+INCLUDABLE = ("message.output_text.logprobs", *_NEVER_MADE)
 
 
 _STRUCTURED = {
@@ -79,13 +69,10 @@ _VLLM_EXTRAS = {
     "length_penalty": Refused("it applies to beam search, which there is none of", (None, 1.0, 1)),
     "spaces_between_special_tokens": Refused("special tokens are detokenized without spaces added",
                                              (None, True)),
-    "truncate_prompt_tokens": Refused("prompts are never truncated; a prompt that does not fit is a 400"),
     "logits_processors": Refused("no custom logits processors"),
-    "return_token_ids": Refused("the answer does not carry token ids", (None, False)),
     "cache_salt": Refused("the prefix cache is shared by all requests: it has no salt to isolate them"),
     "vllm_xargs": Refused("no extension reads extra arguments"),
     "mm_processor_kwargs": Refused("only text models are served"),
-    "prompt_embeds": Refused("prompts are text or token ids, not embeddings"),
 }
 _OPENAI_NO_EFFECT = {
     "metadata": "tags for a hosted API's dashboard",
@@ -111,10 +98,10 @@ REFUSED: dict[str, dict[str, Refused]] = {
         "web_search_options": Refused("no web search"),
         "moderation": Refused("no moderation"),
         "verbosity": Refused("the model has no verbosity to set"),
-        "include_reasoning": Refused("reasoning is not parsed out of the answer", (None, True)),
         "add_special_tokens": Refused("the chat template adds the special tokens", (None, False)),
         "documents": Refused("no documents for a template's retrieval section"),
         "chat_template": Refused("a chat template sent with the request is not accepted; the model's is used"),
+        "prompt_embeds": Refused("a chat is messages; /v1/completions takes prompt_embeds", (None, [])),
     },
     "completions": {
         **_VLLM_EXTRAS,
@@ -134,15 +121,9 @@ REFUSED: dict[str, dict[str, Refused]] = {
         "kv_transfer_params": Refused("disaggregated prefill is served on /v1/completions and /v1/chat/completions"),
     },
     "responses": {
-        "reasoning": Refused("reasoning is not parsed out of the answer, so there is none to summarize: an effort "
-                             "and a summary of \"auto\" are accepted, and change nothing for a model that does not "
-                             "reason, as in vLLM", asks_nothing=_no_reasoning_asked),
-        "include": Refused("no logprobs in Responses answers; the other items it names are never made here, and "
-                           "are accepted", asks_nothing=_nothing_included),
         "background": Refused("no background responses", (None, False)),
         "conversation": Refused("conversations are not stored; use previous_response_id"),
         "prompt": Refused("no stored prompt templates"),
-        "top_logprobs": Refused("no logprobs in Responses answers", (None, 0)),
         "context_management": Refused("no context management"),
         "image": Refused("no image generation"),
         "moderation": Refused("no moderation"),
@@ -151,7 +132,6 @@ REFUSED: dict[str, dict[str, Refused]] = {
         "access_programs": Refused("no access programs"),
         # vLLM's extras of its ResponsesRequest that tinyserve does not implement
         **{name: _VLLM_EXTRAS[name] for name in ("mm_processor_kwargs", "cache_salt", "vllm_xargs")},
-        "enable_response_messages": Refused("the answer does not carry the raw messages", (None, False)),
         "previous_input_messages": Refused("gpt-oss's harmony messages; use previous_response_id, or give the "
                                            "conversation as input items"),
         "previous_response": Refused("gpt-oss's stateless continuation; use previous_response_id, or give the "
@@ -160,13 +140,7 @@ REFUSED: dict[str, dict[str, Refused]] = {
 }
 # vLLM's extras of its embedding and pooling requests that tinyserve does not implement.
 _POOLING_REFUSED = {
-    "truncate_prompt_tokens": _VLLM_EXTRAS["truncate_prompt_tokens"],
-    "messages": Refused("embeddings of chat messages are not computed here: render the conversation and send it "
-                        "as input"),
-    "embed_dtype": Refused("embeddings are float32", (None, "float32")),
-    "endianness": Refused("base64 embeddings are little-endian", (None, "native", "little")),
-    "activation": Refused("an embedding model has no activation to apply", (None, False)),
-    "use_activation": Refused("an embedding model has no activation to apply", (None, False)),
+    "activation": Refused("vLLM's older name: give use_activation"),
     **{name: _VLLM_EXTRAS[name] for name in ("mm_processor_kwargs", "cache_salt", "vllm_xargs")},
 }
 REFUSED["embeddings"] = _POOLING_REFUSED
@@ -176,11 +150,7 @@ REFUSED["pooling"] = _POOLING_REFUSED
 _CHAT_AND_COMPLETIONS_NO_EFFECT = {name: why for name, why in _OPENAI_NO_EFFECT.items() if name != "request_id"}
 
 NO_EFFECT: dict[str, dict[str, str]] = {
-    "chat": {
-        **_CHAT_AND_COMPLETIONS_NO_EFFECT,
-        "reasoning_effort": "how long a reasoning model thinks: a model that does not reason answers the same, "
-                            "as in vLLM (a template's own switch, enable_thinking say, goes in chat_template_kwargs)",
-    },
+    "chat": _CHAT_AND_COMPLETIONS_NO_EFFECT,
     "completions": _CHAT_AND_COMPLETIONS_NO_EFFECT,
     "messages": {
         "metadata": "the caller's user id, for a hosted API's abuse monitoring",

@@ -1,8 +1,9 @@
 """The FastAPI app: routes, authentication, error bodies, health and metrics.
 
 Handlers live in serving_chat.py (chat), serving_completion.py,
-responses_serving.py, anthropic_serving.py and serving_tokenization.py; this file wires
-them to URLs and makes sure that every failure, including a malformed body,
+responses_serving.py, anthropic_serving.py and serving_tokenization.py (SageMaker's
+/invocations, which picks chat or completions, in sagemaker_serving.py); this file wires
+them to URLs, one group at a time (build_app), and makes sure that every failure, including a malformed body,
 answers in the endpoint's own error format with a 4xx/5xx status, and never
 with a traceback. A request passes, outermost first:
 
@@ -16,15 +17,12 @@ with a traceback. A request passes, outermost first:
 """
 
 import gc
-import json
 import logging
 from contextlib import asynccontextmanager
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 from fastapi import FastAPI, Path, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
 import tinyserve
 from tinyserve.entrypoints.api import serving_tokenization
@@ -60,11 +58,13 @@ from tinyserve.entrypoints.api.request_ids import RequestIdMiddleware
 from tinyserve.entrypoints.api.other_apis.responses_protocol import RESPONSE_ID_PATTERN, ResponsesRequest, ResponseStore
 from tinyserve.entrypoints.api.other_apis.responses_serving import create_response
 from tinyserve.entrypoints.api.other_apis.lora_serving import add_lora_routes, lora_model_cards
+from tinyserve.entrypoints.api.other_apis.sagemaker_serving import add_invocations_route
 from tinyserve.lifecycle.http_spans import TracingMiddleware
 from tinyserve.lora.registry import runtime_lora_updating_allowed
 from tinyserve.lifecycle.tracing import shutdown_tracing
 
 logger = logging.getLogger("tinyserve.api")
+
 
 def build_app(
     ctx: ServingContext,
@@ -75,12 +75,37 @@ def build_app(
     field_limits: FieldLimits = FieldLimits(),
     track_server_load: bool = False,
 ) -> FastAPI:
+    """The app, assembled in the order a reader needs it: the routes (added in the order they are matched
+    and listed in /openapi.json), their truthful schema, then the middleware around them."""
+    app = FastAPI(title="tinyserve", version=tinyserve.__version__, lifespan=serving_lifespan(ctx, metrics))
+    app.state.ctx = ctx
+    app.state.metrics = metrics
+
+    install_error_handlers(app, metrics)  # every error in the endpoint's own format (error_handlers.py)
+
+    bodies = BodyTypes.bound(field_limits)
+    server_load = ServerLoad(track_server_load)
+    add_generation_routes(app, ctx, bodies)
+    add_model_routes(app, ctx)
+    add_status_routes(app, ctx, metrics, server_load)
+    add_pooling_and_token_routes(app, ctx, bodies)
+    add_invocations_route(app, ctx, bodies.chat, bodies.completion, bodies.embedding)  # sagemaker_serving.py
+    make_schema_truthful(app, ctx, api_key=api_key, field_limits=field_limits)
+    wrap_in_middleware(app, ctx, metrics, server_load, api_key=api_key, max_request_body_bytes=max_request_body_bytes)
+    return app
+
+
+def serving_lifespan(ctx: ServingContext, metrics: ServerMetrics):
+    """The app's lifespan: the engines start (and report to the metrics) before the first request, and stop after
+    the last one."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await ctx.engine.start()
         ctx.engine.stat_loggers.append(metrics)
         ctx.engine.stat_loggers += lora_stat_loggers(ctx, metrics)  # vllm:lora_requests_info, with adapters
-        metrics.record_cache_config(ctx.engine.engine_args, ctx.engine.client.num_kv_blocks)
+        metrics.record_cache_config(ctx.engine.engine_args, ctx.engine.client.num_kv_blocks,
+                                    ctx.engine.model_info.max_model_len)
         # What is loaded by now (torch, transformers, the app) lives as long as the server. Frozen,
         # it is no longer walked by every full garbage collection, each of which would stop the
         # event loop for a few hundred milliseconds (vLLM freezes its start-up heap too).
@@ -90,20 +115,37 @@ def build_app(
         ctx.engine.shutdown()
         shutdown_tracing()  # after the engines: every span of this process is flushed
 
-    app = FastAPI(title="tinyserve", version=tinyserve.__version__, lifespan=lifespan)
-    app.state.ctx = ctx
-    app.state.metrics = metrics
+    return lifespan
 
-    install_error_handlers(app, metrics)  # every error in the endpoint's own format (error_handlers.py)
 
-    # ---- routes ------------------------------------------------------------------
+class BodyTypes(NamedTuple):
+    """The body types, checked against this server's field limits (field_limits.py)."""
 
-    # The body types, checked against this server's field limits (field_limits.py).
-    Chat, Completion, Responses, Messages, CountTokens, Tokenize, Embedding, Pooling = map(field_limits.bind, (
-        ChatCompletionRequest, CompletionRequest, ResponsesRequest, MessagesRequest, MessagesCountTokensRequest,
-        TokenizeRequest, EmbeddingRequest, PoolingRequest))
+    chat: type[ChatCompletionRequest]
+    completion: type[CompletionRequest]
+    responses: type[ResponsesRequest]
+    messages: type[MessagesRequest]
+    count_tokens: type[MessagesCountTokensRequest]
+    tokenize: type[TokenizeRequest]
+    embedding: type[EmbeddingRequest]
+    pooling: type[PoolingRequest]
+
+    @classmethod
+    def bound(cls, field_limits: FieldLimits) -> "BodyTypes":
+        return cls(*map(field_limits.bind, (
+            ChatCompletionRequest, CompletionRequest, ResponsesRequest, MessagesRequest, MessagesCountTokensRequest,
+            TokenizeRequest, EmbeddingRequest, PoolingRequest)))
+
+
+# ---- routes ------------------------------------------------------------------
+
+
+def add_generation_routes(app: FastAPI, ctx: ServingContext, bodies: BodyTypes) -> None:
+    """The generating APIs: OpenAI's chat, completions and responses (with its stored answers), Anthropic's
+    messages."""
+    Chat, Completion, Responses = bodies.chat, bodies.completion, bodies.responses
+    Messages, CountTokens = bodies.messages, bodies.count_tokens
     responses = ResponseStore()
-    server_load = ServerLoad(track_server_load)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: Chat, request: Request):
@@ -132,6 +174,10 @@ def build_app(
     async def messages_count_tokens(body: CountTokens):
         return await count_tokens(ctx, body)
 
+
+def add_model_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """What is served: the models (and LoRA adapters) by name, the adapters' own routes, the tokenizer."""
+
     def model_card(name: str) -> dict:
         info = ctx.engine.model_info
         return {"id": name, "object": "model", "created": 0, "owned_by": "tinyserve", "root": ctx.model_root,
@@ -153,6 +199,10 @@ def build_app(
     @app.get("/tokenizer_info")
     async def tokenizer_info():
         return serving_tokenization.tokenizer_info(ctx)
+
+
+def add_status_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics, server_load: ServerLoad) -> None:
+    """What a load balancer or a monitor asks: health (and SageMaker's ping), version, load, metrics."""
 
     @app.get("/health")
     async def health():
@@ -189,8 +239,13 @@ def build_app(
             metrics.forget_engine_gauges(engine_index)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    # --runner pooling (serving_embedding.py). On a generating server, a 400 saying what the model is served as;
-    # the generation routes above answer a pooling server the same way (the input processor's check_runner).
+
+def add_pooling_and_token_routes(app: FastAPI, ctx: ServingContext, bodies: BodyTypes) -> None:
+    """--runner pooling (serving_embedding.py), then tokenize and detokenize. On a generating server, a pooling
+    route answers a 400 saying what the model is served as; the generation routes answer a pooling server the
+    same way (the input processor's check_runner)."""
+    Embedding, Pooling, Tokenize = bodies.embedding, bodies.pooling, bodies.tokenize
+
     @app.post("/v1/embeddings")
     async def embeddings(body: Embedding, request: Request):
         return with_ignored_fields(await create_embedding(ctx, body, request), body)
@@ -207,33 +262,10 @@ def build_app(
     async def detokenize(body: DetokenizeRequest):
         return with_ignored_fields(await serving_tokenization.detokenize(ctx, body), body)
 
-    @app.post("/invocations", include_in_schema=False)  # its bodies are documented at their own routes
-    async def invocations(request: Request):
-        """SageMaker's inference route, as vLLM routes it: the body is answered by the first of chat and
-        completions that it validates as (a body with messages is a chat, one with prompt a completion). A body
-        that is neither is a 400: the errors of the route its shape names, else vLLM's message."""
-        try:
-            body = json.loads(await request.body())
-        except json.JSONDecodeError as error:
-            raise APIError(400, f"the request body is not valid JSON: {error.msg} (at character {error.pos})") \
-                from None
-        except RecursionError:
-            raise APIError(400, "the request body nests too deeply") from None
-        errors = {}
-        for shape, (body_type, create) in {"messages": (Chat, create_chat_completion),
-                                           "prompt": (Completion, create_completion)}.items():
-            try:
-                parsed = body_type.model_validate(body)
-            except ValidationError as error:
-                errors[shape] = error
-                continue
-            return with_ignored_fields(await create(ctx, parsed, request), parsed)
-        shape = next((shape for shape in errors if isinstance(body, dict) and shape in body), None)
-        if shape is None:
-            raise APIError(400, "Cannot find suitable handler for request. Expected one of: "
-                           "['ChatCompletionRequest', 'CompletionRequest'] (a body with messages, or with prompt)")
-        raise RequestValidationError(errors[shape].errors())
 
+def make_schema_truthful(app: FastAPI, ctx: ServingContext, *, api_key: str | None,
+                         field_limits: FieldLimits) -> None:
+    """/openapi.json as this server answers: its model names, its key, its limits (openapi.py)."""
     # The names a request's model may take; None when LoRA adapters may be loaded at run time (any name may come).
     model_names = None if ctx.loras and runtime_lora_updating_allowed() else \
         ctx.model_names + (list(ctx.loras.adapters) if ctx.loras else [])
@@ -241,6 +273,13 @@ def build_app(
                   vocab_size=getattr(getattr(ctx.engine, "model_info", None), "vocab_size", None),
                   auto_tool_choice=ctx.tool_call_parser is not None)
 
+
+# ---- middleware ----------------------------------------------------------------
+
+
+def wrap_in_middleware(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics, server_load: ServerLoad, *,
+                       api_key: str | None, max_request_body_bytes: int) -> None:
+    """The layers of the module docstring, once every route exists (some layers are given the routes)."""
     # Added innermost first. The API key is checked before the HTTP span, so a refused client costs no span;
     # the span covers the rest, body limits included, for requests to a route that exists. The request id
     # is outermost: every answer carries it, a 401 too.
@@ -253,4 +292,3 @@ def build_app(
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(HttpMetricsMiddleware, http=metrics.http, routes=app.router.routes)  # a 401 counts too
     app.add_middleware(RequestIdMiddleware)
-    return app

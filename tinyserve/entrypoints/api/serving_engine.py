@@ -11,18 +11,21 @@ however the response ends (sse.py).
 
 import functools
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from tinyserve.entrypoints.api.answer_layers import AnswerLayers
 from tinyserve.entrypoints.api.errors import APIError, openai_error_body
 from tinyserve.entrypoints.api.sse import sse_data, stream_error_status
 from tinyserve.entrypoints.api.tools.tool_calls import ToolCallDeltas, tool_constraint, tools_for_constraint
+from tinyserve.entrypoints.api.truncation import fitted_max_tokens
 from tinyserve.errors import InvalidInputError
 from tinyserve.frontend.async_llm import AsyncLLM
 from tinyserve.frontend.input_processor import ProcessedPrompt
+from tinyserve.frontend.render import Truncation
 from tinyserve.lifecycle import schema
 from tinyserve.lora.registry import LoRARegistry
-from tinyserve.lora.request import LoRARequest
+from tinyserve.lora_request import LoRARequest
 from tinyserve.outputs import RequestOutput
 from tinyserve.sampling_params import SamplingParams
 
@@ -35,6 +38,9 @@ class ServingContext:
     tool_call_parser: str | None = None  # how "auto" tool calls are read (--enable-auto-tool-choice); None: refused
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: logprob tokens as "token_id:N"
     loras: LoRARegistry | None = None  # --enable-lora: the adapters a request's model may name (tinyserve/lora/)
+    per_request_metrics: bool = False  # --enable-per-request-metrics: answers carry vLLM's `metrics` object
+    # What reads an answer before it is sent (a reasoning parser: answer_layers.py); none: the text is the content
+    answer_layers: AnswerLayers = field(default_factory=AnswerLayers)
 
     def check_model(self, model: str | None) -> str:
         """The served name a response reports; a model left out or empty ("") is the served one, as in vLLM.
@@ -103,11 +109,13 @@ class ServingContext:
         return min(requested, cap or requested)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage; cached_tokens: prompt tokens whose KV came from the prefix cache."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, details: dict | None = None) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens whose KV came from the prefix cache; details: the answer
+    layers' completion_tokens_details (reasoning_tokens, with a reasoning parser), left out when there are none."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+            **({"completion_tokens_details": details} if details else {})}
 
 
 def running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -142,12 +150,15 @@ def prompt_logprobs_json(output: RequestOutput) -> list | None:
     } for position in output.prompt_logprobs]
 
 
-async def tokenize(ctx: ServingContext, prompt, *, add_special_tokens: bool = True) -> ProcessedPrompt:
-    """Tokenize in a thread (frontend/render_threads.py): a long prompt must not stall the event loop."""
+async def tokenize(ctx: ServingContext, prompt, *, add_special_tokens: bool = True,
+                   truncation=None) -> ProcessedPrompt:
+    """Tokenize in a thread (frontend/render_threads.py): a long prompt must not stall the event loop.
+    truncation: a render.Truncation (a request's truncate_prompt_tokens, truncation.py)."""
     try:
-        processed = await ctx.engine.render_threads.tokenize_prompt(prompt, add_special_tokens=add_special_tokens)
-    except ValueError as error:
-        raise APIError(400, str(error), "prompt") from error
+        processed = await ctx.engine.render_threads.tokenize_prompt(prompt, add_special_tokens=add_special_tokens,
+                                                                    truncation=truncation)
+    except ValueError as error:  # an InvalidInputError names its field (prompt_embeds, truncate_prompt_tokens)
+        raise APIError(400, str(error), getattr(error, "param", None) or "prompt") from error
     return processed
 
 
@@ -195,12 +206,12 @@ def tool_call_plan(ctx: ServingContext, constraint, field: str | None, choice, t
                         functools.partial(ToolCallDeltas, "named", choice["name"]))
 
 
-async def add_constrained_request(engine: AsyncLLM, constrained_field: str | None, *args, **kwargs):
+async def add_constrained_request(engine: AsyncLLM, constrained_field: str | None, prompt, params, request_id: str,
+                                  **kwargs):
     """engine.add_request; a constraint the grammar library refuses is a 400 naming the field it came from."""
-    if kwargs.get("lora_request") is not None and "spans" in kwargs:  # the adapter, logged for replay
-        kwargs["spans"].log_lora(kwargs["lora_request"])
+    engine.observers.get(request_id).log_lora(kwargs.get("lora_request"))  # the adapter (if any), logged for replay
     try:
-        stream = await engine.add_request(*args, **kwargs)
+        stream = await engine.add_request(prompt, params, request_id, **kwargs)
         stream.constraint_field = constrained_field
         return stream
     except InvalidInputError as error:
@@ -211,22 +222,30 @@ async def add_constrained_request(engine: AsyncLLM, constrained_field: str | Non
         raise
 
 
-async def render_and_tokenize(ctx: ServingContext, spans, messages: list[dict], add_generation_prompt: bool,
+async def render_and_tokenize(ctx: ServingContext, request_id: str, messages: list[dict], add_generation_prompt: bool,
                               requested_max_tokens: int | None, make_params, continue_final_message: bool = False,
-                              template_kwargs: dict | None = None, tools: list[dict] | None = None):
+                              template_kwargs: dict | None = None, tools: list[dict] | None = None,
+                              truncation: Truncation | None = None):
     """Stage ②: template, tokenize (both in a thread), check lengths, build SamplingParams — logged on the
-    render span."""
+    render span of the request's spans (found by its id: registered with engine.observers). truncation (a
+    chat's truncate_prompt_tokens, truncation.py): the rendered prompt's ids cut to it, as a completion's
+    are, and max_tokens fitted to what is left; the span then logs the ids kept, and no prompt text."""
+    spans = ctx.engine.observers.get(request_id)
     with spans.stage(schema.RENDER) as render_span:
         try:
             prompt = await ctx.engine.render_threads.tokenize_chat(
-                messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                template_kwargs=template_kwargs, tools=tools)
+                messages, fit_context=truncation is None, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, template_kwargs=template_kwargs, tools=tools)
         except ValueError as error:  # the prompt's length (param "prompt"), or the messages themselves
             raise APIError(400, str(error), getattr(error, "param", None) or "messages") from error
+        if truncation is not None:
+            prompt = truncation.apply_to(prompt)
+            requested_max_tokens = fitted_max_tokens(requested_max_tokens, len(prompt.prompt_token_ids),
+                                                     ctx.engine.model_info.max_model_len)
         text = prompt.prompt
         max_tokens = ctx.max_tokens_for(len(prompt.prompt_token_ids), requested_max_tokens)
         try:
-            params = spans.replayable(make_params(max_tokens))
+            params = ctx.engine.input_processor.seeded(make_params(max_tokens))  # traced: a seed, to replay
         except ValueError as error:
             raise APIError(400, str(error)) from error
         spans.log_inputs(render_span, prompt=text, prompt_token_ids=prompt.prompt_token_ids, sampling_params=params,

@@ -1,5 +1,6 @@
-"""`--api-key`: every /v1 route wants the key, and /invocations (which answers as chat and completions do);
-/health, /metrics and the rest stay open.
+"""`--api-key`: every /v1 route wants the key, and every other route that runs the model or the tokenizer
+(KEYED_PATHS: /invocations, which answers as chat and completions do, /pooling, /tokenize, /detokenize,
+/tokenizer_info); /health, /ping, /load, /version and /metrics stay open, for load balancers and scrapers.
 
 OpenAI clients send `Authorization: Bearer <key>`; Anthropic clients send
 `x-api-key: <key>`. Either is accepted on every /v1 route (a client that lists
@@ -11,6 +12,14 @@ import hmac
 
 from tinyserve.entrypoints.api.errors import error_response
 
+# The routes outside /v1 that want the key: each runs the model or the tokenizer (/pooling answered without
+# the key that /v1/embeddings wants, until hardening-4).
+KEYED_PATHS = frozenset({"/invocations", "/pooling", "/tokenize", "/detokenize", "/tokenizer_info"})
+
+
+def needs_api_key(path: str) -> bool:
+    return path.startswith("/v1") or path in KEYED_PATHS
+
 
 def _given_key(headers: dict[bytes, bytes]) -> bytes:
     authorization = headers.get(b"authorization", b"")
@@ -20,7 +29,7 @@ def _given_key(headers: dict[bytes, bytes]) -> bytes:
 
 
 class ApiKeyMiddleware:
-    """ASGI middleware: 401 in the endpoint's own error format for a missing or wrong key on /v1 and /invocations."""
+    """ASGI middleware: 401 in the endpoint's own error format for a missing or wrong key where needs_api_key."""
 
     def __init__(self, app, *, api_key: str) -> None:
         if not api_key:
@@ -30,7 +39,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and (path.startswith("/v1") or path == "/invocations"):
+        if scope["type"] == "http" and needs_api_key(path):
             given = _given_key(dict(scope.get("headers", [])))
             if not hmac.compare_digest(given, self.expected):
                 await error_response(path, 401, "invalid or missing API key")(scope, receive, send)

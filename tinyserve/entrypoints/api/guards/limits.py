@@ -12,9 +12,8 @@ app is then handed the same bytes as if it read them from the socket, and
 every later `receive()` (a disconnect, say) comes from the client as usual.
 """
 
+from tinyserve.entrypoints.api.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES  # the CLI's too
 from tinyserve.entrypoints.api.errors import error_response
-
-DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024  # a 128k-token prompt as JSON text is well under this
 
 
 def _is_json(content_type: str) -> bool:

@@ -12,6 +12,9 @@
       │ then this process flushes its own; the socket directory is removed
       ▼ multiprocessing's resource tracker, the last child, is stopped and reaped
 
+SIGTERM while the engines start (a model loading, a head waiting for its headless nodes) stops
+them and exits 0 at once: uvicorn would look at the signal only once the app had started.
+
 uvicorn on its own would wait for open connections for ever, or cut them at a
 timeout without a final event; the drain and the abort are what this adds.
 
@@ -52,6 +55,7 @@ import uvicorn
 from uvicorn.server import HANDLED_SIGNALS
 
 from tinyserve.frontend.async_llm import AsyncLLM
+from tinyserve.lifecycle.tracing import shutdown_tracing
 
 logger = logging.getLogger("tinyserve.api")
 
@@ -74,6 +78,7 @@ class GracefulServer(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self.keep_alive_on_engine_death = keep_alive_on_engine_death
         self.stopped_for_engine_death = False
+        self.stopped_during_startup = False
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -95,7 +100,30 @@ class GracefulServer(uvicorn.Server):
         """What the process should exit with once `run` returns."""
         if self.stopped_for_engine_death:
             return ENGINE_DEATH_EXIT_CODE
-        return 0 if self.started else 1
+        return 0 if self.started or self.stopped_during_startup else 1
+
+    async def startup(self, sockets=None) -> None:
+        """uvicorn's, once the engines are up; a SIGTERM (or Ctrl-C) while they start stops them and the server.
+
+        uvicorn looks at its signals only after the app's start-up, and the engines' start can take
+        minutes (a model loading) or for ever (a head waiting for a headless node that never comes):
+        so they are started here first, watching for the signal. The lifespan's own engine.start()
+        then returns at once, or raises the start's error, as before.
+        """
+        starting = asyncio.ensure_future(self.engine.start())
+        while not starting.done() and not self.should_exit:
+            await asyncio.wait([starting], timeout=_POLL_S)
+        if not starting.done():
+            logger.info("stopping during start-up: the engines are stopped")
+            self.stopped_during_startup = True
+            self.engine.shutdown()  # the start under way is cancelled; its engines and sockets are closed
+            await asyncio.wait([starting])
+            shutdown_tracing()
+            _stop_resource_tracker()
+            return
+        if not starting.cancelled():
+            starting.exception()  # seen here; the lifespan's start raises it again
+        await super().startup(sockets)
 
     async def on_tick(self, counter: int) -> bool:
         """uvicorn's tick (every 0.1 s); an engine's death asks for the shutdown.

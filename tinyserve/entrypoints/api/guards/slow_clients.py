@@ -27,8 +27,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tinyserve.entrypoints.api.errors import anthropic_error_body, is_anthropic_path, openai_error_body
 
-DEFAULT_HEADER_TIMEOUT_S = 20.0  # Apache's mod_reqtimeout allows 20 s for headers
-DEFAULT_BODY_TIMEOUT_S = 60.0  # 4 MiB at 70 KB/s, a slow mobile link
+from tinyserve.entrypoints.api.defaults import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S  # the CLI's too
 
 
 def request_timeout(path: str | None, message: str) -> bytes:

@@ -1,2 +1,2 @@
 """The APIs beside chat and completions: Anthropic's Messages and OpenAI's Responses, each
-turned into the same engine requests as chat."""
+turned into the same engine requests as chat; SageMaker's /invocations, answered by chat or completions."""

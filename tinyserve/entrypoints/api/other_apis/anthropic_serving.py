@@ -13,7 +13,9 @@ messages.parse, and the beta API's top-level `output_format`) constrains the rep
 schema with the structured outputs chat's response_format uses. vLLM's extras: `chat_template_kwargs`
 (more variables for the chat template, as chat's) and `ignore_eos` (generate max_tokens tokens, as
 vLLM's benchmarks ask). Extended thinking is not implemented, and a request that asks for it is
-refused (request_fields.py).
+refused (request_fields.py); with --reasoning-parser, as in vLLM, the reply is read by the answer
+layers as chat's is (its reasoning a "thinking" block, before the text), and a constraint starts
+after the reasoning the prompt leaves open.
 /v1/messages/count_tokens counts the prompt as /v1/messages would render it, tools included.
 """
 
@@ -25,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field, field_validator, model_validator
 
 from tinyserve.frontend.output_processor import OutputKind
+from tinyserve.entrypoints.api.answer_layers import Reading, ReadingRequest
 from tinyserve.entrypoints.api.errors import APIError, anthropic_error_body
 from tinyserve.entrypoints.api.other_apis.anthropic_tools import (
     AnthropicTool,
@@ -37,7 +40,9 @@ from tinyserve.entrypoints.api.other_apis.anthropic_tools import (
     template_messages,
     template_tools,
     tool_plan,
+    with_thinking,
 )
+from tinyserve.entrypoints.api.serving_chat import message_deltas
 from tinyserve.entrypoints.api.serving_engine import ServingContext, add_constrained_request, render_and_tokenize
 from tinyserve.entrypoints.api.guards.strict_body import StrictBody, Text
 from tinyserve.entrypoints.api.sse import (
@@ -180,12 +185,11 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request
     model = ctx.check_model(body.model)
     ctx.engine.check_admission(1)  # refuse before rendering: overload should cost little
     message_id = f"msg_{uuid.uuid4().hex}"
-    spans = start_request_spans(schema.OPERATION_CHAT, model, message_id, redact_inputs=ctx.redact_inputs)
-
-    try:
+    try:  # before the request's spans open: a refused tool plan leaves none behind
         constraint, tool_calls = tool_plan(body.tools, body.tool_choice, ctx.tool_call_parser)
     except ValueError as error:
         raise APIError(400, str(error), "tool_choice") from error
+    spans = start_request_spans(schema.OPERATION_CHAT, model, message_id, redact_inputs=ctx.redact_inputs)
     constrained_field = "tools" if constraint is not None else "output_config"
     constraint = constraint or body.format_constraint
 
@@ -195,20 +199,26 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request
                                    structured_outputs=constraint)
 
     try:
-        prompt, params = await render_and_tokenize(ctx, spans, body.conversation(), not body.prefilled,
-                                                   body.max_tokens, make_params, continue_final_message=body.prefilled,
-                                                   template_kwargs=body.chat_template_kwargs,
-                                                   tools=template_tools(body.tools))
-        stream = await add_constrained_request(ctx.engine, constrained_field, prompt, params, message_id, spans=spans,
-                                               lora_request=ctx.lora_request(body.model),
-                                               output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
+        with ctx.engine.observers.observing(message_id, spans):  # the front end finds them by the request's id
+            prompt, params = await render_and_tokenize(
+                ctx, message_id, body.conversation(), not body.prefilled, body.max_tokens, make_params,
+                continue_final_message=body.prefilled, template_kwargs=body.chat_template_kwargs,
+                tools=template_tools(body.tools))
+            reading = ctx.answer_layers.reading(ReadingRequest(  # the answer layers' (a reasoning parser's)
+                prompt.prompt_token_ids, body.chat_template_kwargs,
+                constrained_field=constrained_field if constraint is not None else None))
+            stream = await add_constrained_request(
+                ctx.engine, constrained_field, prompt, params, message_id,
+                lora_request=ctx.lora_request(body.model), reasoning_end=reading.reasoning_end,
+                output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
     except Exception as error:
         spans.fail(error)
         raise
     num_prompt = len(prompt.prompt_token_ids)
 
     if body.stream:
-        return EventStreamResponse(_stream(stream, message_id, model, num_prompt, tool_calls), [stream])
+        return EventStreamResponse(_stream(stream, message_id, model, num_prompt, tool_calls, reading, spans),
+                                   [stream])
 
     outputs = await final_outputs_unless_disconnected([stream], raw_request)
     if outputs is None:
@@ -217,25 +227,31 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw_request
     if completion.finish_reason == "abort":
         raise APIError(503, ABORTED)
     calls = tool_calls() if tool_calls else None
+    parts = reading.choice().read(completion.text, completion.token_ids, finished=True)
+    text = "".join(part["content"] for part in parts if "content" in part)
+    reading.finish(spans)
     return JSONResponse({
         "id": message_id,
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": content_blocks(calls, completion.text) if calls else [{"type": "text", "text": completion.text}],
+        "content": with_thinking("".join(part.get("reasoning", "") for part in parts),
+                                 content_blocks(calls, text) if calls else [{"type": "text", "text": text}]),
         "stop_reason": _stop_reason(completion.finish_reason, completion.stop_reason, calls),
         "stop_sequence": completion.stop_reason if isinstance(completion.stop_reason, str) else None,
         "usage": {"input_tokens": num_prompt, "output_tokens": len(completion.token_ids)},
     })
 
 
-async def _stream(stream, message_id, model, num_prompt, tool_calls):
+async def _stream(stream, message_id, model, num_prompt, tool_calls, reading: Reading, spans):
     yield sse_event("message_start", {"type": "message_start", "message": {
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": num_prompt, "output_tokens": 0},
     }})
-    # Without tools, one text block; with them, blocks open as the text and the calls come (BlockEvents).
-    calls, blocks = (tool_calls(), BlockEvents()) if tool_calls else (None, None)
+    # Without tools or answer layers, one text block; else blocks open as the reasoning, text and calls come.
+    calls = tool_calls() if tool_calls else None
+    blocks = BlockEvents() if tool_calls or reading.readings else None
+    reader = reading.choice()
     if blocks is None:
         yield sse_event("content_block_start", {"type": "content_block_start", "index": 0,
                                                 "content_block": {"type": "text", "text": ""}})
@@ -247,7 +263,8 @@ async def _stream(stream, message_id, model, num_prompt, tool_calls):
             num_generated += len(completion.token_ids)
             finish_reason, stop_reason = completion.finish_reason, completion.stop_reason
             if blocks is not None:
-                for event in blocks.events(calls.feed(completion.text, completion.finished())):
+                parts = reader.read(completion.text, completion.token_ids, completion.finished())
+                for event in blocks.events(message_deltas(parts, calls, completion.finished())):
                     yield event
             elif completion.text:
                 yield sse_event("content_block_delta", {"type": "content_block_delta", "index": 0,
@@ -258,6 +275,7 @@ async def _stream(stream, message_id, model, num_prompt, tool_calls):
     if finish_reason == "abort":
         yield sse_event("error", anthropic_error_body(503, ABORTED))
         return
+    reading.finish(spans)
     for event in blocks.close() if blocks is not None else [sse_event(
             "content_block_stop", {"type": "content_block_stop", "index": 0})]:
         yield event

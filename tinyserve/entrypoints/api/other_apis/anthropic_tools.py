@@ -10,9 +10,13 @@ Anthropic's names for the same things (tool_calls.py does the work):
 
 A stream gives each block its own index: content_block_start (a tool_use block carries its
 id and name), then input_json_delta events with the input's JSON text, content_block_stop.
+With a reasoning parser (an answer layer) the reasoning comes first, as vLLM gives it: a
+"thinking" block (thinking_delta events, then a signature_delta), its signature a fresh
+uuid (vLLM's: nothing here checks a thinking block sent back).
 """
 
 import json
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
@@ -141,8 +145,16 @@ def content_blocks(calls: ToolCallDeltas, text: str) -> list[dict]:
     return blocks or [{"type": "text", "text": ""}]
 
 
+def with_thinking(reasoning: str, blocks: list[dict]) -> list[dict]:
+    """The reply's blocks after its reasoning's thinking block, as vLLM's: with reasoning, an empty text dropped."""
+    if not reasoning:
+        return blocks
+    thinking = {"type": "thinking", "thinking": reasoning, "signature": uuid.uuid4().hex}
+    return [thinking, *(block for block in blocks if block != {"type": "text", "text": ""})]
+
+
 class BlockEvents:
-    """OpenAI-shaped deltas (ToolCallDeltas.feed) as Anthropic content block events."""
+    """OpenAI-shaped deltas (ToolCallDeltas.feed, an answer layer's "reasoning") as Anthropic content block events."""
 
     def __init__(self) -> None:
         self.index = -1
@@ -151,6 +163,10 @@ class BlockEvents:
     def events(self, deltas: list[dict]) -> list[str]:
         events = []
         for delta in deltas:
+            if delta.get("reasoning"):
+                if self.open_kind != "thinking":
+                    events += self._start({"type": "thinking", "thinking": ""})
+                events.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning"]}))
             if delta.get("content"):
                 if self.open_kind != "text":
                     events += self._start({"type": "text", "text": ""})
@@ -169,8 +185,10 @@ class BlockEvents:
             return []
         if self.open_kind is None:  # nothing was said: one empty text block, as Anthropic's API sends
             return [*self._start({"type": "text", "text": ""}), *self.close()]
+        signed = [self._delta({"type": "signature_delta", "signature": uuid.uuid4().hex})] \
+            if self.open_kind == "thinking" else []
         self.open_kind = "closed"
-        return [sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return [*signed, sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
     def _start(self, block: dict) -> list[str]:
         events = [] if self.open_kind in (None, "closed") else self.close()

@@ -68,7 +68,10 @@ def add_lora_routes(app: FastAPI, ctx) -> None:
         lora = loras.get(body.lora_name)
         if lora is None or body.lora_int_id not in (None, lora.lora_int_id):
             raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "lora_name")
-        loras.remove(body.lora_name)
+        try:
+            loras.remove(body.lora_name)
+        except KeyError:  # unloaded meanwhile, through another API process
+            raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "lora_name") from None
         for engine_index in ctx.engine.live_engine_indices:
             await ctx.engine.client.call_utility("remove_lora", lora.lora_int_id, engine_index=engine_index)
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."

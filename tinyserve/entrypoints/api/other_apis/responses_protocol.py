@@ -6,6 +6,8 @@
                           `output_text` for an assistant turn handed back from an earlier response)
     function_call         a call an earlier response made: call_id, name, arguments (JSON text)
     function_call_output  its result: call_id, output
+    reasoning             an earlier response's reasoning: its content's text (else its summary's) joins
+                          the assistant turn as its `reasoning`, as vLLM renders it
 
 `instructions` become a system message in front; calls join the assistant turn before them,
 and each output is a "tool" turn, as chat templates take them. `tools` are function tools in
@@ -17,9 +19,11 @@ the function calls the output holds (responses_serving.bounded_calls). vLLM's ex
 its ResponsesRequest (top_k, repetition_penalty, seed, stop, ignore_eos, include_stop_str_in_output,
 skip_special_tokens, logit_bias, structured_outputs, priority), and min_tokens as chat has it, do
 what they do in chat; structured_outputs is a constraint as text.format is, and one of the two
-at a time. Items, tools and tool choices of other types (web search, file search, MCP, images,
-reasoning) and the fields in request_fields.py's "responses" table are refused with a 400
-naming them (`reasoning` and `include` only where they ask for what this server cannot give).
+at a time. Items, tools and tool choices of other types (web search, file search, MCP, images)
+and the fields in request_fields.py's "responses" table are refused with a 400
+naming them (`include` only where it asks for what this server cannot give). `reasoning`'s
+effort, and `include_reasoning`, are chat's reasoning_effort and include_reasoning (with a
+reasoning parser: tinyserve/reasoning/); a summary other than "auto" is refused, as none is made.
 The module is over 300 lines because the whole body, with vLLM's extra fields, is here in one
 place, where a reader (and tests/test_request_fields.py) finds the whole surface.
 
@@ -34,15 +38,20 @@ from collections import OrderedDict
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
-from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from tinyserve.entrypoints.api.openai_protocol import INT64, StrictBody, Text, token_id_keys
+from tinyserve.entrypoints.api.openai_protocol import INT64, SEED, StrictBody, Text, token_id_keys
+from tinyserve.entrypoints.api.other_apis.responses_items import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    InputItem,
+    ReasoningConfig,
+    ReasoningItem,
+)
 from tinyserve.structured_output.schema_check import check_json_schema
 from tinyserve.entrypoints.api.tools.structured_protocol import (
-    AssistantToolCall,
     FunctionDefinition,
     JsonSchemaFormat,
-    JsonText,
     NamedToolChoice,
     ResponseFormat,
     StructuredOutputsField,
@@ -54,57 +63,6 @@ from tinyserve.sampling_params import StructuredOutputsParams
 DEFAULT_MAX_STORED_RESPONSES = 1024
 DEFAULT_MAX_STORED_RESPONSE_BYTES = 64 << 20  # the store's JSON bytes: a few huge responses cannot fill memory
 RESPONSE_ID_PATTERN = r"^resp_[0-9a-f]{32}$"  # the ids this server gives (responses_serving.py)
-ITEM_STATUS = Literal["in_progress", "completed", "incomplete"]
-
-
-class InputText(StrictBody):
-    type: Literal["input_text", "output_text"]
-    text: Text
-
-
-class InputMessage(StrictBody):
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]
-    content: Text | list[InputText]
-
-    @property
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-
-
-class FunctionCallItem(StrictBody):
-    """A call an earlier response made, handed back with the conversation."""
-
-    type: Literal["function_call"]
-    call_id: Text
-    name: Text
-    arguments: JsonText
-    id: Text | None = None
-    status: ITEM_STATUS | None = None
-
-    def as_template_call(self) -> dict:
-        return AssistantToolCall.model_validate(
-            {"id": self.call_id, "function": {"name": self.name, "arguments": self.arguments}}).as_template_call()
-
-
-class FunctionCallOutputItem(StrictBody):
-    type: Literal["function_call_output"]
-    call_id: Text
-    output: Text | list[InputText]
-    id: Text | None = None
-    status: ITEM_STATUS | None = None
-
-    @property
-    def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
-
-
-def _item_type(item) -> str:
-    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
-
-
-InputItem = Annotated[Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(_item_type)]
 
 
 class FunctionTool(StrictBody):
@@ -206,7 +164,7 @@ class ResponsesRequest(StrictBody):
     # vLLM's extras (its ResponsesRequest's sampling fields, and min_tokens as chat has it)
     top_k: int | None = Field(None, ge=-1, lt=2**31)  # the sampler's int32; -1 and 0: off
     repetition_penalty: float | None = Field(None, gt=0)
-    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    seed: int | None = Field(None, **SEED)
     stop: Text | list[Text] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, lt=2**31)
@@ -215,6 +173,29 @@ class ResponsesRequest(StrictBody):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # {"token id": bias}
     structured_outputs: StructuredOutputsField | None = None
     priority: int = Field(0, ge=-INT64, lt=INT64)
+    # "message.output_text.logprobs": each output_text part carries its tokens' logprobs, with top_logprobs
+    # alternatives each (as chat's); the other items OpenAI names are of things this server never makes
+    include: list[Text] | None = None
+    # vLLM's: the response object also carries input_messages and output_messages, the model's raw input (the
+    # rendered prompt) and output, each {"message": text, "tokens": ids, "type": "raw_message_tokens"}
+    enable_response_messages: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    reasoning: ReasoningConfig | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning item out
+
+    @field_validator("include")
+    @classmethod
+    def _includable(cls, value):
+        from tinyserve.entrypoints.api.request_fields import INCLUDABLE
+
+        unknown = [item for item in value or () if item not in INCLUDABLE]
+        if unknown:
+            raise ValueError(f"cannot include {unknown}: the items are {list(INCLUDABLE)}")
+        return value
+
+    @property
+    def includes_logprobs(self) -> bool:
+        return "message.output_text.logprobs" in (self.include or ())
 
     @field_validator("input", mode="before")
     @classmethod
@@ -290,7 +271,8 @@ class ResponsesRequest(StrictBody):
                 "include_stop_str_in_output": self.include_stop_str_in_output,
                 "skip_special_tokens": self.skip_special_tokens,
                 "logit_bias": {int(token_id): bias for token_id, bias in self.logit_bias.items()}
-                if self.logit_bias else None}
+                if self.logit_bias else None,
+                "logprobs": (self.top_logprobs or 0) if self.includes_logprobs else None}
 
     def echo(self) -> dict:
         """tools, tool_choice, parallel_tool_calls and text as a response object repeats them."""
@@ -316,6 +298,13 @@ class ResponsesRequest(StrictBody):
                 turns[-1].setdefault("tool_calls", []).append(item.as_template_call())
             elif isinstance(item, FunctionCallOutputItem):
                 turns.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+            elif isinstance(item, ReasoningItem):  # joins the assistant turn before it, if it has none
+                if not turns or turns[-1]["role"] != "assistant" or "reasoning" in turns[-1]:
+                    turns.append({"role": "assistant", "content": ""})
+                turns[-1].update(reasoning=item.text, reasoning_content=item.text)  # templates read either
+            elif item.role == "assistant" and turns and turns[-1]["role"] == "assistant" \
+                    and not turns[-1]["content"] and "reasoning" in turns[-1]:
+                turns[-1]["content"] = item.text  # the message after its reasoning: one turn, as vLLM's
             else:
                 turns.append({"role": "system" if item.role == "developer" else item.role, "content": item.text})
         return turns

@@ -4,7 +4,8 @@ The conversation (a previous response's, then this request's input, after the
 instructions) is rendered with the chat template like a chat completion, the tools with
 it; tool_choice and text.format constrain the output as chat's tool_choice and
 response_format do (serving_engine.tool_call_plan). The answer is one `response` object
-whose output is its items: a message, and a function_call per call the model made
+whose output is its items: with a reasoning parser a reasoning item first (the answer
+layers', answer_layers.py), a message, and a function_call per call the model made
 (responses_output.py). Its status is "completed", or "incomplete" (reason
 max_output_tokens) when the reply was cut short. A stream is the documented sequence of
 typed events, each numbered:
@@ -25,6 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tinyserve.frontend.output_processor import OutputKind
+from tinyserve.entrypoints.api.answer_layers import Reading, ReadingRequest
 from tinyserve.entrypoints.api.errors import APIError
 from tinyserve.entrypoints.api.serving_engine import (
     ServingContext,
@@ -34,6 +36,7 @@ from tinyserve.entrypoints.api.serving_engine import (
     tool_call_plan,
 )
 from tinyserve.entrypoints.api.other_apis.responses_output import OutputItems
+from tinyserve.entrypoints.api.serving_chat import chat_logprobs
 from tinyserve.entrypoints.api.other_apis.responses_protocol import ResponsesRequest, ResponseStore
 from tinyserve.entrypoints.api.sse import (
     EventStreamResponse,
@@ -103,11 +106,15 @@ class _Answer:
 
     def __init__(self, body: ResponsesRequest, model: str, make_calls) -> None:
         self.body, self.model = body, model
+        self.reading: Reading | None = None  # the answer layers' (a reasoning parser's), once the prompt is rendered
+        self.reader = None  # its reader of the one choice
         self.id = f"resp_{uuid.uuid4().hex}"  # the id names the request
         self.created_at = int(time.time())
         self.calls = make_calls() if make_calls else None  # reads tool calls out of the text (tool_calls.py)
         self.output = OutputItems()
         self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens = 0, 0, 0
+        self.prompt = None  # the rendered prompt (frontend/render.ProcessedPrompt), once rendered
+        self.output_token_ids: list[int] = []
         self.finish_reason: str | None = None
 
     @property
@@ -116,10 +123,23 @@ class _Answer:
             return "in_progress"
         return "incomplete" if self.finish_reason == "length" else "completed"
 
-    def feed(self, text: str, finished: bool) -> list[tuple[str, dict]]:
-        """The new text as output items' events (the calls read out of it, with tools)."""
-        deltas = self.calls.feed(text, finished) if self.calls else [{"content": text}]
-        return self.output.feed(deltas)
+    def read_with(self, reading: Reading) -> None:
+        self.reading, self.reader = reading, reading.choice()
+
+    def feed(self, text: str, token_ids: list[int], finished: bool, completion=None) -> list[tuple[str, dict]]:
+        """The new text as output items' events (its reasoning and content as the answer layers read them, the
+        calls read out of the content, with tools); completion: the CompletionOutput it came from, whose logprobs
+        go with it when include asks for them."""
+        parts = self.reader.read(text, token_ids, finished)
+        if self.calls is None:
+            deltas = parts
+        else:
+            deltas = [out for part in parts for out in (self.calls.feed(part["content"], False) if "content" in part
+                                                         else [part])] + (self.calls.feed("", True) if finished else [])
+        logprobs = None
+        if completion is not None and completion.logprobs is not None and self.body.includes_logprobs:
+            logprobs = chat_logprobs(completion, self.body.top_logprobs or 0)["content"]
+        return self.output.feed(deltas, logprobs)
 
     def finish(self, finish_reason: str) -> list[tuple[str, dict]]:
         self.finish_reason = finish_reason
@@ -149,10 +169,21 @@ class _Answer:
                 "input_tokens": self.num_prompt_tokens,
                 "input_tokens_details": {"cached_tokens": self.num_cached_tokens},
                 "output_tokens": self.num_output_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": self.reading.usage_details().get("reasoning_tokens", 0)},
                 "total_tokens": self.num_prompt_tokens + self.num_output_tokens,
             } if finished else None,
+            **(self.raw_messages() if body.enable_response_messages and finished else {}),
         }
+
+    def raw_messages(self) -> dict:
+        """vLLM's enable_response_messages: the model's raw input and output, each as its text and token ids."""
+        def raw(text: str, token_ids: list[int]) -> dict:
+            return {"message": text, "tokens": list(token_ids), "type": "raw_message_tokens"}
+
+        prompt_text = self.prompt.prompt or "" if self.prompt is not None else ""
+        prompt_ids = self.prompt.prompt_token_ids if self.prompt is not None else []
+        return {"input_messages": [raw(prompt_text, prompt_ids)],
+                "output_messages": [raw(self.output.text, self.output_token_ids)] if self.output_token_ids else []}
 
 
 async def create_response(ctx: ServingContext, store: ResponseStore, body: ResponsesRequest,
@@ -177,12 +208,12 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
         return ctx.sampling_params(max_tokens, **body.sampling_fields(), structured_outputs=constraint)
 
     try:
-        prompt, params = await render_and_tokenize(ctx, spans, instructions + conversation, True,
-                                                   body.max_output_tokens, make_params, tools=body.template_tools)
-        stream = await add_constrained_request(ctx.engine, constrained_field, prompt, params, answer.id,
-                                               priority=body.priority, spans=spans,
-                                               lora_request=ctx.lora_request(body.model),
-                                               output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
+        with ctx.engine.observers.observing(answer.id, spans):  # the front end finds them by the request's id
+            prompt, params = await _render(ctx, answer, instructions + conversation, make_params, constrained_field)
+            stream = await add_constrained_request(
+                ctx.engine, constrained_field, prompt, params, answer.id, priority=body.priority,
+                lora_request=ctx.lora_request(body.model), reasoning_end=answer.reading.reasoning_end,
+                output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
     except APIError as error:
         spans.fail(error)
         if body.truncation == "auto" and error.param in ("prompt", "max_tokens"):  # the input does not fit
@@ -192,7 +223,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
     except Exception as error:
         spans.fail(error)
         raise
-    answer.num_prompt_tokens = len(prompt.prompt_token_ids)
+    answer.num_prompt_tokens, answer.prompt = len(prompt.prompt_token_ids), prompt
 
     def keep() -> None:
         if body.store:
@@ -209,10 +240,26 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
     if completion.finish_reason == "abort":
         raise APIError(503, ABORTED)
     answer.num_output_tokens, answer.num_cached_tokens = len(completion.token_ids), output.num_cached_tokens
-    answer.feed(completion.text, finished=True)
+    answer.output_token_ids = list(completion.token_ids)
+    answer.feed(completion.text, completion.token_ids, finished=True, completion=completion)
     answer.finish(completion.finish_reason)
     keep()
+    answer.reading.finish(stream.spans)
     return JSONResponse(answer.response())
+
+
+async def _render(ctx: ServingContext, answer: _Answer, messages: list[dict], make_params,
+                  constrained_field: str | None):
+    """render_and_tokenize, the template given the reasoning effort as the answer layers pass it; then the
+    answer layers' reading of the reply (a 400 where a layer cannot answer this prompt)."""
+    body = answer.body
+    template_kwargs = ctx.answer_layers.template_kwargs(None, body.reasoning.effort if body.reasoning else None)
+    prompt, params = await render_and_tokenize(ctx, answer.id, messages, True, body.max_output_tokens, make_params,
+                                               tools=body.template_tools, template_kwargs=template_kwargs)
+    constrained = constrained_field if params.structured_outputs is not None else None
+    answer.read_with(ctx.answer_layers.reading(ReadingRequest(prompt.prompt_token_ids, template_kwargs,
+                                                              body.include_reasoning, constrained)))
+    return prompt, params
 
 
 async def _stream(stream, answer: _Answer, keep):
@@ -230,11 +277,13 @@ async def _stream(stream, answer: _Answer, keep):
         async for output in stream:
             completion = output.outputs[0]
             answer.num_output_tokens += len(completion.token_ids)
+            answer.output_token_ids += completion.token_ids
             answer.num_cached_tokens = output.num_cached_tokens
             if completion.finished():
                 finish_reason = completion.finish_reason
             if finish_reason != "abort":
-                for kind, payload in answer.feed(completion.text, completion.finished()):
+                for kind, payload in answer.feed(completion.text, completion.token_ids, completion.finished(),
+                                                 completion):
                     yield event(kind, **payload)
     except Exception as error:
         status, message = stream_error_status(error)
@@ -246,5 +295,6 @@ async def _stream(stream, answer: _Answer, keep):
     for kind, payload in answer.finish(finish_reason):
         yield event(kind, **payload)
     keep()
+    answer.reading.finish(stream.spans)
     yield event("response.completed" if answer.status == "completed" else "response.incomplete",
                 response=answer.response())
