@@ -16,7 +16,7 @@ pytestmark = pytest.mark.server
 
 MODEL = "tiny"
 KEY = "sk-test-key"
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ def request_traces(spans) -> dict[str, list]:
 
 
 def chat(url, content, **extra):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4, "ignore_eos": True, **extra}
     response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60, headers=extra.pop("headers", None))
     assert response.status_code == 200, response.text
     return response
@@ -54,8 +54,9 @@ def traced_run(tmp_path_factory):
     try:
         chat(server.url, "first")
         httpx.post(f"{server.url}/v1/chat/completions", headers={"traceparent": incoming}, timeout=60,
-                   json={"model": MODEL, "messages": [{"role": "user", "content": "continued"}], "max_tokens": 4})
-        stream = {"model": MODEL, "prompt": "streamed", "max_tokens": 4, "stream": True}
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "continued"}], "max_tokens": 4,
+                         "ignore_eos": True})
+        stream = {"model": MODEL, "prompt": "streamed", "max_tokens": 4, "stream": True, "ignore_eos": True}
         assert httpx.post(f"{server.url}/v1/completions", json=stream, timeout=60).status_code == 200
     finally:
         server.stop(signal.SIGINT)
