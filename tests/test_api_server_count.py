@@ -5,7 +5,8 @@ requests is answered with transformers' tokens by both engines, and `/metrics` (
 names, whichever process answers) counts every request exactly once. Streams held by
 both API processes (which process holds a connection is read from the operating system)
 run to their end when the server gets SIGTERM, which then exits 0 leaving nothing behind,
-and each stream's request spans are in the trace file of the process that held it.
+and each stream's request spans are in the trace file of the process that held it; measured
+in every process, that server runs each entry of the reading path's section on several API processes.
 An API process killed outright takes the server down with exit status 1. How an engine
 sends each output to the API process that sent its request is tested without a process.
 """
@@ -21,6 +22,7 @@ import psutil
 import pytest
 
 from tests.patience import patient
+from tests.reading_path_entries import LineCoverage, never_ran, sections
 from tests.server_checks import is_token_chunk, sse_lines, wait_until
 from tests.shared_server import ENGINE_FLAGS, MODEL, model_folder
 from tinyserve.cli.main import main
@@ -35,6 +37,7 @@ BURST_PROMPTS = [[9, 120, 33, 41, 7], [250, 3, 18, 77, 140, 201, 9], [5, 6, 7, 8
 STREAM_TOKENS = 2000  # seconds of decoding: the streams are still running when SIGTERM comes (at 1000, on two
 # busy cores, the first stream opened had ended 0.2 s before SIGTERM, while the last ones were opened)
 STREAMS_AT_ONCE, MAX_STREAMS = 4, 12  # opened four at a time until both API processes hold one
+READING_PATH_SECTION = "Several API processes on one port (`--api-server-count N`)"  # docs/reading_path.md's
 KILL_STREAM_TOKENS = 1500  # more steps than the 1000 messages a dead API process's socket queues
 
 
@@ -124,10 +127,11 @@ def open_streams_on_both(url: str, processes: dict, pool, opener, max_tokens: in
 def test_two_api_processes_over_two_engines_answer_count_drain_and_trace(tmp_path):
     from tests.hf_reference import hf_greedy
 
-    folder = model_folder()
+    folder, trace_dir = model_folder(), tmp_path / "traces"
+    measured = LineCoverage(tmp_path)  # every process's lines: the reading path's section on several API processes
     server = ServerProcess(folder, *ENGINE_FLAGS, "--api-server-count", "2", "--data-parallel-size", "2",
-                           "--metrics-prefix", "vllm", "--trace", "--trace-dir", str(tmp_path),
-                           "--shutdown-timeout", "300")
+                           "--metrics-prefix", "vllm", "--trace", "--trace-dir", str(trace_dir),
+                           "--shutdown-timeout", "300", env=measured.env)
     try:
         with concurrent.futures.ThreadPoolExecutor(len(BURST_PROMPTS)) as pool:
             got = list(pool.map(lambda p: greedy_token_ids(server.url, p), BURST_PROMPTS))
@@ -153,7 +157,8 @@ def test_two_api_processes_over_two_engines_answer_count_drain_and_trace(tmp_pat
         wait_until(server.group_is_gone, 30, "every process of the server is gone")
     finally:
         server.stop()
-    [run_dir] = tmp_path.iterdir()
+    assert never_ran(sections()[READING_PATH_SECTION], measured.executed()) == []
+    [run_dir] = trace_dir.iterdir()
     assert {p.name for p in run_dir.glob("api-*.jsonl")} == {schema.api_trace_file(0), schema.api_trace_file(1)}
     run = load_run(run_dir)
     for request_id, index in held.items():

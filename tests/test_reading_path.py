@@ -198,6 +198,43 @@ def prompt_embeds(measuring: InProcessCoverage) -> None:
                                                              use_tqdm=False)
 
 
+def pipeline_parallelism(measuring: InProcessCoverage) -> None:
+    """Two stages: stage 0 (its runner, the batch queue, the scheduler) is this process's engine, and every
+    entry of the section runs there; stage 1 is a process of its own. Two prompts in batches of 5 tokens, so
+    that two batches are in flight at once, as tests/test_pipeline_parallel.py runs them."""
+    from tinyserve import LLM, SamplingParams
+
+    folder = tiny_model_with_tokenizer("llama", num_hidden_layers=3)
+    with measuring:
+        llm = LLM(str(folder), pipeline_parallel_size=2, num_kv_blocks=64, max_num_batched_tokens=5)
+        try:
+            llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [10, 11, 12]}],
+                         SamplingParams(**GREEDY), use_tqdm=False)
+        finally:
+            llm.shutdown()
+
+
+def reasoning(measuring: InProcessCoverage) -> None:
+    """The API process's answer layers, built as `tinyserve serve --reasoning-parser qwen3` builds them (an
+    offline LLM reads no reasoning: the layer is the API's), reading a streamed answer in pieces that cut its
+    markers."""
+    import argparse
+
+    from tests.reasoning_checkpoints import reasoning_checkpoint
+    from tinyserve.assemble import ANSWER_LAYERS
+    from tinyserve.entrypoints.api.answer_layers import ReadingRequest, build_answer_layers
+    from tinyserve.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(reasoning_checkpoint())
+    with measuring:
+        layers = build_answer_layers(ANSWER_LAYERS, argparse.Namespace(reasoning_parser="qwen3"), tokenizer)
+        choice = layers.reading(ReadingRequest(prompt_token_ids=[5, 6], template_kwargs=None)).choice()
+        deltas = [delta for piece in ("<thi", "nk>a plan</th", "ink>the answer") for delta in
+                  choice.read(piece, [], piece.endswith("answer"))]
+    assert "".join(d.get("reasoning", "") for d in deltas) == "a plan", deltas
+    assert "".join(d.get("content", "") for d in deltas) == "the answer", deltas
+
+
 def recorded_run(measuring: InProcessCoverage) -> None:
     """`tinyserve trace request` and `trace step` on a shipped run: one request's view, one step's."""
     from tinyserve.trace_reading.run import load_run
@@ -216,6 +253,8 @@ OFFLINE = {
     "In front of several servers: KV cache events and the router (`tinyserve router`)": kv_cache_events,
     "Prefill here, decode there: the KV connector (`--kv-transfer-config`)": kv_connector,
     "Beside the path: a prompt given as embeddings (`--enable-prompt-embeds`)": prompt_embeds,
+    "The layers split into stages: pipeline parallelism (`--pipeline-parallel-size`)": pipeline_parallelism,
+    "Beside the path: a reasoning model's answer (`--reasoning-parser`)": reasoning,
 }
 # The entries of those sections that only a server runs (an HTTP route, the router's process), each with the
 # test that sends a request through it.
@@ -237,28 +276,21 @@ MEASURED_ELSEWHERE = {
         f"tests/test_spec_decode_server.py:{test}" for test in (
             "test_a_server_with_a_speculative_config_answers_as_without_and_counts_its_drafts",
             "test_the_built_in_draft_over_http_gives_transformers_tokens_under_concurrent_requests")),
+    "Several API processes on one port (`--api-server-count N`)": (
+        "tests/test_api_server_count.py:test_two_api_processes_over_two_engines_answer_count_drain_and_trace",),
 }
 # The sections beside the path measured nowhere, and why.
 NOT_MEASURED = {
     "Beside the path: the layers a request meets only when it asks for them":
         "no one flag turns it on: each entry is a request field or a failure of its own (a JSON schema, a grammar "
         "that is late, a tensor-parallel rank that hangs, a required tool call), each run by its own tests",
-    "Several API processes on one port (`--api-server-count N`)":
-        "both entries run only in a server of several API processes: tests/test_api_server_count.py starts one",
-    "The layers split into stages: pipeline parallelism (`--pipeline-parallel-size`)":
-        "each later stage is an interpreter of its own, whose start (torch imported, the model loaded) takes 15 s "
-        "or more on two cores: tests/test_pipeline_parallel.py starts them",
-    "Beside the path: a reasoning model's answer (`--reasoning-parser`)":
-        "its entries run in the API process only (an offline LLM reads no reasoning), and the one server with the "
-        "flag is shared by every test of tests/test_reasoning.py, which line coverage would slow",
 }
 
 
 def test_every_section_beside_the_path_is_measured_or_says_why_not():
     """A new section must be placed: run by the traced server above, by an offline case here, by another test
-    that measures it (MEASURED_ELSEWHERE), or named as not measured (NOT_MEASURED, each with its reason): the
-    layers a request meets when it asks (no one flag), several API processes and reasoning (a server's
-    processes only), pipeline parallelism (a process a stage). Every test named for what is not measured here
+    that measures it (MEASURED_ELSEWHERE), or named as not measured (NOT_MEASURED, each with its reason): only
+    the layers a request meets when it asks (no one flag). Every test named for what is not measured here
     exists."""
     beside = set(sections()) - {""}
     measured = [set(ALWAYS_ON) | {ON_A_CPU}, set(OFFLINE), set(MEASURED_ELSEWHERE)]
