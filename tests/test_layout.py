@@ -219,7 +219,7 @@ def test_lifecycle_functions_read_no_clock_and_touch_no_span_outside_one_with(mo
 # The layers: capabilities beside the core, each a package with one EngineLayer in its layer.py
 # (engine/layers.py), put together at one assembly point (tinyserve/assemble.py).
 LAYER_PACKAGES = ("tinyserve.spec_decode", "tinyserve.pipeline_parallel", "tinyserve.distributed", "tinyserve.lora",
-                  "tinyserve.kv_events", "tinyserve.reasoning")
+                  "tinyserve.kv_events", "tinyserve.reasoning", "tinyserve.multimodal")
 CORE = [name for name in MODULES if in_package(name, "tinyserve.engine") or name == "tinyserve.config"]
 
 

@@ -40,6 +40,7 @@ def load_script(name: str):
 
 build_notebooks = load_script("build_notebooks")
 record_traces = load_script("record_traces")
+measure_spec_sweep = load_script("measure_spec_sweep")
 NOTEBOOKS = build_notebooks.notebooks()
 RECORDED = sorted(ROOT.glob("traces/recorded-*"))
 
@@ -122,6 +123,19 @@ def test_recorded_run_is_small_and_every_request_replayable(folder):
         # every request can be replayed: an aborted one up to where it stopped, a pooled one by its vector's length
         assert why_not_reproducible(request) is None
     assert all(why_not_reproducible(request) is None for request in lost)
+
+
+def test_the_speculation_sweep_chapter_6_reads_is_the_scripts_workload_on_the_built_in_model():
+    sweep = json.loads(measure_spec_sweep.SWEEP_FILE.read_text())
+    assert sweep["workload"] == {
+        "concurrencies": list(measure_spec_sweep.CONCURRENCIES), "rounds": measure_spec_sweep.ROUNDS,
+        "max_tokens": measure_spec_sweep.MAX_TOKENS, "speculative_config": record_traces.SPECULATIVE_CONFIG,
+        "model_fingerprint": record_traces.model_fingerprint()}
+    engines = ("plain", "speculative")
+    assert [(r["concurrency"], r["engine"]) for r in sweep["rows"]] == \
+        [(c, name) for c in measure_spec_sweep.CONCURRENCIES for name in engines]
+    assert all(r["tokens"] == r["concurrency"] * measure_spec_sweep.MAX_TOKENS for r in sweep["rows"])
+    assert 0 < sweep["drafts"]["accepted"] <= sweep["drafts"]["proposed"]
 
 
 # Replaying every shipped run, token for token, on an engine configured as its manifest says: tests/test_replay_runs.py.

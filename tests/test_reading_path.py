@@ -13,7 +13,7 @@ from tests.server_checks import sse_lines
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.testing import ServerProcess
 
-BUDGET_LINES = 2000
+BUDGET_LINES = 2100
 # vLLM's lifecycle names, each of which the path must pass through. (vLLM's handlers iterate AsyncLLM.generate;
 # here they call its two halves, add_request and the loop over its stream, apart: entry 8 says why.)
 LIFECYCLE = ["serving_chat.py:create_chat_completion", "input_processor.py:InputProcessor.make_requests",
@@ -235,6 +235,18 @@ def reasoning(measuring: InProcessCoverage) -> None:
     assert "".join(d.get("content", "") for d in deltas) == "the answer", deltas
 
 
+def images(measuring: InProcessCoverage) -> None:
+    """A LLaVA checkpoint's prompt with an image, in chunks of 8 tokens: the second chunk finds the image in
+    the encoder cache."""
+    from tests.llava_checkpoints import image, llava_checkpoint
+    from tinyserve import LLM, SamplingParams
+
+    folder, picture = str(llava_checkpoint()), image(0)
+    with measuring:
+        LLM(folder, max_num_batched_tokens=8).generate({"prompt": "a <image> b", "multi_modal_data": {"image": picture}},
+                                                       SamplingParams(**GREEDY), use_tqdm=False)
+
+
 def recorded_run(measuring: InProcessCoverage) -> None:
     """`tinyserve trace request` and `trace step` on a shipped run: one request's view, one step's."""
     from tinyserve.trace_reading.run import load_run
@@ -255,6 +267,7 @@ OFFLINE = {
     "Beside the path: a prompt given as embeddings (`--enable-prompt-embeds`)": prompt_embeds,
     "The layers split into stages: pipeline parallelism (`--pipeline-parallel-size`)": pipeline_parallelism,
     "Beside the path: a reasoning model's answer (`--reasoning-parser`)": reasoning,
+    "Beside the path: a prompt with images (an image-text checkpoint, LLaVA)": images,
 }
 # The entries of those sections that only a server runs (an HTTP route, the router's process), each with the
 # test that sends a request through it.

@@ -32,6 +32,7 @@ from tinyserve.engine.engine_core import EngineCore
 from tinyserve.engine.layers import AssemblyContext, EngineHooks, EngineLayer, EngineParts
 from tinyserve.kv_events.layer import KVEventsLayer
 from tinyserve.lora.layer import LoRALayer
+from tinyserve.multimodal.layer import MultiModalLayer
 from tinyserve.pipeline_parallel.layer import PipelineParallelLayer
 from tinyserve.prompt_embeds.layer import PromptEmbedsLayer
 from tinyserve.reasoning.layer import ReasoningLayer
@@ -39,7 +40,7 @@ from tinyserve.spec_decode.layer import SpecDecodeLayer
 
 # In the order their classes wrap the core's: a later layer's class is built around an earlier one's.
 LAYERS: list[EngineLayer] = [SpecDecodeLayer(), PipelineParallelLayer(), KVTransferLayer(), LoRALayer(),
-                             KVEventsLayer(), RayLayer(), PromptEmbedsLayer()]
+                             KVEventsLayer(), RayLayer(), PromptEmbedsLayer(), MultiModalLayer()]
 # The layers of the API's answers, in the order they read a choice's text (each one the content the one before left).
 ANSWER_LAYERS = [ReasoningLayer]
 

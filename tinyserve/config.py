@@ -99,6 +99,8 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     # vLLM's --enable-prompt-embeds: prompts may come as embeddings (tinyserve/prompt_embeds/); off, a 400
     enable_prompt_embeds: bool = False
+    # vLLM's --limit-mm-per-prompt: the most images a prompt may carry ({"image": N}; tinyserve/multimodal/)
+    limit_mm_per_prompt: dict | None = None
     # Speculative decoding (tinyserve/spec_decode/), vLLM's --speculative-config: {"method": "ngram",
     # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method":
     # "draft_model", "model": PATH, "num_speculative_tokens": 3}. None: one token per step.
@@ -112,8 +114,7 @@ class EngineArgs:
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
+        if unknown := sorted(set(kwargs) - known):
             raise ValueError(f"unknown engine argument(s) {unknown}; valid ones are {sorted(known)}")
         args = cls(**kwargs)
         args.validate()
@@ -121,8 +122,7 @@ class EngineArgs:
 
     def validate(self) -> None:
         """The core's fields (a layer's flags: tinyserve/assemble.py's check_engine_args runs this, then them)."""
-        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size")
-        for name in positive:
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("tensor_parallel_watchdog_s", "engine_iteration_timeout_s"):
@@ -171,8 +171,7 @@ class EngineArgs:
                 raise ValueError("pooler_config is for runner='pooling' (an embedding model); this engine generates")
             return
         config = {"pooling_type": "LAST", "normalize": True, **(self.pooler_config or {})}
-        unknown = sorted(set(config) - {"pooling_type", "normalize"})
-        if unknown:
+        if unknown := sorted(set(config) - {"pooling_type", "normalize"}):
             raise ValueError(f"pooler_config: unknown field(s) {unknown}; known: pooling_type, normalize")
         if str(config["pooling_type"]).upper() not in POOLING_TYPES:
             raise ValueError(f"pooler_config.pooling_type must be one of {list(POOLING_TYPES)}, "
@@ -211,16 +210,18 @@ class ModelInfo:
     # names: used where a request leaves a parameter out (vLLM's generation_config="auto").
     generation_defaults: dict = field(default_factory=dict)
     hidden_size: int = 0  # the width of the model's input embeddings (a prompt given as embeddings must match)
+    image_token_id: int | None = None  # an image-text checkpoint's image placeholder (tinyserve/multimodal/)
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "ModelInfo":
         from tinyserve.models.default_model import default_model_path
         from tinyserve.models.pipeline_parallel import PipelineStage
-        from tinyserve.models.loader import check_architecture, resolve_model_path
+        from tinyserve.models.loader import check_architecture, resolve_model_path, text_config
 
         path = default_model_path() if args.model is None else resolve_model_path(args.model)
-        config = _read_json(path / "config.json")
-        check_architecture(config, path)
+        whole = _read_json(path / "config.json")
+        check_architecture(whole, path)
+        config = text_config(whole)  # an image-text checkpoint's language model (models/loader.py)
         generation_file = path / "generation_config.json"
         generation_config = _read_json(generation_file) if generation_file.exists() else {}
         max_position = config.get("max_position_embeddings") or 2048
@@ -230,8 +231,7 @@ class ModelInfo:
         if args.pipeline_parallel_size > 1:  # more stages than layers, refused before any process starts
             PipelineStage.of(0, args.pipeline_parallel_size, config["num_hidden_layers"])
         torch_dtype = resolve_dtype(args.dtype, args.torch_device, config)
-        generation_defaults = _generation_defaults(generation_config)
-        if generation_defaults:
+        if generation_defaults := _generation_defaults(generation_config):
             logger.info("sampling defaults from the model's generation_config.json: %s", generation_defaults)
         return cls(
             path=path,
@@ -239,6 +239,7 @@ class ModelInfo:
             vocab_size=config["vocab_size"],
             max_model_len=max_model_len,
             eos_token_ids=_eos_token_ids(generation_config, config),
+            image_token_id=whole.get("image_token_index") if whole is not config else None,
             torch_dtype=torch_dtype,
             kv_cache_dtype=torch_dtypes(KV_CACHE_DTYPE_NAMES)[args.kv_cache_dtype] or torch_dtype,
             generation_defaults=generation_defaults, hidden_size=config.get("hidden_size", 0),
@@ -253,8 +254,7 @@ class ModelInfo:
                 f"prompt has {len(prompt_token_ids)} tokens, more than max_model_len={self.max_model_len} "
                 f"(by {len(prompt_token_ids) - self.max_model_len})", "prompt",
             )
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if bad:
+        if bad := [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]:
             raise InvalidInputError(
                 f"prompt_token_ids contains ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}", "prompt")
 

@@ -38,20 +38,23 @@ class InputProcessor(Renderer):
                    speculative=args.speculative_config is not None,
                    kv_transfer=KVTransferConfig.from_dict(args.kv_transfer_config)
                    if args.kv_transfer_config is not None else None, seed_unseeded=seed_unseeded,
-                   enable_prompt_embeds=args.enable_prompt_embeds)
+                   enable_prompt_embeds=args.enable_prompt_embeds,
+                   limit_images_per_prompt=(args.limit_mm_per_prompt or {}).get("image"))
 
     def __init__(self, model_info: ModelInfo, tokenizer, block_size: int, max_logprobs: int = 20,
                  scheduling_policy: str = "fcfs", structured_outputs_backend: str = "xgrammar",
                  runner: str = "generate", lora_checker: LoRAChecker | None = None, speculative: bool = False,
                  kv_transfer: KVTransferConfig | None = None, seed_unseeded: bool = False,
-                 enable_prompt_embeds: bool = False) -> None:
+                 enable_prompt_embeds: bool = False, limit_images_per_prompt: int | None = None) -> None:
         """max_logprobs: the most logprobs or prompt_logprobs a request may ask for (vLLM's flag, default 20).
         scheduling_policy: the engine's; a request's priority means something only under "priority".
         structured_outputs_backend: the engine's grammar library (it must compile a request's constraint).
         runner: the engine's (EngineArgs.runner): "generate" takes SamplingParams, "pooling" PoolingParams.
         seed_unseeded: a traced run's (`serve --trace`, a traced LLM): see `seeded`.
-        enable_prompt_embeds: the engine's (--enable-prompt-embeds): prompts may come as embeddings (render.py)."""
-        super().__init__(model_info, tokenizer, enable_prompt_embeds=enable_prompt_embeds)
+        enable_prompt_embeds: the engine's (--enable-prompt-embeds): prompts may come as embeddings (render.py).
+        limit_images_per_prompt: the engine's --limit-mm-per-prompt "image" (render.py's images_prompt)."""
+        super().__init__(model_info, tokenizer, enable_prompt_embeds=enable_prompt_embeds,
+                         limit_images_per_prompt=limit_images_per_prompt)
         self.runner = runner
         self.structured_outputs_backend = structured_outputs_backend
         self.scheduling_policy = scheduling_policy
@@ -156,7 +159,7 @@ class InputProcessor(Renderer):
                 trace_context=trace_context or {},
                 lora_request=lora_request,
                 reasoning_end=reasoning_end if sampling_params.structured_outputs is not None else None,
-                prompt_embeds=prompt.prompt_embeds,
+                prompt_embeds=prompt.prompt_embeds, mm_features=prompt.mm_features,
             )
             for index in range(n)
         ]
@@ -183,6 +186,8 @@ class InputProcessor(Renderer):
                          num_kv_blocks: int, arrival_time: float | None, priority: int,
                          trace_context: dict[str, str] | None) -> EngineCoreRequest:
         """A pooling request: its prompt must fit the KV pool; one engine request, nothing to sample."""
+        if prompt.mm_features:
+            raise InvalidInputError("a pooling request takes no images yet", "multi_modal_data")
         if priority != 0 and self.scheduling_policy != "priority":
             raise InvalidInputError(f"priority={priority} needs --scheduling-policy priority; this engine schedules "
                                     f"{self.scheduling_policy!r}", "priority")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from tinyserve.config import ModelInfo
 from tinyserve.errors import InvalidInputError
 from tinyserve.prompt_embeds.tensors import check_prompt_embeds, decode_prompt_embeds
-from tinyserve.wire.messages import PromptEmbeds
+from tinyserve.wire.messages import MultiModalFeature, PromptEmbeds
 
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")  # the usual ones; a template may take others
 
@@ -29,6 +29,7 @@ class ProcessedPrompt:
     prompt: str | None  # the text that was tokenized, if any
     prompt_token_ids: list[int]  # given as embeddings: one placeholder (0) per row
     prompt_embeds: PromptEmbeds | None = None  # a prompt given as embeddings (tinyserve/prompt_embeds/)
+    mm_features: list[MultiModalFeature] | None = None  # its images (tinyserve/multimodal/), in prompt order
 
     @property
     def known_token_ids(self) -> list[int]:
@@ -61,11 +62,14 @@ class Truncation:
 
 
 class Renderer:
-    def __init__(self, model_info: ModelInfo, tokenizer, *, enable_prompt_embeds: bool = False) -> None:
-        """enable_prompt_embeds: the engine's (--enable-prompt-embeds); without it a prompt_embeds is a 400."""
+    def __init__(self, model_info: ModelInfo, tokenizer, *, enable_prompt_embeds: bool = False,
+                 limit_images_per_prompt: int | None = None) -> None:
+        """enable_prompt_embeds: the engine's (--enable-prompt-embeds); without it a prompt_embeds is a 400.
+        limit_images_per_prompt: --limit-mm-per-prompt's "image" (None: no limit)."""
         self.model_info = model_info
         self.tokenizer = tokenizer
         self.enable_prompt_embeds = enable_prompt_embeds
+        self.limit_images_per_prompt = limit_images_per_prompt
         # The most characters one token can stand for: the longest entry of the vocabulary,
         # special tokens included. Byte-level vocabularies spell each byte as one character,
         # so there the length counts bytes, never fewer than the characters they encode.
@@ -201,10 +205,12 @@ class Renderer:
         cover, as vLLM cuts it, so that a huge prompt is not tokenized whole.
         """
         if isinstance(prompt, dict):
-            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "prompt_embeds"})
-            if unknown:  # multi_modal_data, say: refused, not silently dropped
-                raise InvalidInputError(f"a prompt dict takes 'prompt', 'prompt_token_ids' or 'prompt_embeds'; "
-                                        f"{', '.join(unknown)} is not supported")
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "prompt_embeds", "multi_modal_data"})
+            if unknown:  # refused, not silently dropped
+                raise InvalidInputError(f"a prompt dict takes 'prompt', 'prompt_token_ids', 'prompt_embeds' or "
+                                        f"'multi_modal_data'; {', '.join(unknown)} is not supported")
+            if "multi_modal_data" in prompt:
+                return self.images_prompt(prompt, add_special_tokens, truncation)
             if "prompt_embeds" in prompt:
                 return self.embeds_prompt(prompt["prompt_embeds"], truncation)
             if "prompt_token_ids" in prompt:
@@ -227,6 +233,26 @@ class Renderer:
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return ProcessedPrompt(None, prompt if truncation is None else truncation.apply(prompt))
         raise InvalidInputError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def images_prompt(self, prompt: dict, add_special_tokens: bool = True,
+                      truncation: Truncation | None = None) -> ProcessedPrompt:
+        """A prompt with images: its text through the checkpoint's processor (tinyserve/multimodal/processor.py),
+        each image's placeholders expanded and its pixels beside them."""
+        from tinyserve.multimodal.processor import FIELD, images_of, process
+
+        if self.model_info.image_token_id is None:
+            raise InvalidInputError("this model takes no images: multi_modal_data needs an image-text checkpoint "
+                                    "(LlavaForConditionalGeneration)", FIELD)
+        if truncation is not None or "prompt_embeds" in prompt or "prompt_token_ids" in prompt:
+            raise InvalidInputError("multi_modal_data goes with a text 'prompt' only: not with prompt_token_ids, "
+                                    "prompt_embeds or truncate_prompt_tokens", FIELD)
+        images = images_of(prompt["multi_modal_data"], self.limit_images_per_prompt)
+        text = prompt.get("prompt")
+        if isinstance(text, str):
+            self.check_text_fits(text)
+        token_ids, features = process(self.model_info.path, self.model_info.image_token_id, text, images,
+                                      add_special_tokens)
+        return ProcessedPrompt(text, token_ids, mm_features=features or None)
 
     def check_embeds_enabled(self) -> None:
         if not self.enable_prompt_embeds:

@@ -221,6 +221,16 @@ STEP_WAITING_LORA_ADAPTERS = "tinyserve.step.waiting_lora_adapters"
 # embeddings: its rows (the prompt's tokens) and their width (the model's hidden_size).
 PROMPT_EMBEDS_ROWS = "tinyserve.prompt_embeds.rows"
 PROMPT_EMBEDS_HIDDEN_SIZE = "tinyserve.prompt_embeds.hidden_size"
+# Images (tinyserve/multimodal/). On the engine's queue span of a request with images: each image's content
+# hash (mm_hash) and its placeholder run (offset, length; aligned). On a step span whose batch computed
+# placeholder positions: the images it encoded, those it found in the encoder cache, and the encoding's
+# seconds (inside tinyserve.execute).
+MM_HASHES = "tinyserve.mm.hashes"
+MM_PLACEHOLDER_OFFSETS = "tinyserve.mm.placeholder_offsets"
+MM_PLACEHOLDER_LENGTHS = "tinyserve.mm.placeholder_lengths"
+STEP_MM_IMAGES_ENCODED = "tinyserve.step.mm.images_encoded"
+STEP_MM_ENCODER_CACHE_HITS = "tinyserve.step.mm.encoder_cache_hits"
+STEP_MM_ENCODE_TIME = "tinyserve.step.mm.encode_time"
 # Speculative decoding (tinyserve/spec_decode/), on the step span: the requests whose drafts this step
 # verified, and for each (aligned) the drafts proposed, accepted and rejected; the seconds the worker
 # spent verifying them and proposing the next ones (both inside tinyserve.execute; absent on a step that

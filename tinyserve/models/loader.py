@@ -17,6 +17,11 @@ stacks into one matrix, which land in their rows of it:
 
 Every parameter must be found exactly once; a missing or unexpected name is an error
 that lists them, never a silently random weight.
+
+An image-text checkpoint (LLaVA: model_type "llava", WITH_IMAGES) wraps one of these language
+models: config.json's `text_config` describes it and its tensors are named under "language_model."
+(which is dropped first). Its image encoder's tensors (vision_tower., multi_modal_projector.) are
+left here for the layer that runs images (tinyserve/multimodal/).
 """
 
 import contextlib
@@ -40,6 +45,15 @@ from tinyserve.models.tensor_parallel import TensorParallel, checkpoint_slice
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
+# Image-text checkpoints whose language model is one of the above: model_type -> its architecture.
+WITH_IMAGES = {"llava": "LlavaForConditionalGeneration"}
+LANGUAGE_MODEL_PREFIX = "language_model."
+IMAGE_ENCODER_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+
+
+def text_config(config: dict) -> dict:
+    """config.json's language model part: its text_config for an image-text checkpoint, else itself."""
+    return config["text_config"] if config.get("model_type") in WITH_IMAGES else config
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -97,6 +111,8 @@ def load_model(
     """
     path = pathlib.Path(path)
     config = AutoConfig.from_pretrained(path)
+    if config.model_type in WITH_IMAGES:  # the language model it wraps (the image encoder: tinyserve/multimodal/)
+        config = config.text_config
     if max_model_len is None:
         max_model_len = config.max_position_embeddings
     check_supported(config, max_model_len)
@@ -132,14 +148,16 @@ def default_dtype(dtype: torch.dtype):
 def check_architecture(config: dict, path: pathlib.Path) -> None:
     """config.json (as read) names a model tinyserve serves; checked before any field of one is read."""
     model_type = config.get("model_type")
-    if model_type in ARCHITECTURES:
+    if model_type in ARCHITECTURES or (model_type in WITH_IMAGES and text_config(config).get("model_type")
+                                       in ARCHITECTURES):
         return
     architectures = ", ".join(config.get("architectures") or [])
     given = f"{architectures} checkpoint (model_type {model_type!r})" if architectures else \
         f"checkpoint of model_type {model_type!r}"
     supported = ", ".join(f"{name} ({kind})" for kind, name in ARCHITECTURES.items())
+    with_images = ", ".join(f"{name} ({kind})" for kind, name in WITH_IMAGES.items())
     raise ValueError(f"{path} holds a {given}, which tinyserve does not serve: it serves decoder-only text "
-                     f"models, {supported}")
+                     f"models, {supported}, and {with_images} over one of them")
 
 
 def check_supported(config, max_model_len: int) -> None:
@@ -211,7 +229,9 @@ def load_weights(model: LlamaForCausalLM, path: pathlib.Path) -> None:
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for hf_name in f.keys():
-                name = tied_head_name(hf_name.removeprefix("model."), model)
+                if hf_name.startswith(IMAGE_ENCODER_PREFIXES):  # an image-text checkpoint's encoder: not here
+                    continue
+                name = tied_head_name(hf_name.removeprefix(LANGUAGE_MODEL_PREFIX).removeprefix("model."), model)
                 if name not in expected:
                     if not is_ignorable(name, model):
                         unexpected.append(hf_name)

@@ -9,7 +9,7 @@ looks the whole batch up as usual and then overwrites those positions' rows with
     inputs_embeds:  a0 a1 a2 a3                   E[b9]        a4 a5       (E: embed_tokens)
 
 Positions past the prompt (the tokens it samples) are ordinary tokens, looked up as any other.
-A batch without such a request returns None, and the model looks input_ids up itself.
+A batch without such a request returns the rows it was handed (None: the model looks input_ids up itself).
 """
 
 import torch
@@ -21,9 +21,9 @@ class PromptEmbedsInputs:
     def __init__(self, model) -> None:
         self.model = model
 
-    def __call__(self, scheduled_requests, states, input_ids: torch.Tensor) -> torch.Tensor | None:
-        pieces = []  # (flat index of the first row, prompt positions [start, end), the request's rows)
-        flat = 0
+    def __call__(self, scheduled_requests, states, input_ids: torch.Tensor,
+                 rows: torch.Tensor | None) -> torch.Tensor | None:
+        pieces, flat = [], 0  # pieces: (flat index of the first row, prompt positions [start, end), the rows)
         for scheduled, state in zip(scheduled_requests, states):
             embeds = state.prompt_embeds
             start = scheduled.num_computed_tokens
@@ -31,8 +31,9 @@ class PromptEmbedsInputs:
                 pieces.append((flat, start, min(start + scheduled.num_new_tokens, embeds.rows), embeds))
             flat += scheduled.num_new_tokens
         if not pieces:
-            return None
-        rows = self.model.embed_tokens(input_ids)
+            return rows
+        if rows is None:
+            rows = self.model.embed_tokens(input_ids)
         for flat, start, end, embeds in pieces:
             rows[flat:flat + end - start] = as_tensor(embeds)[start:end].to(rows.device, rows.dtype)
         return rows

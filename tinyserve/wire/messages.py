@@ -40,6 +40,18 @@ class PromptEmbeds(msgspec.Struct, array_like=True):
     dtype: str  # torch's name without "torch.": "float32", "bfloat16", "float16"
 
 
+class MultiModalFeature(msgspec.Struct, array_like=True):
+    """One image of a prompt (vLLM's MultiModalFeatureSpec, tinyserve/multimodal/): its content hash, where
+    its placeholder tokens are in the prompt (vLLM's PlaceholderRange), and its pixels as the checkpoint's
+    processor made them, as raw bytes."""
+
+    identifier: str  # vLLM's mm_hash: the SHA-256 of the image's pixels, in hex
+    offset: int  # the position of its first placeholder token
+    length: int  # how many placeholder tokens: the rows the image encoder gives it
+    pixel_values: bytes  # float32 values, C order
+    shape: list[int]  # [channels, height, width]
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -60,6 +72,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # A prompt given as embeddings: prompt_token_ids are then `rows` placeholders (0s, as vLLM's), which
     # the scheduler counts as the prompt's tokens and the model never looks up.
     prompt_embeds: PromptEmbeds | None = None
+    # Its images, in prompt order (tinyserve/multimodal/): each one's rows stand at its placeholder tokens.
+    mm_features: list[MultiModalFeature] | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from tinyserve.lora_request import LoRARequest
-from tinyserve.wire.messages import EngineCoreRequest, PromptEmbeds, ReasoningEnd, RequestTimes
+from tinyserve.wire.messages import EngineCoreRequest, MultiModalFeature, PromptEmbeds, ReasoningEnd, RequestTimes
 from tinyserve.pooling_params import PoolingParams
 from tinyserve.sampling_params import SamplingParams
 
@@ -62,6 +62,7 @@ class Request:
     client_index: int = 0  # the API process that sent it (vLLM's field; engine/client_outputs.py routes by it)
     reasoning_end: ReasoningEnd | None = None  # its grammar starts after the reasoning ends (None: at once)
     prompt_embeds: PromptEmbeds | None = None  # its prompt as embeddings (tinyserve/prompt_embeds/), else None
+    mm_features: list[MultiModalFeature] | None = None  # its images (tinyserve/multimodal/), else None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -134,11 +135,18 @@ class Request:
         A prompt given as embeddings has placeholder token ids (all 0): two such prompts would hash
         alike whatever their rows. The SHA-256 of its rows goes into the root, so only the same
         embeddings share blocks (vLLM hashes them into each block's key; here, into the chain's start).
+
+        An image's placeholder tokens are all the same id whatever the image, so the images' content hashes
+        (mm_hash) go into the root too, in prompt order: the same text with another image is another prefix.
+        (vLLM keys only the blocks an image covers, so the text before a prompt's first image is still
+        shared with a prompt without it; here it is not: fewer hits, never a wrong one.)
         """
         lora = self.lora_request
         root = b"" if lora is None else f"lora\x00{lora.lora_int_id}\x00{lora.lora_name}\x00{lora.lora_path}".encode()
         if self.prompt_embeds is not None:
             root += b"embeds\x00" + self._embeds_digest
+        if self.mm_features:
+            root += b"images\x00" + "\x00".join(feature.identifier for feature in self.mm_features).encode()
         return root
 
     @functools.cached_property

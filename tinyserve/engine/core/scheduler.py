@@ -287,7 +287,7 @@ class Scheduler:
             output_token_ids=list(request.output_token_ids),
             pooling_params=request.pooling_params,
             lora_request=request.lora_request,
-            prompt_embeds=request.prompt_embeds,
+            prompt_embeds=request.prompt_embeds, mm_features=request.mm_features,
         )
 
     @staticmethod

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from tinyserve.pooling_params import PoolingParams
 from tinyserve.lora_request import LoRARequest
 from tinyserve.sampling_params import SamplingParams
-from tinyserve.wire.messages import PromptEmbeds
+from tinyserve.wire.messages import MultiModalFeature, PromptEmbeds
 
 
 @dataclass(slots=True)
@@ -64,6 +64,7 @@ class NewRequestData(ScheduledRequest):
     pooling_params: PoolingParams | None = None  # a pooling request's (pooling_runner.py)
     lora_request: LoRARequest | None = None  # its adapter (tinyserve/lora/), None: the base model
     prompt_embeds: PromptEmbeds | None = None  # its prompt as embeddings (tinyserve/prompt_embeds/)
+    mm_features: list[MultiModalFeature] | None = None  # its images (tinyserve/multimodal/)
 
     @property
     def num_cached_tokens(self) -> int:

@@ -57,7 +57,7 @@ class ModelInputs:
     logits_indices: torch.Tensor  # flat index of the last token of each sampling request
     sampling_request_ids: list[str]
     # [num_tokens, hidden_size]: what the model reads in place of its embedding lookup, or None (it looks
-    # input_ids up): a layer's rows for the batch (prompt embeddings: tinyserve/prompt_embeds/)
+    # input_ids up): the layers' rows for the batch (prompt embeddings, images)
     inputs_embeds: torch.Tensor | None = None
 
 
@@ -84,9 +84,10 @@ class ModelRunner:
         # Layers beside the model that must see each batch as it is flattened (LoRA: lora/manager.py),
         # each hook(scheduled requests, their states), called at the end of prepare_inputs.
         self.input_hooks: list = []
-        # Layers that give some positions' input rows themselves (prompt embeddings: tinyserve/prompt_embeds/):
-        # each hook(scheduled requests, their states, input_ids on the device) -> ModelInputs.inputs_embeds or
-        # None; the first that answers is the batch's.
+        # Layers that give some positions' input rows themselves (prompt embeddings: tinyserve/prompt_embeds/;
+        # images: tinyserve/multimodal/): each hook(scheduled requests, their states, input_ids on the device,
+        # the rows so far or None) -> the rows (ModelInputs.inputs_embeds; None: the model looks input_ids up).
+        # A hook with rows to write looks the batch up first if no hook before it did, then writes its own.
         self.embeds_hooks: list = []
 
     @staticmethod
@@ -106,8 +107,7 @@ class ModelRunner:
         for new in scheduler_output.scheduled_new_requests:
             state = self.requests.get(new.request_id)
             if state is None:
-                state = CachedRequestState(new.request_id, new.prompt_token_ids, new.sampling_params, new.eos_token_ids,
-                                           lora_request=new.lora_request, prompt_embeds=new.prompt_embeds)
+                state = CachedRequestState.of(new)
                 self.requests[new.request_id] = state
             state.output_token_ids = list(new.output_token_ids)  # empty, unless resumed after a preemption
             state.block_ids = list(new.block_ids)
@@ -149,8 +149,9 @@ class ModelRunner:
         for hook in self.input_hooks:
             hook(scheduled_requests, states)
         input_ids = on_device(input_ids, torch.int64)
-        inputs_embeds = next((rows for hook in self.embeds_hooks
-                              if (rows := hook(scheduled_requests, states, input_ids)) is not None), None)
+        inputs_embeds = None
+        for hook in self.embeds_hooks:
+            inputs_embeds = hook(scheduled_requests, states, input_ids, inputs_embeds)
         return ModelInputs(
             input_ids=input_ids,
             positions=on_device(positions, torch.int64),

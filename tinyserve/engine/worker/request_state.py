@@ -19,7 +19,7 @@ import torch
 
 from tinyserve.lora_request import LoRARequest
 from tinyserve.sampling_params import SamplingParams
-from tinyserve.wire.messages import PromptEmbeds
+from tinyserve.wire.messages import MultiModalFeature, PromptEmbeds
 
 
 @dataclass(slots=True, eq=False)
@@ -40,6 +40,13 @@ class CachedRequestState:
     # Speculative decoding: this step's drafts, fed after the known tokens (SchedulerOutput.scheduled_spec_decode_tokens)
     spec_token_ids: list[int] = field(default_factory=list)
     prompt_embeds: PromptEmbeds | None = None  # its prompt as embeddings (tinyserve/prompt_embeds/ reads them)
+    mm_features: list[MultiModalFeature] | None = None  # its images (tinyserve/multimodal/ reads them)
+
+    @classmethod
+    def of(cls, new) -> "CachedRequestState":
+        """A request scheduled for the first time (a NewRequestData): what the worker keeps of it."""
+        return cls(new.request_id, new.prompt_token_ids, new.sampling_params, new.eos_token_ids,
+                   lora_request=new.lora_request, prompt_embeds=new.prompt_embeds, mm_features=new.mm_features)
 
     @property
     def num_output_tokens(self) -> int:

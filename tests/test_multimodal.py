@@ -1,0 +1,155 @@
+"""Images (tinyserve/multimodal/): a LLaVA checkpoint's prompts with images give transformers' greedy tokens.
+
+On tests/llava_checkpoints.py's tiny LLaVA (random weights, transformers' own classes and processor):
+the image encoder's rows equal transformers' image features; offline `LLM.generate` with
+`multi_modal_data` gives transformers' tokens for one image, two in one prompt, images of different
+sizes, several image requests batched beside text-only ones, chunked through the placeholders,
+preempted, and with the prefix cache on, where the same image is a hit (in the prefix cache and the
+encoder cache) and the same text with another image is not; the step and queue spans say which images
+ran and whether the encoder cache had them. Bad input is an InvalidInputError naming multi_modal_data.
+"""
+
+import pytest
+import torch
+
+from tests.llava_checkpoints import ROWS_PER_IMAGE, hf_llava, hf_greedy_with_images, image, llava_checkpoint
+from tests.tiny_checkpoints import tiny_model_with_tokenizer
+from tinyserve import LLM, SamplingParams
+from tinyserve.errors import InvalidInputError
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+PROMPTS = [  # (text, images)
+    ("USER: <image> what is this? ASSISTANT:", [image(0)]),
+    ("compare <image> with <image> please", [image(1, 64, 32), image(0)]),  # two, of other sizes
+    ("USER: <image> what is this? ASSISTANT:", [image(2, 100, 100)]),  # the same text, another image
+]
+TEXT_ONLY = [5, 17, 42, 8, 99]
+
+
+def as_prompt(text: str, images: list) -> dict:
+    return {"prompt": text, "multi_modal_data": {"image": images if len(images) != 1 else images[0]}}
+
+
+def expected(prompts=PROMPTS) -> list[list[int]]:
+    return [hf_greedy_with_images(llava_checkpoint(), text, images, MAX_TOKENS) for text, images in prompts]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def test_the_image_encoder_gives_transformers_image_features():
+    from transformers import AutoConfig, AutoProcessor
+
+    from tinyserve.multimodal.vision import load_image_encoder
+
+    for layer, strategy in ((-2, "default"), (-1, "full")):
+        path = llava_checkpoint(layer, strategy)
+        encoder = load_image_encoder(path, AutoConfig.from_pretrained(path), torch.float32, torch.device("cpu"))
+        pixels = AutoProcessor.from_pretrained(path)(text="<image>", images=[image(3)],
+                                                     return_tensors="pt")["pixel_values"]
+        with torch.no_grad():
+            ours = encoder(pixels)
+            theirs = hf_llava(str(path)).model.get_image_features(pixel_values=pixels)
+        theirs = torch.cat(list(theirs.pooler_output if hasattr(theirs, "pooler_output") else theirs))
+        assert ours.shape[1] == ROWS_PER_IMAGE + (strategy == "full")
+        torch.testing.assert_close(ours.reshape(theirs.shape), theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_prompts_with_images_batched_beside_text_give_transformers_greedy_tokens():
+    llm = LLM(str(llava_checkpoint()))
+    outputs = llm.generate([*(as_prompt(*p) for p in PROMPTS), {"prompt_token_ids": TEXT_ONLY}], GREEDY,
+                           use_tqdm=False)
+    assert token_ids(outputs[:3]) == expected()
+    with torch.no_grad():
+        text_only = hf_llava(str(llava_checkpoint())).generate(torch.tensor([TEXT_ONLY]), max_new_tokens=MAX_TOKENS,
+                                                                do_sample=False)[0, len(TEXT_ONLY):].tolist()
+    assert token_ids(outputs[3:]) == [text_only]
+    num_placeholders = [sum(t == llm.model_info.image_token_id for t in o.prompt_token_ids) for o in outputs]
+    assert num_placeholders == [ROWS_PER_IMAGE, 2 * ROWS_PER_IMAGE, ROWS_PER_IMAGE, 0]
+
+
+def test_chunks_that_cut_through_an_image_and_preemptions_keep_the_tokens():
+    """8 tokens a step: each image's 25 placeholders are written over four steps, from the encoder cache
+    after the first; 12 blocks of 4 tokens for three requests of 30-65 tokens: they preempt each other."""
+    llm = LLM(str(llava_checkpoint()), max_num_batched_tokens=8, block_size=4, num_kv_blocks=24,
+              enable_prefix_caching=False)
+    outputs = llm.generate([as_prompt(*p) for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert token_ids(outputs) == expected()
+    cache = llm.engine_core.hooks.parts["multimodal"].cache
+    assert cache.hits > 0 and cache.queries > cache.hits  # the later chunks' images came from the cache
+    assert llm.engine_core.scheduler.num_preemptions > 0, "the pool is small enough that requests were preempted"
+
+
+def test_the_same_image_is_a_prefix_cache_and_encoder_cache_hit_and_another_image_is_not():
+    llm = LLM(str(llava_checkpoint()), enable_prefix_caching=True, block_size=4)
+    text, images = PROMPTS[0]
+    [first] = llm.generate([as_prompt(text, images)], GREEDY, use_tqdm=False)
+    [again] = llm.generate([as_prompt(text, [image(0)])], GREEDY, use_tqdm=False)  # the same pixels, a new object
+    [other] = llm.generate([as_prompt(text, PROMPTS[2][1])], GREEDY, use_tqdm=False)
+    assert token_ids([first, again, other]) == [expected()[0], expected()[0], expected()[2]]
+    assert first.num_cached_tokens == 0 and other.num_cached_tokens == 0
+    assert again.num_cached_tokens >= len(first.prompt_token_ids) - 4  # every full block but the last token's
+    assert token_ids([first]) != token_ids([other])
+
+
+def test_traced_steps_and_requests_say_which_images_ran_and_what_the_encoder_cache_held(tmp_path):
+    from tinyserve.lifecycle import schema
+    from tinyserve.lifecycle.tracing import shutdown_tracing
+    from tinyserve.multimodal.processor import mm_hash
+    from tinyserve.trace_reading import load_run
+
+    try:
+        # No prefix cache: the second request computes its placeholders again, from the encoder cache (with it,
+        # its blocks would be a prefix-cache hit and no step would need the image's rows at all).
+        llm = LLM(str(llava_checkpoint()), trace_dir=str(tmp_path), enable_prefix_caching=False)
+        for text, images in (PROMPTS[0], PROMPTS[0]):
+            llm.generate([as_prompt(text, images)], GREEDY, use_tqdm=False)
+        llm.llm_engine.flush_spans()
+    finally:
+        shutdown_tracing()
+    [run_dir] = list(tmp_path.iterdir())
+    run = load_run(run_dir)
+    queues = [r.sequences[0].stages[schema.QUEUE].attributes for r in run.requests]
+    assert [q[schema.MM_HASHES] for q in queues] == [[mm_hash(image(0))]] * 2
+    assert [q[schema.MM_PLACEHOLDER_LENGTHS] for q in queues] == [[ROWS_PER_IMAGE]] * 2
+    encoding = [(s.span.attributes[schema.STEP_MM_IMAGES_ENCODED], s.span.attributes[schema.STEP_MM_ENCODER_CACHE_HITS])
+                for s in run.steps if schema.STEP_MM_IMAGES_ENCODED in s.span.attributes]
+    assert encoding == [(1, 0), (0, 1)], "the first request's step encoded the image, the second's found it"
+
+
+@pytest.mark.parametrize("prompt, words", [
+    ({"prompt": "no marker", "multi_modal_data": {"image": image(0)}}, "0 <image> marker(s) for 1 image"),
+    ({"prompt": "<image> <image>", "multi_modal_data": {"image": image(0)}}, "2 <image> marker(s) for 1 image"),
+    ({"prompt": "<image>", "multi_modal_data": {"image": "not an image"}}, "must be a PIL image"),
+    ({"prompt": "<image>", "multi_modal_data": {"video": image(0)}}, "takes {'image'"),
+    ({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": image(0)}}, "text 'prompt' only"),
+    ({"prompt": "<image> <image> <image>", "multi_modal_data": {"image": [image(0)] * 3}}, "more than the 2"),
+])
+def test_bad_image_input_is_refused_naming_multi_modal_data(prompt, words):
+    llm = _limited_llm()
+    with pytest.raises(InvalidInputError) as raised:
+        llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert raised.value.param == "multi_modal_data" and words in str(raised.value), str(raised.value)
+
+
+def test_a_text_only_model_refuses_images_by_name():
+    llm = LLM(str(tiny_model_with_tokenizer("llama")))
+    with pytest.raises(InvalidInputError, match="this model takes no images") as raised:
+        llm.generate([{"prompt": "<image>", "multi_modal_data": {"image": image(0)}}], GREEDY, use_tqdm=False)
+    assert raised.value.param == "multi_modal_data"
+
+
+def test_limit_mm_per_prompt_takes_only_images():
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        LLM(str(llava_checkpoint()), limit_mm_per_prompt={"video": 1})
+
+
+_limited: list = []
+
+
+def _limited_llm() -> LLM:
+    if not _limited:
+        _limited.append(LLM(str(llava_checkpoint()), limit_mm_per_prompt={"image": 2}))
+    return _limited[0]

@@ -1,0 +1,83 @@
+"""Images as a layer of the engine (an image-text checkpoint: LLaVA), at its seams.
+
+    enabled      the model is an image-text checkpoint (models/loader.py's WITH_IMAGES): its
+                 language model is the engine's model, and this layer adds its image encoder
+    check_args   --limit-mm-per-prompt's form ({"image": N}); tensor and pipeline parallelism
+                 refused (not yet: their other ranks would look the placeholders up)
+    attach       the image encoder (vision.py) loaded from the checkpoint, and one of the model
+                 runner's embeds_hooks: each image's rows at its placeholder positions, through the
+                 encoder cache (inputs.py); span attributes: a request's images (their content hashes
+                 and placeholder runs) on its queue span, and each step's images encoded, encoder
+                 cache hits and encoding time on the step span (lifecycle/schema.py's MM_*)
+
+The front end runs the checkpoint's processor (processor.py, called by frontend/render.py); the
+scheduler counts an image's placeholders as the prompt's tokens, and the prefix cache keys a prompt's
+blocks by its images' hashes (engine/core/request.py's block_hash_root). The step itself does not change.
+"""
+
+import json
+
+from tinyserve.engine.layers import AssemblyContext, EngineHooks, EngineLayer, EngineParts
+
+ENCODER_CACHE_ROWS = 8192  # vLLM's encoder cache size, in rows: a few hundred LLaVA-1.5 images (576 rows each)
+
+
+def has_images(args) -> bool:
+    from tinyserve.models.default_model import default_model_path
+    from tinyserve.models.loader import WITH_IMAGES, resolve_model_path
+
+    path = default_model_path() if args.model is None else resolve_model_path(args.model)
+    try:
+        return json.loads((path / "config.json").read_text()).get("model_type") in WITH_IMAGES
+    except (OSError, json.JSONDecodeError):  # ModelInfo says what is wrong with it
+        return False
+
+
+class MultiModalLayer(EngineLayer):
+    name = "multimodal"
+
+    def check_args(self, args) -> None:
+        limit = args.limit_mm_per_prompt
+        if limit is not None and (not isinstance(limit, dict) or set(limit) - {"image"} or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in limit.values())):
+            raise ValueError(f"limit_mm_per_prompt (--limit-mm-per-prompt) takes {{\"image\": N}}, N >= 0; got "
+                             f"{limit!r}")
+        if (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1) and has_images(args):
+            raise ValueError("an image-text model is not served with tensor or pipeline parallelism "
+                             "(tensor_parallel_size, pipeline_parallel_size) yet")
+
+    def enabled(self, args) -> bool:
+        return has_images(args)
+
+    def attach(self, ctx: AssemblyContext, engine_parts: EngineParts, hooks: EngineHooks) -> None:
+        from transformers import AutoConfig
+
+        from tinyserve.lifecycle import schema
+        from tinyserve.multimodal.inputs import EncoderCache, ImageInputs
+        from tinyserve.multimodal.vision import load_image_encoder
+
+        info = ctx.model_info
+        encoder = load_image_encoder(info.path, AutoConfig.from_pretrained(info.path), info.torch_dtype,
+                                     ctx.args.torch_device)
+        cache = EncoderCache(ENCODER_CACHE_ROWS)
+        inputs = ImageInputs(engine_parts.model, encoder, cache)
+        engine_parts.model_runner.embeds_hooks.append(inputs)
+        hooks.parts[self.name] = inputs
+
+        def request_attributes(request) -> dict:
+            features = request.mm_features
+            if not features:
+                return {}
+            return {schema.MM_HASHES: [f.identifier for f in features],
+                    schema.MM_PLACEHOLDER_OFFSETS: [f.offset for f in features],
+                    schema.MM_PLACEHOLDER_LENGTHS: [f.length for f in features]}
+
+        def step_attributes(scheduler_output) -> dict:
+            step = inputs.last_step
+            if not step["encoded"] and not step["hits"]:
+                return {}
+            return {schema.STEP_MM_IMAGES_ENCODED: step["encoded"], schema.STEP_MM_ENCODER_CACHE_HITS: step["hits"],
+                    schema.STEP_MM_ENCODE_TIME: step["encode_s"]}
+
+        hooks.request_attributes.append(request_attributes)
+        hooks.step_attributes.append(step_attributes)
