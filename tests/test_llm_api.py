@@ -125,8 +125,10 @@ def test_prompt_forms_as_in_vllm(llm):
     assert llm.generate(ids, greedy(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids == as_dict
     assert [o.prompt for o in llm.generate(("a", "b"), greedy(max_tokens=1), use_tqdm=False)] == ["a", "b"]
     assert llm.generate([], greedy(), use_tqdm=False) == []
-    with pytest.raises(ValueError, match="multi_modal_data is not supported"):
+    with pytest.raises(ValueError, match="this model takes no images"):  # a text model (images: test_multimodal.py)
         llm.generate({"prompt": "Describe:", "multi_modal_data": {"image": None}}, greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match="mm_processor_kwargs is not supported"):  # a field never dropped unsaid
+        llm.generate({"prompt": "Describe:", "mm_processor_kwargs": {}}, greedy(), use_tqdm=False)
 
 
 def test_completion_output_sums_logprobs_and_says_finished_as_vllm(llm):

@@ -70,6 +70,24 @@ def test_prompts_with_images_batched_beside_text_give_transformers_greedy_tokens
     assert num_placeholders == [ROWS_PER_IMAGE, 2 * ROWS_PER_IMAGE, ROWS_PER_IMAGE, 0]
 
 
+def test_asyncllm_with_the_engine_in_its_own_process_streams_the_same_tokens():
+    """The images cross the wire to the engine process (MultiModalFeature, msgspec) and come out as tokens."""
+    import asyncio
+
+    from tinyserve.config import EngineArgs
+    from tinyserve.frontend.async_llm import AsyncLLM
+
+    async def main():
+        engine = await AsyncLLM.create(EngineArgs(model=str(llava_checkpoint()), num_kv_blocks=64))
+        try:
+            return [o async for o in engine.generate(as_prompt(*PROMPTS[1]), GREEDY, "two-images")]
+        finally:
+            engine.shutdown()
+
+    pieces = asyncio.run(main())
+    assert len(pieces) > 1 and [t for p in pieces for t in p.outputs[0].token_ids] == expected(PROMPTS[1:2])[0]
+
+
 def test_chunks_that_cut_through_an_image_and_preemptions_keep_the_tokens():
     """8 tokens a step: each image's 25 placeholders are written over four steps, from the encoder cache
     after the first; 12 blocks of 4 tokens for three requests of 30-65 tokens: they preempt each other."""
