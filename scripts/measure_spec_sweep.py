@@ -34,7 +34,7 @@ import record_traces  # noqa: E402
 
 SWEEP_FILE = ROOT / "traces" / "spec-decode-sweep.json"
 CONCURRENCIES = (1, 2, 4, 8, 16, 32)
-ROUNDS = 3
+ROUNDS = 5
 MAX_TOKENS = 48
 
 
