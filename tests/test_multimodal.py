@@ -117,6 +117,7 @@ def test_traced_steps_and_requests_say_which_images_ran_and_what_the_encoder_cac
     from tinyserve.lifecycle.tracing import shutdown_tracing
     from tinyserve.multimodal.processor import mm_hash
     from tinyserve.trace_reading import load_run
+    from tinyserve.trace_reading.replay import why_not_reproducible
 
     try:
         # No prefix cache: the second request computes its placeholders again, from the encoder cache (with it,
@@ -135,6 +136,7 @@ def test_traced_steps_and_requests_say_which_images_ran_and_what_the_encoder_cac
     encoding = [(s.span.attributes[schema.STEP_MM_IMAGES_ENCODED], s.span.attributes[schema.STEP_MM_ENCODER_CACHE_HITS])
                 for s in run.steps if schema.STEP_MM_IMAGES_ENCODED in s.span.attributes]
     assert encoding == [(1, 0), (0, 1)], "the first request's step encoded the image, the second's found it"
+    assert all("images" in why_not_reproducible(r) for r in run.requests)  # not replayed as if text: said why
 
 
 @pytest.mark.parametrize("prompt, words", [

@@ -82,6 +82,9 @@ def why_not_reproducible(request: RequestTimeline) -> str | None:
         return "inputs redacted (the server ran without logging prompts)"
     if inputs.prompt_token_ids is None:
         return "no prompt token ids logged"
+    if any(schema.MM_HASHES in sequence.stages[schema.QUEUE].attributes for sequence in request.sequences
+           if schema.QUEUE in sequence.stages):
+        return "a prompt with images: the run logs their hashes, not their pixels"
     if inputs.pooling_params is not None:
         if schema.POOLING_DIMENSIONS not in request.request_span.attributes:
             return "a pooling request without its vector's length logged: nothing to compare"
