@@ -66,7 +66,7 @@ def image(seed: int, width: int = 40, height: int = 50):
 
 def hf_greedy_with_images(path: pathlib.Path, prompt: str, images: list, max_new_tokens: int) -> list[int]:
     """transformers' greedy tokens for a prompt with images, through the checkpoint's own processor."""
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(path)
     model = hf_llava(str(path))
