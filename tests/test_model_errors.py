@@ -14,11 +14,16 @@ from tinyserve.cli.main import main
 from tinyserve.config import EngineArgs, ModelInfo
 from tinyserve.models.loader import resolve_model_path
 
-# The config.json of llava-hf/llava-1.5-7b-hf, less its numbers: a checkpoint whose text model is a Llama,
-# under a vision tower; its config has no top-level vocab_size.
-LLAVA_CONFIG = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_index": 32000,
-                "text_config": {"model_type": "llama", "vocab_size": 32064, "max_position_embeddings": 4096},
-                "vision_config": {"model_type": "clip_vision_model"}}
+# The config.json of Qwen/Qwen2-VL-2B-Instruct, less most of it: an image-text architecture tinyserve does not
+# serve (LLaVA over a Llama it does: tests/test_multimodal.py).
+QWEN2_VL_CONFIG = {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
+                   "vocab_size": 151936, "vision_config": {"depth": 32}}
+# A LLaVA whose language model is one tinyserve does not serve: refused, naming the model_type.
+LLAVA_OVER_GEMMA = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+                    "text_config": {"model_type": "gemma", "vocab_size": 256000},
+                    "vision_config": {"model_type": "siglip_vision_model"}}
+SUPPORTED = ("LlamaForCausalLM (llama)", "MistralForCausalLM (mistral)", "Qwen2ForCausalLM (qwen2)",
+             "Qwen3ForCausalLM (qwen3)", "LlavaForConditionalGeneration (llava) over one of them")
 
 
 @pytest.fixture(autouse=True)
@@ -63,21 +68,22 @@ def test_what_is_neither_a_folder_nor_a_hub_id_is_told_so():
     assert "hf download" not in str(error.value)
 
 
-def llava_folder(tmp_path):
-    folder = tmp_path / "llava-1.5-7b-hf"
+def checkpoint_folder(tmp_path, name: str, config: dict):
+    folder = tmp_path / name
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(LLAVA_CONFIG))
+    (folder / "config.json").write_text(json.dumps(config))
     return folder
 
 
-def test_a_checkpoint_of_another_architecture_names_it_and_the_supported_ones(tmp_path):
-    folder = llava_folder(tmp_path)
+@pytest.mark.parametrize("config, named", [(QWEN2_VL_CONFIG, ("Qwen2VLForConditionalGeneration", "'qwen2_vl'")),
+                                           (LLAVA_OVER_GEMMA, ("LlavaForConditionalGeneration", "'llava'"))])
+def test_a_checkpoint_of_another_architecture_names_it_and_the_supported_ones(tmp_path, config, named):
+    folder = checkpoint_folder(tmp_path, "checkpoint", config)
     with pytest.raises(ValueError) as error:
         ModelInfo.from_args(EngineArgs(model=str(folder)))
     message = str(error.value)
-    assert "LlavaForConditionalGeneration" in message and "'llava'" in message and "does not serve" in message
-    for supported in ("LlamaForCausalLM (llama)", "MistralForCausalLM (mistral)", "Qwen2ForCausalLM (qwen2)",
-                      "Qwen3ForCausalLM (qwen3)"):
+    assert all(name in message for name in named) and "does not serve" in message
+    for supported in SUPPORTED:
         assert supported in message
 
 
@@ -99,8 +105,9 @@ def command_error(capsys, *argv: str) -> str:
 def test_on_the_command_line_path_hub_id_and_architecture_errors_all_start_error(tmp_path, capsys):
     path_error = command_error(capsys, "serve", "/models/Qwen3-0.6B", "--port", "0")
     hub_error = command_error(capsys, "serve", "Qwen/Qwen3-0.6B", "--port", "0")
-    llava_error = command_error(capsys, "serve", str(llava_folder(tmp_path)), "--port", "0")
+    folder = checkpoint_folder(tmp_path, "Qwen2-VL-2B-Instruct", QWEN2_VL_CONFIG)
+    architecture_error = command_error(capsys, "serve", str(folder), "--port", "0")
     assert path_error.startswith("error: model '/models/Qwen3-0.6B': no such folder;")
     assert hub_error.startswith("error: model 'Qwen/Qwen3-0.6B': no such folder, and not a hub id")
-    assert llava_error.startswith(f"error: {tmp_path / 'llava-1.5-7b-hf'} holds a LlavaForConditionalGeneration")
-    assert "Traceback" not in path_error + hub_error + llava_error
+    assert architecture_error.startswith(f"error: {folder} holds a Qwen2VLForConditionalGeneration")
+    assert "Traceback" not in path_error + hub_error + architecture_error
