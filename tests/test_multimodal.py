@@ -161,9 +161,22 @@ def test_a_text_only_model_refuses_images_by_name():
     assert raised.value.param == "multi_modal_data"
 
 
-def test_limit_mm_per_prompt_takes_only_images():
+def test_limit_mm_per_prompt_takes_only_images_offline_and_as_vllms_flag(capsys):
+    import argparse
+
+    from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from
+    from tinyserve.cli.main import main
+    from tinyserve.cli.vllm_flags import add_vllm_flags
+
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
         LLM(str(llava_checkpoint()), limit_mm_per_prompt={"video": 1})
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    add_vllm_flags(parser)
+    flags = ["--model", str(llava_checkpoint()), "--limit-mm-per-prompt", '{"image": 2}']
+    assert engine_args_from(parser.parse_args(flags)).limit_mm_per_prompt == {"image": 2}
+    assert main(["serve", str(llava_checkpoint()), "--limit-mm-per-prompt", '{"image": -1}']) in (1, 2)
+    assert "--limit-mm-per-prompt" in capsys.readouterr().err
 
 
 _limited: list = []

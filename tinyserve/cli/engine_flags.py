@@ -242,6 +242,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         kv_events_config=kv_events_for_host(getattr(args, "kv_events_config", None), getattr(args, "host", None)),
         kv_transfer_config=getattr(args, "kv_transfer_config", None),
         enable_prompt_embeds=getattr(args, "enable_prompt_embeds", False),  # vLLM's flag (vllm_flags.py)
+        limit_mm_per_prompt=getattr(args, "limit_mm_per_prompt", None),  # vLLM's flag (vllm_flags.py)
         **lora_engine_kwargs(args),
         **ray_engine_kwargs(args),
     )

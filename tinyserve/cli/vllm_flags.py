@@ -17,6 +17,8 @@ Each flag is one of three things, as the request fields are (entrypoints/api/req
                                         and content (deepseek_r1, qwen3: tinyserve/reasoning/)
     --enable-prompt-embeds              implemented: completions take `prompt_embeds`, a prompt as
                                         embeddings (tinyserve/prompt_embeds/)
+    --limit-mm-per-prompt JSON          implemented: the most images a prompt may carry, {"image": N}
+                                        (an image-text checkpoint: tinyserve/multimodal/)
     --enable-chunked-prefill            what tinyserve always does (chunked prefill, prefix
     --enable-tokenizer-info-endpoint    caching's prompt_tokens_details, /tokenizer_info are
     --enable-prompt-tokens-details      always on): accepted
@@ -170,6 +172,9 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-prompt-embeds", action="store_true",
                        help="completions take prompt_embeds: a prompt as a torch tensor of input embeddings, "
                             "torch.save'd and base64-encoded (tinyserve/prompt_embeds/)")
+    group.add_argument("--limit-mm-per-prompt", type=_json_object, default=None, metavar="JSON",
+                       help='the most images a prompt may carry, {"image": N} (an image-text checkpoint: '
+                            'tinyserve/multimodal/)')
     group.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help="name logprob tokens 'token_id:N' (a request's return_tokens_as_token_ids overrides)")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
@@ -197,3 +202,11 @@ def check_vllm_flags(args: argparse.Namespace) -> str | None:
         if getattr(args, name) not in (None, False):
             logger.warning("--%s has no effect here: %s", name.replace("_", "-"), why)
     return None
+
+
+def _json_object(text: str) -> dict:
+    """A JSON object flag's value (argparse reports the ValueError as a usage error naming the flag)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object: {text!r}")
+    return value
