@@ -1,6 +1,6 @@
 """An engine that stops stepping (SIGSTOP: alive, silent) fails its requests by name instead of hanging them.
 
-One server, --data-parallel-size 2 --keep-alive-on-engine-death --engine-iteration-timeout 4.
+One server, --data-parallel-size 2 --keep-alive-on-engine-death --engine-iteration-timeout 8.
 Engine 1 stopped mid-stream: its stream ends with an error event naming the stall within the
 bound, engine 0's stream goes on, /health stays 200 but names engine 1, a new request is
 served, and engine 1's process is gone (killed: a stopped process leaves nothing taken). Then
@@ -26,7 +26,10 @@ from tinyserve.testing import ServerProcess
 pytestmark = pytest.mark.server  # a real `tinyserve serve` on loopback
 
 MODEL = "tiny"
-TIMEOUT_S = 4
+# Long enough that an engine starved of its cores on a busy machine is not taken for stopped (at 4 s a fresh-clone
+# run, the other worker installing wheels, never saw the second stream run on engine 1), and short enough that
+# engine 0's 7,000-token stream is still running when engine 1's stream has failed (at 15 s it had ended).
+TIMEOUT_S = 8
 LONG = {"model": MODEL, "prompt": "a long story", "max_tokens": 7000, "ignore_eos": True}
 
 
