@@ -22,13 +22,7 @@ import logging
 import sys
 from urllib.parse import urlsplit
 
-from tinyserve.cli.listener import bind_listener
-from tinyserve.entrypoints.api.defaults import (
-    DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_HEADER_TIMEOUT_S,
-    DEFAULT_KEEP_ALIVE_S,
-    DEFAULT_MAX_REQUEST_BODY_BYTES,
-)
+from tinyserve.cli.listener import add_connection_limit_flags, bind_listener
 from tinyserve.router.defaults import (
     DEFAULT_BACKEND_HEADER_TIMEOUT_S,
     DEFAULT_HEALTH_CHECK_INTERVAL_S,
@@ -98,17 +92,7 @@ def add_health_flags(parser) -> None:
 
 def add_limit_flags(parser) -> None:
     limits = parser.add_argument_group("client limits (the server's own)")
-    limits.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                        help="largest request body accepted; larger ones get 413, counted while reading "
-                             "(default %(default)s)")
-    limits.add_argument("--http-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
-                        help="seconds a request's line and headers may take to arrive; then 408 and the "
-                             "connection is closed (default %(default)s)")
-    limits.add_argument("--http-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
-                        help="seconds a request's body may take to arrive after its headers; then 408 and the "
-                             "connection is closed (default %(default)s)")
-    limits.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S,
-                        help="seconds an idle keep-alive connection stays open (uvicorn's, default %(default)s)")
+    add_connection_limit_flags(limits)
 
 
 def check_router_flags(args: argparse.Namespace) -> str | None:

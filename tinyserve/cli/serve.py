@@ -27,7 +27,7 @@ from tinyserve.cli.data_parallel_flags import (
 from tinyserve.cli.engine_flags import add_engine_flags, engine_args_from
 from tinyserve.cli.lora_flags import add_lora_modules_flag, lora_registry_from
 from tinyserve.cli.load_balancing_flags import add_load_balancing_flags, check_load_balancing_flags
-from tinyserve.cli.listener import bind_listener
+from tinyserve.cli.listener import add_connection_limit_flags, bind_listener
 from tinyserve.cli.metrics_flags import add_metrics_flags
 from tinyserve.cli.ray_flags import check_ray_flags, join_ray_cluster, ray_engine_client
 from tinyserve.cli.start_up_sigterm import exit_if_sigterm_received, exit_on_sigterm
@@ -39,12 +39,6 @@ from tinyserve.entrypoints.api.guards.field_limits import (
     DEFAULT_MAX_STOP_STRING_CHARS,
     DEFAULT_MAX_STOP_STRINGS,
     FieldLimits,
-)
-from tinyserve.entrypoints.api.defaults import (
-    DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_HEADER_TIMEOUT_S,
-    DEFAULT_KEEP_ALIVE_S,
-    DEFAULT_MAX_REQUEST_BODY_BYTES,
 )
 from tinyserve.entrypoints.api.tools.tool_calls import TOOL_CALL_PARSERS
 
@@ -86,9 +80,6 @@ def add_parser(commands) -> None:
     limits.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                         help="requests (each of n counts) that may wait for a seat in the engines; "
                              "beyond it new ones get 503 with Retry-After (default %(default)s)")
-    limits.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                        help="largest request body accepted; larger ones get 413, counted while reading "
-                             "(default %(default)s)")
     limits.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS,
                         help="most stop strings (stop, stop_sequences) one request may give (default %(default)s; "
                              "OpenAI allows 4)")
@@ -100,15 +91,7 @@ def add_parser(commands) -> None:
                              "is also refused with more messages than --max-model-len")
     limits.add_argument("--max-logit-bias-entries", type=int, default=DEFAULT_MAX_LOGIT_BIAS_ENTRIES,
                         help="most token ids one request's logit_bias may set (default %(default)s)")
-    limits.add_argument("--http-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
-                        help="seconds a request's line and headers may take to arrive, from the connection "
-                             "opening or the previous response; then 408 and the connection is closed "
-                             "(default %(default)s)")
-    limits.add_argument("--http-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
-                        help="seconds a request's body may take to arrive after its headers; then 408 and the "
-                             "connection is closed (default %(default)s)")
-    limits.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S,
-                        help="seconds an idle keep-alive connection stays open (uvicorn's, default %(default)s)")
+    add_connection_limit_flags(limits)
     limits.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help="on SIGTERM, seconds in-flight requests get to finish before they are aborted "
                              "(default %(default)s)")
