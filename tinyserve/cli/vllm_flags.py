@@ -36,6 +36,7 @@ import logging
 import re
 from pathlib import Path
 
+from tinyserve.cli.engine_flags import json_object
 from tinyserve.reasoning.parsers import REASONING_PARSERS
 
 logger = logging.getLogger("tinyserve.cli")
@@ -172,7 +173,7 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-prompt-embeds", action="store_true",
                        help="completions take prompt_embeds: a prompt as a torch tensor of input embeddings, "
                             "torch.save'd and base64-encoded (tinyserve/prompt_embeds/)")
-    group.add_argument("--limit-mm-per-prompt", type=_json_object, default=None, metavar="JSON",
+    group.add_argument("--limit-mm-per-prompt", type=json_object, default=None, metavar="JSON",
                        help='the most images a prompt may carry, {"image": N} (an image-text checkpoint: '
                             'tinyserve/multimodal/)')
     group.add_argument("--return-tokens-as-token-ids", action="store_true",
@@ -202,11 +203,3 @@ def check_vllm_flags(args: argparse.Namespace) -> str | None:
         if getattr(args, name) not in (None, False):
             logger.warning("--%s has no effect here: %s", name.replace("_", "-"), why)
     return None
-
-
-def _json_object(text: str) -> dict:
-    """A JSON object flag's value (argparse reports the ValueError as a usage error naming the flag)."""
-    value = json.loads(text)
-    if not isinstance(value, dict):
-        raise ValueError(f"not a JSON object: {text!r}")
-    return value
