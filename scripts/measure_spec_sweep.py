@@ -14,7 +14,6 @@ file records the CPU, its cores, and the load average before and after, which th
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -32,17 +31,13 @@ for _name, _value in SERVER_ENV.items():  # before torch: one thread, offline, a
 
 import record_traces  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))  # roofline.py: how the benchmarks name the CPU
+from roofline import cpu_model  # noqa: E402
+
 SWEEP_FILE = ROOT / "traces" / "spec-decode-sweep.json"
 CONCURRENCIES = (1, 2, 4, 8, 16, 32)
 ROUNDS = 5
 MAX_TOKENS = 48
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else ():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def sweep(concurrencies=CONCURRENCIES, rounds: int = ROUNDS) -> dict:
