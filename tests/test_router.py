@@ -258,6 +258,24 @@ def test_a_backend_that_never_answers_at_all_is_taken_out_by_health_checks(backe
     mute.stop()
 
 
+def test_a_prefill_decode_router_is_healthy_only_while_each_pool_has_a_server_up():
+    """With the decode server up and the prefill server mute, every request would be a 503: so is /health."""
+    mute, decode = FakeBackend(silent), FakeBackend(answers_health_only)
+    checks = ("--health-check-interval-secs", "0.2", "--health-check-timeout-secs", "0.5",
+              "--health-failure-threshold", "2")
+    try:
+        with unready_router("--prefill", mute.url, "--decode", decode.url, *checks) as url:
+            wait_until(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 503, 30, "/health says 503")
+            health = httpx.get(f"{url}/health", timeout=10).json()
+            assert health["status"].startswith("no prefill server is up") and mute.url in health["status"]
+            assert {b["url"]: b["up"] for b in health["backends"]} == {mute.url: False, decode.url: True}
+            refused = complete(url)
+            assert refused.status_code == 503 and mute.url in refused.json()["error"]["message"]
+    finally:
+        mute.stop()
+        decode.stop()
+
+
 def test_orca_loads_that_are_not_finite_numbers_are_ignored_and_logged_and_the_answer_goes_back(backends):
     nan = FakeBackend(reports_load("TEXT named_metrics.num_requests_waiting=NaN, named_metrics.kv_cache_usage_perc=0.9"))
     null = FakeBackend(reports_load('JSON {"named_metrics": {"num_requests_waiting": null, '

@@ -2,7 +2,7 @@
 
     POST /v1/chat/completions, /v1/completions   Router.dispatch: the policy's choice, then the proxy
     GET  /v1/models                               the first live backend's answer (at most 8 MiB of it)
-    GET  /health                                  200 while any backend is up (health.py), else 503 naming why
+    GET  /health                                  200 while a request can be served (health.py), else 503 naming why
 
 A request passes the server's own guards first: its body within --max-request-body-bytes (413
 naming the limit, before anything reads it whole), its headers and body within
@@ -147,13 +147,17 @@ class Router:
             return Response(content, status_code=status, media_type=media_type)
         return _error(503, _none_available(self.backends, []))
 
+    def unavailable(self) -> str | None:
+        """Why no request can be served now (None while one can): here, when no backend is up."""
+        return None if any(b.is_up() for b in self.backends) else _none_available(self.backends, [])
+
     async def health(self) -> Response:
         """Each backend's state as the health checks and the requests left it; no backend is asked."""
         states = [{"url": b.url, "up": b.is_up(), **({} if b.is_up() else {"error": b.last_error})}
                   for b in self.backends]
-        healthy = any(b.is_up() for b in self.backends)
-        body = {"status": "ok" if healthy else _none_available(self.backends, []), "backends": states}
-        return JSONResponse(body, status_code=200 if healthy else 503)
+        why_not = self.unavailable()
+        body = {"status": why_not or "ok", "backends": states}
+        return JSONResponse(body, status_code=200 if why_not is None else 503)
 
 
 def _route_span(policy: str, choice: Choice):

@@ -19,7 +19,8 @@ read whole, at most MAX_BACKEND_ANSWER_BYTES of it.
 Each leg is a `tinyserve.route` span under the router's HTTP span, and its context goes to that server
 as `traceparent`: one trace holds the router, the prefill and the decode. Servers are taken in turn
 within each pool; one that cannot be reached or fails is taken out until a health check finds it
-answering (backends.py, health.py), as in Router.
+answering (backends.py, health.py), as in Router. The router's /health is 200 only while both pools
+have a server up: with every decode server up but no prefill server, each request would be a 503.
 """
 
 import itertools
@@ -65,6 +66,13 @@ class PDRouter(Router):
         super().__init__([*prefills, *decodes], policy=None, **settings)
         self.pools = {"prefill": prefills, "decode": decodes}
         self._turns = {leg: itertools.count() for leg in self.pools}
+
+    def unavailable(self) -> str | None:
+        """A request needs a prefill server and a decode server: why not, while either pool has none up."""
+        for leg, pool in self.pools.items():
+            if not any(b.is_up() for b in pool):
+                return f"no {leg} server is up: " + _none_available(pool, [])
+        return None
 
     async def dispatch(self, request) -> object:
         body = request_object(await request.body())
