@@ -53,8 +53,17 @@ def llava_checkpoint(vision_feature_layer: int = -2, strategy: str = "default") 
                                            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
         tokenizer=PreTrainedTokenizerFast(tokenizer_object=tokenizer), patch_size=PATCH_SIZE,
         vision_feature_select_strategy=strategy, num_additional_image_tokens=1, image_token="<image>")
+    processor.chat_template = LLAVA_CHAT_TEMPLATE
     processor.save_pretrained(path)
     return path
+
+
+# llava-hf/llava-1.5-*-hf's template (its generation markers left out): a message's images, then its text
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
 
 
 def image(seed: int, width: int = 40, height: int = 50):
@@ -73,6 +82,19 @@ def hf_greedy_with_images(path: pathlib.Path, prompt: str, images: list, max_new
     inputs = processor(text=prompt, images=images or None, return_tensors="pt")
     with torch.no_grad():
         generated = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return generated[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def hf_chat_greedy(path: pathlib.Path, conversation: list[dict], max_new_tokens: int) -> list[int]:
+    """transformers' greedy tokens for a chat whose image parts are {"type": "image", "image": PIL image}: the
+    processor's own chat template and images (apply_chat_template), then generate."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(path)
+    inputs = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                           return_tensors="pt")
+    with torch.no_grad():
+        generated = hf_llava(str(path)).generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return generated[0, inputs["input_ids"].shape[1]:].tolist()
 
 

@@ -82,7 +82,9 @@ def user(content):
     ({"messages": [{"role": "user"}]}, "messages.0"),
     ({"messages": [{"content": "no role"}]}, "messages.0.role"),
     ({"messages": [{"role": "", "content": "x"}]}, "messages.0.role"),  # any other role goes to the template
-    (user([{"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}]), "messages.0.content.0.type"),
+    (user([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]), "messages.0.content.0.type"),
+    (user([{"type": "image_url", "image_url": {"url": "http://example.com/cat.png", "detail": "high"}}]),
+     "messages.0.content.0.image_url.detail"),
     (user([{"type": "text"}]), "messages.0.content.0.text"),
     (user({"text": "not a list"}), "messages.0.content"),
     (user(12), "messages.0.content"),
@@ -156,8 +158,10 @@ def test_unknown_model_is_404_even_with_a_name_json_can_barely_carry(server):
     ({"top_k": 2**63 + 1}, ["top_k"]),
     ({"messages": []}, ["messages"]),
     ({"messages": [{"role": "system", "content": "x"}]}, ["messages.0.role"]),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "base64"}}]}]},
+     ["messages.0.content.0", "'document'"]),  # a block type other than text, image, tool_use, tool_result
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64"}}]}]},
-     ["messages.0.content.0", "'image'"]),  # a block type other than text, tool_use, tool_result
+     ["messages.0.content.0.image.source.base64.media_type"]),
     ({"system": 7}, ["system"]),
     ({"stop_sequences": "END"}, ["stop_sequences"]),
     ({"stop_sequences": [""]}, ["stop"]),

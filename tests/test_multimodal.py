@@ -12,7 +12,8 @@ ran and whether the encoder cache had them. Bad input is an InvalidInputError na
 import pytest
 import torch
 
-from tests.llava_checkpoints import ROWS_PER_IMAGE, hf_llava, hf_greedy_with_images, image, llava_checkpoint
+from tests.llava_checkpoints import (ROWS_PER_IMAGE, hf_chat_greedy, hf_greedy_with_images, hf_llava, image,
+                                     llava_checkpoint)
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve import LLM, SamplingParams
 from tinyserve.errors import InvalidInputError
@@ -137,6 +138,37 @@ def test_traced_steps_and_requests_say_which_images_ran_and_what_the_encoder_cac
                 for s in run.steps if schema.STEP_MM_IMAGES_ENCODED in s.span.attributes]
     assert encoding == [(1, 0), (0, 1)], "the first request's step encoded the image, the second's found it"
     assert all("images" in why_not_reproducible(r) for r in run.requests)  # not replayed as if text: said why
+
+
+def test_llm_chat_with_image_parts_gives_transformers_tokens_through_the_processors_template(tmp_path):
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image(1).save(buffer, "PNG")
+    (tmp_path / "b.png").write_bytes(buffer.getvalue())
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    theirs = hf_chat_greedy(llava_checkpoint(), [
+        {"role": "user", "content": [{"type": "image", "image": image(1)}, {"type": "text", "text": "What is it?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
+        {"role": "user", "content": [{"type": "text", "text": "And this?"},
+                                     {"type": "image", "image": image(2, 60, 34)}]},
+    ], MAX_TOKENS)
+    llm = LLM(str(llava_checkpoint()), allowed_local_media_path=str(tmp_path))
+    for first in (url, f"file://{tmp_path / 'b.png'}"):  # the same image, as vLLM's LLM.chat takes either
+        messages = [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": first}},
+                                         {"type": "text", "text": "What is it?"}]},
+            {"role": "assistant", "content": "A cat."},  # a string, shown to the template as one text part
+            {"role": "user", "content": [{"type": "text", "text": "And this?"},
+                                         {"type": "image_pil", "image_pil": image(2, 60, 34)}]}]
+        [output] = llm.chat(messages, GREEDY, use_tqdm=False)
+        assert list(output.outputs[0].token_ids) == theirs
+    assert output.prompt.count("<image>") == 2 and "ASSISTANT: A cat. USER:" in output.prompt
+    with pytest.raises(InvalidInputError, match="is not under the folder") as raised:
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}]}],
+                 GREEDY, use_tqdm=False)
+    assert raised.value.param == "messages[0].content[0].image_url"
 
 
 @pytest.mark.parametrize("prompt, words", [

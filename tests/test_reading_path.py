@@ -237,14 +237,23 @@ def reasoning(measuring: InProcessCoverage) -> None:
 
 def images(measuring: InProcessCoverage) -> None:
     """A LLaVA checkpoint's prompt with an image, in chunks of 8 tokens: the second chunk finds the image in
-    the encoder cache."""
+    the encoder cache; then a chat with the same image as a data: URL."""
+    import base64
+    import io
+
     from tests.llava_checkpoints import image, llava_checkpoint
     from tinyserve import LLM, SamplingParams
 
-    folder, picture = str(llava_checkpoint()), image(0)
+    folder, picture, png = str(llava_checkpoint()), image(0), io.BytesIO()
+    picture.save(png, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
     with measuring:
-        LLM(folder, max_num_batched_tokens=8).generate({"prompt": "a <image> b", "multi_modal_data": {"image": picture}},
-                                                       SamplingParams(**GREEDY), use_tqdm=False)
+        llm = LLM(folder, max_num_batched_tokens=8)
+        llm.generate({"prompt": "a <image> b", "multi_modal_data": {"image": picture}}, SamplingParams(**GREEDY),
+                     use_tqdm=False)
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                               {"type": "text", "text": "b"}]}], SamplingParams(**GREEDY),
+                 use_tqdm=False)
 
 
 def recorded_run(measuring: InProcessCoverage) -> None:

@@ -101,6 +101,10 @@ class EngineArgs:
     enable_prompt_embeds: bool = False
     # vLLM's --limit-mm-per-prompt: the most images a prompt may carry ({"image": N}; tinyserve/multimodal/)
     limit_mm_per_prompt: dict | None = None
+    # vLLM's --allowed-local-media-path (a chat's file: image URLs are read only under it) and
+    # --allowed-media-domains (its http(s): image URLs fetched only from these hosts); tinyserve/multimodal/media.py
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] | None = None
     # Speculative decoding (tinyserve/spec_decode/), vLLM's --speculative-config: {"method": "ngram",
     # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method":
     # "draft_model", "model": PATH, "num_speculative_tokens": 3}. None: one token per step.

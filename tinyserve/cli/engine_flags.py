@@ -243,6 +243,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         kv_transfer_config=getattr(args, "kv_transfer_config", None),
         enable_prompt_embeds=getattr(args, "enable_prompt_embeds", False),  # vLLM's flag (vllm_flags.py)
         limit_mm_per_prompt=getattr(args, "limit_mm_per_prompt", None),  # vLLM's flag (vllm_flags.py)
+        allowed_local_media_path=getattr(args, "allowed_local_media_path", None),  # vLLM's (vllm_flags.py)
+        allowed_media_domains=getattr(args, "allowed_media_domains", None),  # vLLM's (vllm_flags.py)
         **lora_engine_kwargs(args),
         **ray_engine_kwargs(args),
     )

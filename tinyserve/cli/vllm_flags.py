@@ -19,6 +19,9 @@ Each flag is one of three things, as the request fields are (entrypoints/api/req
                                         embeddings (tinyserve/prompt_embeds/)
     --limit-mm-per-prompt JSON          implemented: the most images a prompt may carry, {"image": N}
                                         (an image-text checkpoint: tinyserve/multimodal/)
+    --allowed-local-media-path FOLDER   implemented: a chat's file: image URLs are read only under it
+    --allowed-media-domains HOST ...    implemented: a chat's http(s): image URLs are fetched only from
+                                        these hosts (tinyserve/multimodal/media.py; none without them)
     --enable-chunked-prefill            what tinyserve always does (chunked prefill, prefix
     --enable-tokenizer-info-endpoint    caching's prompt_tokens_details, /tokenizer_info are
     --enable-prompt-tokens-details      always on): accepted
@@ -176,6 +179,11 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--limit-mm-per-prompt", type=json_object, default=None, metavar="JSON",
                        help='the most images a prompt may carry, {"image": N} (an image-text checkpoint: '
                             'tinyserve/multimodal/)')
+    group.add_argument("--allowed-local-media-path", default=None, metavar="FOLDER",
+                       help="a chat's file: image URLs are read only from under this folder (none without it: "
+                            "tinyserve/multimodal/media.py)")
+    group.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                       help="a chat's http(s): image URLs are fetched only from these hosts (none without it)")
     group.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help="name logprob tokens 'token_id:N' (a request's return_tokens_as_token_ids overrides)")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,

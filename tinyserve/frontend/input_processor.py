@@ -18,6 +18,7 @@ from tinyserve.frontend.render import ProcessedPrompt, Renderer
 from tinyserve.pooling_params import POOLING_SAMPLING_PARAMS, PoolingParams
 from tinyserve.lora.registry import LoRAChecker
 from tinyserve.lora_request import LoRARequest
+from tinyserve.multimodal.media import MediaConnector
 from tinyserve.wire.messages import EngineCoreRequest, ReasoningEnd
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.structured_output import check_structured_outputs
@@ -39,22 +40,25 @@ class InputProcessor(Renderer):
                    kv_transfer=KVTransferConfig.from_dict(args.kv_transfer_config)
                    if args.kv_transfer_config is not None else None, seed_unseeded=seed_unseeded,
                    enable_prompt_embeds=args.enable_prompt_embeds,
-                   limit_images_per_prompt=(args.limit_mm_per_prompt or {}).get("image"))
+                   limit_images_per_prompt=(args.limit_mm_per_prompt or {}).get("image"),
+                   media=MediaConnector(args.allowed_local_media_path, tuple(args.allowed_media_domains or ())))
 
     def __init__(self, model_info: ModelInfo, tokenizer, block_size: int, max_logprobs: int = 20,
                  scheduling_policy: str = "fcfs", structured_outputs_backend: str = "xgrammar",
                  runner: str = "generate", lora_checker: LoRAChecker | None = None, speculative: bool = False,
                  kv_transfer: KVTransferConfig | None = None, seed_unseeded: bool = False,
-                 enable_prompt_embeds: bool = False, limit_images_per_prompt: int | None = None) -> None:
+                 enable_prompt_embeds: bool = False, limit_images_per_prompt: int | None = None,
+                 media=None) -> None:
         """max_logprobs: the most logprobs or prompt_logprobs a request may ask for (vLLM's flag, default 20).
         scheduling_policy: the engine's; a request's priority means something only under "priority".
         structured_outputs_backend: the engine's grammar library (it must compile a request's constraint).
         runner: the engine's (EngineArgs.runner): "generate" takes SamplingParams, "pooling" PoolingParams.
         seed_unseeded: a traced run's (`serve --trace`, a traced LLM): see `seeded`.
         enable_prompt_embeds: the engine's (--enable-prompt-embeds): prompts may come as embeddings (render.py).
-        limit_images_per_prompt: the engine's --limit-mm-per-prompt "image" (render.py's images_prompt)."""
+        limit_images_per_prompt: the engine's --limit-mm-per-prompt "image" (render.py's images_prompt).
+        media: where a chat's image URLs may be read from (tinyserve/multimodal/media.py)."""
         super().__init__(model_info, tokenizer, enable_prompt_embeds=enable_prompt_embeds,
-                         limit_images_per_prompt=limit_images_per_prompt)
+                         limit_images_per_prompt=limit_images_per_prompt, media=media)
         self.runner = runner
         self.structured_outputs_backend = structured_outputs_backend
         self.scheduling_policy = scheduling_policy

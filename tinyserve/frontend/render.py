@@ -12,6 +12,7 @@ The input processor (input_processor.py) is a Renderer that also checks the samp
 parameters and makes the engine's requests.
 """
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -21,6 +22,9 @@ from tinyserve.errors import InvalidInputError
 from tinyserve.prompt_embeds.tensors import check_prompt_embeds, decode_prompt_embeds
 from tinyserve.wire.messages import MultiModalFeature, PromptEmbeds
 
+# A chat's image parts: OpenAI's ({"type": "image_url", "image_url": {"url": ...}}), and vLLM's offline
+# {"type": "image_pil", "image_pil": PIL.Image} (LLM.chat); read by tinyserve/multimodal/chat.py
+IMAGE_PARTS = ("image_url", "image_pil")
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")  # the usual ones; a template may take others
 
 
@@ -63,13 +67,21 @@ class Truncation:
 
 class Renderer:
     def __init__(self, model_info: ModelInfo, tokenizer, *, enable_prompt_embeds: bool = False,
-                 limit_images_per_prompt: int | None = None) -> None:
+                 limit_images_per_prompt: int | None = None, media=None) -> None:
         """enable_prompt_embeds: the engine's (--enable-prompt-embeds); without it a prompt_embeds is a 400.
-        limit_images_per_prompt: --limit-mm-per-prompt's "image" (None: no limit)."""
+        limit_images_per_prompt: --limit-mm-per-prompt's "image" (None: no limit). media: where a chat's
+        image URLs may be read from (multimodal/media.py's MediaConnector; None: data: URLs only)."""
         self.model_info = model_info
         self.tokenizer = tokenizer
         self.enable_prompt_embeds = enable_prompt_embeds
         self.limit_images_per_prompt = limit_images_per_prompt
+        self.media = media
+        # The model's own chat template: an image-text checkpoint's processor has it (as vLLM, it comes first)
+        self.chat_template = tokenizer.chat_template
+        if model_info.image_token_id is not None:
+            from tinyserve.multimodal.processor import processor_chat_template
+
+            self.chat_template = processor_chat_template(model_info.path) or self.chat_template
         # The most characters one token can stand for: the longest entry of the vocabulary,
         # special tokens included. Byte-level vocabularies spell each byte as one character,
         # so there the length counts bytes, never fewer than the characters they encode.
@@ -142,8 +154,8 @@ class Renderer:
         end inside the last message instead (its end-of-turn marker cut off), so the reply
         continues it: an assistant message the caller has begun ("prefill").
         """
-        inputs = self._chat_inputs(messages, add_generation_prompt, continue_final_message, chat_template,
-                                   template_kwargs)
+        inputs, _ = self._chat_inputs(messages, add_generation_prompt, continue_final_message, chat_template,
+                                      template_kwargs)
         return self.tokenizer.apply_chat_template(**inputs, tokenize=False)
 
     def tokenize_chat(self, messages: list[dict], *, fit_context: bool = True, add_generation_prompt: bool = True,
@@ -163,13 +175,18 @@ class Renderer:
         """
         if fit_context:
             self.check_chat_fits(messages)
-        inputs = self._chat_inputs(messages, add_generation_prompt, continue_final_message, chat_template,
-                                   template_kwargs)
+        inputs, images = self._chat_inputs(messages, add_generation_prompt, continue_final_message, chat_template,
+                                           template_kwargs)
         if tools:
             inputs["tools"] = tools
         text = self.tokenizer.apply_chat_template(**inputs, tokenize=False)
         if fit_context:
             self.check_text_fits(text)
+        if images:
+            from tinyserve.multimodal.chat import process_chat
+
+            token_ids, features = process_chat(self.model_info, text, images)
+            return ProcessedPrompt(text, token_ids, mm_features=features)
         if not self._sanitizes_control_tokens:
             return ProcessedPrompt(text, self.encode(text, add_special_tokens=False))
         token_ids = self.tokenizer.apply_chat_template(**inputs, tokenize=True, return_dict=False,
@@ -177,8 +194,9 @@ class Renderer:
         return ProcessedPrompt(text, token_ids)
 
     def _chat_inputs(self, messages, add_generation_prompt: bool, continue_final_message: bool,
-                     chat_template: str | None, template_kwargs: dict | None) -> dict:
-        """apply_chat_template's arguments, each checked."""
+                     chat_template: str | None, template_kwargs: dict | None) -> tuple[dict, list]:
+        """apply_chat_template's arguments, each checked, and the chat's images in order (multimodal/chat.py:
+        each image part read, and shown to the template as its content format takes it)."""
         if not isinstance(messages, list) or not messages:
             raise InvalidInputError("messages must be a non-empty list")
         if add_generation_prompt and continue_final_message:
@@ -189,11 +207,20 @@ class Renderer:
             raise InvalidInputError(f"chat_template_kwargs cannot set {sorted(reserved & set(template_kwargs))}",
                                     "chat_template_kwargs")
         normalized = [_normalize_message(i, message) for i, message in enumerate(messages)]
-        template = chat_template or self.tokenizer.chat_template
+        template = chat_template or self.chat_template
         if template is None:
             raise InvalidInputError("the model has no chat template; pass chat_template or send a plain prompt")
+        images, shown = [], chat_content_format(template)
+        if any(isinstance(message["content"], list) for message in normalized):
+            from tinyserve.multimodal.chat import chat_images
+
+            normalized, images = chat_images(normalized, shown, self.model_info, self.limit_images_per_prompt,
+                                             self.media)
+        if shown == "openai":  # such a template reads every message's content as parts
+            normalized = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m["content"], str)
+                          else m for m in normalized]
         return {"conversation": normalized, "chat_template": template, "add_generation_prompt": add_generation_prompt,
-                "continue_final_message": continue_final_message, **(template_kwargs or {})}
+                "continue_final_message": continue_final_message, **(template_kwargs or {})}, images
 
     def tokenize_prompt(self, prompt, *, add_special_tokens: bool = True,
                         truncation: Truncation | None = None) -> ProcessedPrompt:
@@ -271,6 +298,28 @@ class Renderer:
         return ProcessedPrompt(None, [0] * embeds.rows, embeds)
 
 
+@functools.lru_cache(maxsize=16)
+def chat_content_format(template: str) -> str:
+    """How a chat template reads a message's content, found on its Jinja syntax tree as vLLM finds it (its
+    --chat-template-content-format "auto"): "openai" when it loops over the content (`for part in
+    message['content']`, filtered or not: LLaVA's template does), each message's content is then a list of
+    parts; else "string", each message's content one string."""
+    from jinja2 import Environment, nodes
+
+    try:
+        tree = Environment().parse(template)
+    except Exception:  # the template's own error is reported when it renders
+        return "string"
+    for loop in tree.find_all(nodes.For):
+        source = loop.iter
+        while isinstance(source, (nodes.Filter, nodes.Test)):
+            source = source.node
+        if (isinstance(source, nodes.Getitem) and isinstance(source.arg, nodes.Const) and source.arg.value == "content"
+                or isinstance(source, nodes.Getattr) and source.attr == "content"):
+            return "openai"
+    return "string"
+
+
 def _normalize_message(index: int, message) -> dict:
     if not isinstance(message, dict):
         raise InvalidInputError(f"messages[{index}] must be an object with 'role' and 'content'")
@@ -282,11 +331,18 @@ def _normalize_message(index: int, message) -> dict:
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidInputError(f"messages[{index}].content[{j}] must be a text part {{'type': 'text', 'text': ...}}")
-            parts.append(part["text"])
-        content = "".join(parts)
-    if not isinstance(content, str):
+            if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
+                parts.append({**part, "where": f"messages[{index}].content[{j}]"})  # read by multimodal/chat.py
+            elif not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidInputError(f"messages[{index}].content[{j}] must be a text part {{'type': 'text', "
+                                        f"'text': ...}} or an image part {{'type': 'image_url', 'image_url': "
+                                        f"{{'url': ...}}}}", f"messages[{index}].content[{j}]")
+            else:
+                parts.append(part["text"])
+        images = any(isinstance(part, dict) for part in parts)
+        content = [part if isinstance(part, dict) else {"type": "text", "text": part} for part in parts] \
+            if images else "".join(parts)
+    if not isinstance(content, (str, list)):
         raise InvalidInputError(f"messages[{index}].content must be a string or a list of text parts")
     normalized = {"role": role, "content": content}
     # reasoning, reasoning_content: an assistant turn's reasoning, for a reasoning model's template (vLLM's names)

@@ -10,9 +10,11 @@
                  and placeholder runs) on its queue span, and each step's images encoded, encoder
                  cache hits and encoding time on the step span (lifecycle/schema.py's MM_*)
 
-The front end runs the checkpoint's processor (processor.py, called by frontend/render.py); the
-scheduler counts an image's placeholders as the prompt's tokens, and the prefix cache keys a prompt's
-blocks by its images' hashes (engine/core/request.py's block_hash_root). The step itself does not change.
+The front end reads a chat's image parts (chat.py, media.py: --allowed-local-media-path and
+--allowed-media-domains, checked here) and runs the checkpoint's processor (processor.py), both
+called by frontend/render.py; the scheduler counts an image's placeholders as the prompt's tokens,
+and the prefix cache keys a prompt's blocks by its images' hashes (engine/core/request.py's
+block_hash_root). The step itself does not change.
 """
 
 import json
@@ -42,6 +44,14 @@ class MultiModalLayer(EngineLayer):
                 isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in limit.values())):
             raise ValueError(f"limit_mm_per_prompt (--limit-mm-per-prompt) takes {{\"image\": N}}, N >= 0; got "
                              f"{limit!r}")
+        folder = args.allowed_local_media_path
+        if folder is not None and not __import__("os").path.isdir(folder):
+            raise ValueError(f"allowed_local_media_path (--allowed-local-media-path) must be a folder that exists, "
+                             f"got {folder!r}")
+        domains = args.allowed_media_domains
+        if domains is not None and (not isinstance(domains, list) or not all(
+                isinstance(d, str) and d and "/" not in d for d in domains)):
+            raise ValueError(f"allowed_media_domains (--allowed-media-domains) takes host names, got {domains!r}")
         if (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1) and has_images(args):
             raise ValueError("an image-text model is not served with tensor or pipeline parallelism "
                              "(tensor_parallel_size, pipeline_parallel_size) yet")

@@ -34,6 +34,16 @@ def _processor(path: str):
     return AutoProcessor.from_pretrained(path)
 
 
+def processor_chat_template(path) -> str | None:
+    """The checkpoint's chat template as its processor has it (an image-text checkpoint keeps it there), or None."""
+    return getattr(_processor(str(path)), "chat_template", None)
+
+
+def image_marker(path) -> str:
+    """The text that stands for one image in a prompt ("<image>" for LLaVA): the processor expands each one."""
+    return _processor(str(path)).image_token
+
+
 def mm_hash(image) -> str:
     """The image's content hash: two requests with the same pixels share its encoder output and its KV blocks."""
     digest = hashlib.sha256(f"{image.mode}\x00{image.size}\x00".encode())

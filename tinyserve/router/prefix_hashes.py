@@ -17,6 +17,11 @@ from tinyserve.kv_events.events import external_block_hash
 _MAX_PROMPT_CHARS = 1 << 20  # a bigger prompt or chat is not hashed (the backend will refuse it anyway)
 
 
+def _has_images(message) -> bool:
+    content = message.get("content") if isinstance(message, dict) else None
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") != "text" for p in content)
+
+
 class PromptHasher:
     def __init__(self, model: str, block_size: int | None) -> None:
         """model: the backends' model folder or name, for its tokenizer and chat template.
@@ -35,6 +40,8 @@ class PromptHasher:
             if path.endswith("/chat/completions"):
                 if len(json.dumps([body["messages"], body.get("tools")])) > _MAX_PROMPT_CHARS:
                     return None  # rendering and tokenizing it would hold many times its size
+                if any(_has_images(message) for message in body["messages"]):
+                    return None  # the router reads no image (and a backend keys its blocks by theirs too)
                 return self.renderer.tokenize_chat(
                     body["messages"], fit_context=False, add_generation_prompt=body.get("add_generation_prompt", True),
                     continue_final_message=body.get("continue_final_message", False),

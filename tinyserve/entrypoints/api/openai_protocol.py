@@ -61,6 +61,19 @@ class TextPart(StrictBody):
     text: Text
 
 
+class ImageURL(StrictBody):
+    url: Text  # data:image/...;base64,..., file: (--allowed-local-media-path), http(s): (--allowed-media-domains)
+    # OpenAI's resolution choice: here the checkpoint's processor sets an image's size, so only "auto" is taken
+    detail: Literal["auto"] | None = None
+
+
+class ImagePart(StrictBody):
+    """An image in a chat message (tinyserve/multimodal/chat.py): an image-text model's; any other refuses it."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(StrictBody):
     # What _content_unless_assistant checks, said in the schema: only an assistant turn may leave content out.
     model_config = StrictBody.model_config | ConfigDict(json_schema_extra={
@@ -68,7 +81,7 @@ class ChatMessage(StrictBody):
         "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}})
     # system, developer, user, assistant, tool; or any other role, handed to the chat template as vLLM does
     role: Text = Field(min_length=1)
-    content: Text | list[TextPart] | None = None  # None only for an assistant turn (one that called tools)
+    content: Text | list[TextPart | ImagePart] | None = None  # None only for an assistant turn (one that called tools)
     name: Text | None = None
     tool_calls: list[AssistantToolCall] | None = None  # an assistant turn's calls
     tool_call_id: Text | None = None  # a tool turn: the call it answers
@@ -87,7 +100,9 @@ class ChatMessage(StrictBody):
 
     def as_template_message(self) -> dict:
         content = self.content
-        if isinstance(content, list):
+        if isinstance(content, list) and any(isinstance(part, ImagePart) for part in content):
+            content = [part.model_dump(exclude_none=True) for part in content]  # the renderer reads the images
+        elif isinstance(content, list):
             content = "".join(part.text for part in content)
         message = {"role": self.role, "content": content or ""}
         if self.name is not None:  # a template may show who is speaking

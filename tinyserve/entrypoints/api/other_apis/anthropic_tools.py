@@ -6,6 +6,7 @@ Anthropic's names for the same things (tool_calls.py does the work):
     tool_choice {"type": "auto" | "any" | "tool" | "none"}   "auto" | "required" | named | "none"
     assistant content block {"type": "tool_use", id, name, input}    an assistant's tool_calls
     user content block {"type": "tool_result", tool_use_id, content}  a "tool" message
+    user content block {"type": "image", source: base64 or url}      an image_url part (an image-text model)
     stop_reason "tool_use"                               finish_reason "tool_calls"
 
 A stream gives each block its own index: content_block_start (a tool_use block carries its
@@ -32,6 +33,30 @@ class TextBlock(StrictBody):
     text: Text
 
 
+class Base64ImageSource(StrictBody):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: Text
+
+
+class URLImageSource(StrictBody):
+    type: Literal["url"]
+    url: Text  # file: or http(s): as the server allows (tinyserve/multimodal/media.py)
+
+
+class ImageBlock(StrictBody):
+    """An image in a user turn, as an image-text model takes it (tinyserve/multimodal/chat.py)."""
+
+    type: Literal["image"]
+    source: Annotated[Base64ImageSource | URLImageSource, Field(discriminator="type")]
+
+    def as_image_part(self) -> dict:
+        """OpenAI's image_url part, the one form the renderer reads."""
+        source = self.source
+        url = source.url if isinstance(source, URLImageSource) else f"data:{source.media_type};base64,{source.data}"
+        return {"type": "image_url", "image_url": {"url": url}}
+
+
 class ToolUseBlock(StrictBody):
     type: Literal["tool_use"]
     id: Text
@@ -51,7 +76,7 @@ class ToolResultBlock(StrictBody):
         return f"Error: {text}" if self.is_error else text
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+ContentBlock = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
 
 
 class AnthropicTool(StrictBody):
@@ -90,6 +115,9 @@ def template_messages(role: str, content: str | list) -> list[dict]:
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     text = "".join(block.text for block in content if isinstance(block, TextBlock))
+    if any(isinstance(block, ImageBlock) for block in content):  # the text and the images as parts, in order
+        text = [{"type": "text", "text": block.text} if isinstance(block, TextBlock) else block.as_image_part()
+                for block in content if isinstance(block, (TextBlock, ImageBlock))]
     calls = [{"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}}
              for block in content if isinstance(block, ToolUseBlock)]
     results = [{"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text}

@@ -23,14 +23,32 @@ class InputText(StrictBody):
     text: Text
 
 
+class InputImage(StrictBody):
+    """An image in an input message, as an image-text model takes it (tinyserve/multimodal/chat.py)."""
+
+    type: Literal["input_image"]
+    image_url: Text  # data:image/...;base64,..., file: or http(s): as the server allows (multimodal/media.py)
+    detail: Literal["auto"] = "auto"  # the checkpoint's processor sets an image's size: only "auto" is taken
+    file_id: None = None  # the Files API is not served here
+
+
 class InputMessage(StrictBody):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Text | list[InputText]
+    content: Text | list[InputText | InputImage]
 
     @property
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return self.content if isinstance(self.content, str) else \
+            "".join(part.text for part in self.content if isinstance(part, InputText))
+
+    @property
+    def template_content(self) -> str | list[dict]:
+        """The content as a chat message's: its text, or with images OpenAI's parts, in order (render.py reads them)."""
+        if isinstance(self.content, str) or not any(isinstance(part, InputImage) for part in self.content):
+            return self.text
+        return [{"type": "text", "text": part.text} if isinstance(part, InputText)
+                else {"type": "image_url", "image_url": {"url": part.image_url}} for part in self.content]
 
 
 class FunctionCallItem(StrictBody):

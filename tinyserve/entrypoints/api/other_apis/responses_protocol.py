@@ -306,7 +306,8 @@ class ResponsesRequest(StrictBody):
                     and not turns[-1]["content"] and "reasoning" in turns[-1]:
                 turns[-1]["content"] = item.text  # the message after its reasoning: one turn, as vLLM's
             else:
-                turns.append({"role": "system" if item.role == "developer" else item.role, "content": item.text})
+                turns.append({"role": "system" if item.role == "developer" else item.role,
+                              "content": item.template_content})
         return turns
 
 
