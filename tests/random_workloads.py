@@ -16,6 +16,9 @@ seeded-sampled and unseeded-sampled requests with temperature, top-k, top-p, min
 penalties, logit bias, n = 1 to 3, min_tokens, logprobs and prompt logprobs; random
 priorities, arrivals a few steps late, and aborts at random moments.
 
+With `pictures` (an image-text model), about half the requests carry one or two images instead,
+and the encoder's budget and cache are one or two images, or the defaults.
+
 Stop strings and stop token ids must be able to fire, so they are taken from what the
 model writes: `probe` (a roomy LLM on the same model) runs every request first, and a
 stop string is a piece of that text, a stop token one of those ids. Unseeded requests,
@@ -23,7 +26,7 @@ whose output is not reproducible, get stops drawn blindly.
 """
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -51,6 +54,7 @@ class PlannedRequest:
     # many × 3 ms from another task ("abort-later").
     abort_after: int | None = None
     abort_style: str = "abort"
+    images: list = field(default_factory=list)  # PIL images for the prompt's <image> markers (an image-text model)
 
     @property
     def reproducible(self) -> bool:
@@ -59,6 +63,8 @@ class PlannedRequest:
 
     @property
     def prompt_input(self) -> str | dict:
+        if self.images:
+            return {"prompt": self.prompt, "multi_modal_data": {"image": list(self.images)}}
         return self.prompt if isinstance(self.prompt, str) else {"prompt_token_ids": self.prompt}
 
     @property
@@ -80,6 +86,7 @@ class Case:
             group = "" if r.prefix_group is None else f" prefix_group={r.prefix_group}"
             group += "" if r.follows is None else f" follows={r.follows}"
             abort = "" if r.abort_after is None else f" abort={r.abort_style}@{r.abort_after}"
+            abort += "" if not r.images else f" images={[f'{i.size[0]}x{i.size[1]}' for i in r.images]}"
             lines.append(f"  {r.request_id}: prompt={prompt}{group} priority={r.priority} arrival={r.arrival}{abort}"
                          f" params={changed_fields(r.params)}")
         return "\n".join(lines)
@@ -91,7 +98,9 @@ def changed_fields(params: SamplingParams) -> dict:
     return {name: value for name, value in msgspec.structs.asdict(params).items() if value != getattr(default, name)}
 
 
-def draw_case(seed: int, probe: LLM) -> Case:
+def draw_case(seed: int, probe: LLM, pictures: list | None = None) -> Case:
+    """pictures: for an image-text model, images some prompts carry (add_images), with the encoder's budget and
+    cache size drawn from stress ranges too; the other draws are those of the same seed without them."""
     rng = random.Random(seed)
     vocab_size = probe.model_info.vocab_size
     block_size = rng.choice(BLOCK_SIZES)
@@ -103,6 +112,9 @@ def draw_case(seed: int, probe: LLM) -> Case:
         requests[-1].prefix_group = group
     add_next_turns(rng, requests, probe)
     add_stops(rng, requests, probe)
+    image_rng = random.Random(seed + 1_000_003)  # the draws without images stay those of the seed
+    if pictures:
+        add_images(image_rng, requests, probe, pictures)
     largest = max(cdiv(r.max_num_tokens, block_size) for r in requests)
     engine_args = {
         "block_size": block_size,
@@ -112,6 +124,11 @@ def draw_case(seed: int, probe: LLM) -> Case:
         "enable_prefix_caching": rng.random() < 0.7,
         "scheduling_policy": rng.choice(("fcfs", "priority", "priority")),
     }
+    if pictures:  # budgets of one or two images a step, caches of one or two images, or the defaults
+        rows = max(len(probe.input_processor.tokenize_prompt({"prompt": "<image>", "multi_modal_data": {
+            "image": pictures[0]}}).prompt_token_ids), 1)
+        engine_args["max_num_encoder_input_tokens"] = image_rng.choice((rows, 2 * rows, None))
+        engine_args["encoder_cache_size"] = image_rng.choice((rows, 2 * rows, None))
     if engine_args["scheduling_policy"] == "fcfs":  # a priority is refused unless the policy is "priority"
         for request in requests:
             request.priority = 0
@@ -145,6 +162,20 @@ def add_next_turns(rng: random.Random, requests: list[PlannedRequest], probe: LL
         turn = draw_request(rng, f"r{len(requests)}", prompt[:MAX_PROMPT_TOKENS], probe)
         turn.follows, turn.arrival = request.request_id, request.arrival + rng.randint(1, 16)
         requests.append(turn)
+
+
+def add_images(rng: random.Random, requests: list[PlannedRequest], probe: LLM, pictures: list) -> None:
+    """About half the requests that follow no other become text with one or two <image> markers, their images
+    drawn from `pictures` (so the same image comes back: prefix-cache and encoder-cache hits)."""
+    lines = zen_of_python()[1:]
+    first = next(r for r in requests if r.follows is None)  # at least one carries images
+    for request in requests:
+        if request.follows is not None or (request is not first and rng.random() > 0.5):
+            continue
+        markers = " <image>" * rng.choice((1, 1, 2))
+        request.prompt = rng.choice(lines)[:rng.randint(0, 30)] + markers + " " + rng.choice(lines)[:rng.randint(0, 30)]
+        request.images = [rng.choice(pictures) for _ in range(markers.count("<image>"))]
+        request.num_prompt_tokens = len(probe.input_processor.tokenize_prompt(request.prompt_input).prompt_token_ids)
 
 
 def boundary_lengths(block_size: int) -> list[int]:

@@ -26,6 +26,8 @@ VLLM_METRICS = {
     "vllm:prefix_cache_queries": ("counter", PER_ENGINE),
     "vllm:prefix_cache_hits": ("counter", PER_ENGINE),
     "vllm:num_preemptions": ("counter", PER_ENGINE),
+    "vllm:mm_cache_queries": ("counter", PER_ENGINE),  # an image-text model's (tests/test_multimodal_server.py)
+    "vllm:mm_cache_hits": ("counter", PER_ENGINE),
     "vllm:prompt_tokens": ("counter", PER_ENGINE),
     "vllm:prompt_tokens_cached": ("counter", PER_ENGINE),
     "vllm:generation_tokens": ("counter", PER_ENGINE),

@@ -101,6 +101,48 @@ def test_chunks_that_cut_through_an_image_and_preemptions_keep_the_tokens():
     assert llm.engine_core.scheduler.num_preemptions > 0, "the pool is small enough that requests were preempted"
 
 
+def steps_of(llm: LLM) -> list[dict]:
+    """Each step the engine runs from now on: the images it encoded, and each request's tokens, by request id."""
+    inputs, steps = llm.engine_core.hooks.parts["multimodal"], []
+
+    def record(step) -> dict:
+        steps.append({"encoded": inputs.last_step["encoded"],
+                      "tokens": {s.request_id: s.num_new_tokens for s in step.scheduler_output.scheduled}})
+        return {}
+
+    llm.engine_core.hooks.post_step.append(record)
+    return steps
+
+
+def test_the_encoder_budget_spreads_a_burst_of_images_over_steps_and_the_text_before_an_image_still_runs():
+    """Three one-image prompts arrive together; a step may encode 50 image rows, two images: the third
+    request's first chunk stops before its image, and its image is encoded in the next step."""
+    prompts = [PROMPTS[0], PROMPTS[2], ("USER: <image> what is this? ASSISTANT:", [image(5, 31, 47)])]
+    llm = LLM(str(llava_checkpoint()), max_num_encoder_input_tokens=2 * ROWS_PER_IMAGE, enable_prefix_caching=False)
+    steps = steps_of(llm)
+    outputs = llm.generate([as_prompt(*p) for p in prompts], GREEDY, use_tqdm=False)
+    assert token_ids(outputs) == expected(prompts)
+    assert [s["encoded"] for s in steps[:3]] == [2, 1, 0]
+    offset = outputs[2].prompt_token_ids.index(llm.model_info.image_token_id)
+    third = [s["tokens"].get(outputs[2].request_id) for s in steps[:2]]
+    assert third == [offset, len(outputs[2].prompt_token_ids) - offset], "the text before the image, then the rest"
+    assert [len(s["tokens"]) for s in steps[:2]] == [3, 3]
+
+
+def test_an_image_a_running_request_needs_is_never_evicted_and_a_full_cache_holds_the_next_one_back():
+    """An encoder cache of one image's rows: a prompt's second image cannot be encoded in the step that needs
+    the first (its chunk stops before it), and each image is encoded once, though the cache had room for one."""
+    prompts = [PROMPTS[1], PROMPTS[0]]  # two images, then the second of them again
+    llm = LLM(str(llava_checkpoint()), encoder_cache_size=ROWS_PER_IMAGE, max_num_batched_tokens=40,
+              enable_prefix_caching=False)
+    steps = steps_of(llm)
+    outputs = llm.generate([as_prompt(*p) for p in prompts], GREEDY, use_tqdm=False)
+    assert token_ids(outputs) == expected(prompts)
+    assert max(s["encoded"] for s in steps) == 1 and sum(s["encoded"] for s in steps) == 2, steps
+    cache = llm.engine_core.hooks.parts["multimodal"].cache
+    assert cache.rows <= ROWS_PER_IMAGE and len(cache.entries) == 1
+
+
 def test_the_same_image_is_a_prefix_cache_and_encoder_cache_hit_and_another_image_is_not():
     llm = LLM(str(llava_checkpoint()), enable_prefix_caching=True, block_size=4)
     text, images = PROMPTS[0]

@@ -6,7 +6,9 @@ loopback image server it may fetch from (--allowed-media-domains 127.0.0.1). A c
 by the official openai client (chat completions, streamed and not, and Responses' input_image) and the
 anthropic client (a base64 image block), gives transformers' greedy tokens for the same conversation
 through the processor's own chat template; the image as a data: URL, a file: URL and an http: URL is
-the same image. Every bad image is a 400 naming the part it came from, and a text-only model refuses one.
+the same image. The same image under another prefix is an encoder cache hit on /metrics (vLLM's
+mm_cache_queries, mm_cache_hits). Every bad image is a 400 naming the part it came from, and a
+text-only model refuses one.
 """
 
 import base64
@@ -20,6 +22,7 @@ import openai
 import pytest
 
 from tests import shared_server
+from tests.server_checks import wait_until
 from tests.llava_checkpoints import hf_chat_greedy, image, llava_checkpoint
 from tinyserve.testing import ServerProcess
 
@@ -81,7 +84,8 @@ def media(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llava_server(media):
     folder, _ = media
-    server = ServerProcess(str(llava_checkpoint()), "--served-model-name", MODEL, "--limit-mm-per-prompt",
+    server = ServerProcess(str(llava_checkpoint()), "--served-model-name", MODEL, "--metrics-prefix", "vllm",
+                           "--limit-mm-per-prompt",
                            '{"image": 2}', "--allowed-local-media-path", str(folder),
                            "--allowed-media-domains", "127.0.0.1")
     yield server
@@ -133,6 +137,31 @@ def test_a_chat_with_an_image_gives_transformers_tokens_over_openai_anthropic_an
                                          "data": base64.b64encode(png(image(1))).decode()}},
             {"type": "text", "text": QUESTION}]}])
     assert message.content[0].text == expected_text
+
+
+def mm_cache_counts(server) -> tuple[float, float]:
+    """vllm:mm_cache_queries_total and vllm:mm_cache_hits_total, summed over the engines."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {"vllm:mm_cache_queries": 0.0, "vllm:mm_cache_hits": 0.0}
+    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=30).text):
+        if family.name in totals:
+            totals[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return totals["vllm:mm_cache_queries"], totals["vllm:mm_cache_hits"]
+
+
+def test_an_image_seen_before_under_another_prefix_is_an_encoder_cache_hit_on_metrics(llava_server):
+    fresh = [image_part(data_url(image(77, 44, 31))), {"type": "text", "text": QUESTION}]
+    queries, hits = mm_cache_counts(llava_server)
+    assert chat(llava_server, fresh).status_code == 200
+    # The same chat again would be a prefix cache hit up to its last token, which is text: no image is looked up.
+    # Another text before the image is another prefix; its image is found in the encoder cache.
+    again = httpx.post(f"{llava_server.url}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "max_tokens": MAX_TOKENS, "messages": [{"role": "system", "content": "Be brief."},
+                                                               {"role": "user", "content": fresh}]})
+    assert again.status_code == 200 and again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # one lookup each (each prompt fits one step): a miss, then a hit; the metrics follow the engine's report
+    wait_until(lambda: mm_cache_counts(llava_server) == (queries + 2, hits + 1), 30, "the counters are reported")
 
 
 def big_png() -> bytes:

@@ -233,6 +233,40 @@ def test_llm_batch_with_random_aborts_matches_solo_runs_and_frees_everything(mod
         assert_llm_idle(llm, "after generate()")
 
 
+IMAGE_SEEDS = SEEDS[:6]
+
+
+@pytest.fixture(scope="module")
+def llava_probe() -> LLM:
+    from tests.llava_checkpoints import llava_checkpoint
+
+    return LLM(str(llava_checkpoint()), num_kv_blocks=256)
+
+
+@pytest.mark.parametrize("seed", IMAGE_SEEDS, ids=lambda seed: f"seed={seed}")
+def test_llm_batch_with_images_mixed_in_matches_solo_runs_and_frees_everything(llava_probe, seed):
+    """The same workloads on a LLaVA checkpoint, about half the prompts carrying images (some the same image),
+    under encoder budgets and caches of one or two images: batch invariance, nothing leaks, and the encoder
+    cache holds no more than it may."""
+    from tests.llava_checkpoints import image, llava_checkpoint
+
+    case = draw_case(seed, llava_probe, pictures=[image(0), image(1, 64, 32), image(2, 100, 100)])
+    assert any(r.images for r in case.requests)
+    with replayable(case):
+        llm = LLM(str(llava_checkpoint()), **case.engine_args)
+        solo = solo_outputs(llm, case)
+        finished, aborted = run_llm_batch(llm, case)
+        assert_llm_idle(llm, "after the batch")
+        assert_batch_matches_solo(case, finished, aborted, solo)
+        cache = llm.engine_core.hooks.parts["multimodal"].cache
+        assert cache.rows == sum(rows.shape[0] for rows in cache.entries.values())
+        # Past its size only by images the last step needed (one found there while another was encoded, or an
+        # image larger than the cache)
+        needed = sum(rows.shape[0] for h, rows in cache.entries.items() if h in cache.needed)
+        assert cache.rows <= max(cache.max_rows, needed), (cache.rows, cache.max_rows, needed)
+        assert cache.queries > 0
+
+
 SPEC_SEEDS = SEEDS[:8]
 
 

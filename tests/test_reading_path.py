@@ -13,7 +13,7 @@ from tests.server_checks import sse_lines
 from tests.tiny_checkpoints import tiny_model_with_tokenizer
 from tinyserve.testing import ServerProcess
 
-BUDGET_LINES = 2100
+BUDGET_LINES = 2200
 # vLLM's lifecycle names, each of which the path must pass through. (vLLM's handlers iterate AsyncLLM.generate;
 # here they call its two halves, add_request and the loop over its stream, apart: entry 8 says why.)
 LIFECYCLE = ["serving_chat.py:create_chat_completion", "input_processor.py:InputProcessor.make_requests",

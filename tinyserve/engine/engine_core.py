@@ -151,7 +151,7 @@ class EngineCore:
         record.ended()
         done = {key: value for hook in self.hooks.post_step for key, value in hook(record).items()}
         outputs = EngineCoreOutputs(engine_index=self.engine_index, timestamp=record.end, outputs=record.outputs,
-                                    scheduler_stats=self.scheduler.make_stats())
+                                    scheduler_stats=self.get_stats())
         self.recorder.observe(record, outputs, done)
         return outputs
 
@@ -201,7 +201,11 @@ class EngineCore:
     # ---- utilities -------------------------------------------------------------
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        """The scheduler's stats, with what each layer adds (EngineHooks.scheduler_stats)."""
+        stats = self.scheduler.make_stats()
+        for hook in self.hooks.scheduler_stats:
+            hook(stats)
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

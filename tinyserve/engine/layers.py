@@ -50,6 +50,9 @@ class EngineHooks:
     # post_step(StepRecord) -> dict: after every step, traced or not (KV events drained and published);
     # what it returns goes on the step span
     post_step: list[Callable] = field(default_factory=list)
+    # scheduler_stats(SchedulerStats): a layer's counters added to the stats of every step and of get_stats (the
+    # image encoder cache's queries and hits, which live in the runner, not the scheduler)
+    scheduler_stats: list[Callable] = field(default_factory=list)
     # shutdown(): as the engine shuts down (a publisher's socket, a connector's side channel)
     shutdown: list[Callable] = field(default_factory=list)
     # utilities: name -> method, answered as EngineCore's own utility calls (wire/ipc.py's UTILITY_METHODS)

@@ -13,9 +13,12 @@ over the looked-up rows:
 A chunk that cuts through a placeholder run writes the part of the image it covers; the next chunk
 finds the image's rows in the cache and writes the rest, without encoding it again.
 
-EncoderCache is vLLM's encoder cache in its simplest form: an image's rows by content hash (mm_hash),
-least recently used first out past `max_rows`. A second request with the same image reuses them; an
-image evicted between two chunks is encoded again (the same rows).
+EncoderCache holds each image's rows by content hash (mm_hash), up to `max_rows` rows. What it keeps
+is the scheduler's to decide (scheduling.py, vLLM's EncoderCacheManager): each step it marks the
+images this step's requests need (`needed`: those they are in the middle of, and those their chunks
+reach) and lets an image be encoded only while the needed ones and it fit; an image no running request needs stays, for a later request with the same image,
+until room is needed (`put` evicts those, oldest first). So a chunk that cuts through an image always
+finds its rows in the next step, and a second request with the same image reuses them.
 """
 
 import collections
@@ -30,7 +33,11 @@ class EncoderCache:
         self.max_rows = max_rows
         self.entries: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
         self.rows = 0
+        self.needed: set[str] = set()  # the scheduler's, this step: images this step's requests need
         self.queries = self.hits = 0  # vLLM's mm_cache_queries / mm_cache_hits, over the engine's life
+
+    def __contains__(self, mm_hash: str) -> bool:
+        return mm_hash in self.entries
 
     def get(self, mm_hash: str) -> torch.Tensor | None:
         self.queries += 1
@@ -41,11 +48,17 @@ class EncoderCache:
         return rows
 
     def put(self, mm_hash: str, rows: torch.Tensor) -> None:
+        """Keep an image's rows; images no running request needs go, oldest first, while past max_rows."""
         self.entries[mm_hash] = rows
         self.rows += rows.shape[0]
-        while self.rows > self.max_rows and len(self.entries) > 1:
-            _, evicted = self.entries.popitem(last=False)
-            self.rows -= evicted.shape[0]
+        self.trim(keep=mm_hash)
+
+    def trim(self, keep: str | None = None) -> None:
+        """Past max_rows, images this step does not need go, oldest first (the scheduler's call at each step)."""
+        for old in [h for h in self.entries if h not in self.needed and h != keep]:
+            if self.rows <= self.max_rows:
+                break
+            self.rows -= self.entries.pop(old).shape[0]
 
 
 class ImageInputs:

@@ -4,11 +4,14 @@
                  language model is the engine's model, and this layer adds its image encoder
     check_args   --limit-mm-per-prompt's form ({"image": N}); tensor and pipeline parallelism
                  refused (not yet: their other ranks would look the placeholders up)
-    attach       the image encoder (vision.py) loaded from the checkpoint, and one of the model
+    attach       the image encoder (vision.py) loaded from the checkpoint; one of the model
                  runner's embeds_hooks: each image's rows at its placeholder positions, through the
-                 encoder cache (inputs.py); span attributes: a request's images (their content hashes
+                 encoder cache (inputs.py); one of the scheduler's token_limits: the encoder budget
+                 per step and what the cache keeps (scheduling.py); span attributes: a request's images (their content hashes
                  and placeholder runs) on its queue span, and each step's images encoded, encoder
-                 cache hits and encoding time on the step span (lifecycle/schema.py's MM_*)
+                 cache hits and encoding time on the step span (lifecycle/schema.py's MM_*); the encoder
+                 cache's counters on every step's SchedulerStats (vLLM's mm_cache_queries, mm_cache_hits on
+                 /metrics: metrics.py)
 
 The front end reads a chat's image parts (chat.py, media.py: --allowed-local-media-path and
 --allowed-media-domains, checked here) and runs the checkpoint's processor (processor.py), both
@@ -21,7 +24,7 @@ import json
 
 from tinyserve.engine.layers import AssemblyContext, EngineHooks, EngineLayer, EngineParts
 
-ENCODER_CACHE_ROWS = 8192  # vLLM's encoder cache size, in rows: a few hundred LLaVA-1.5 images (576 rows each)
+ENCODER_CACHE_ROWS = 8192  # the encoder cache's default size, in rows: fourteen LLaVA-1.5 images (576 rows each)
 
 
 def has_images(args) -> bool:
@@ -44,6 +47,10 @@ class MultiModalLayer(EngineLayer):
                 isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in limit.values())):
             raise ValueError(f"limit_mm_per_prompt (--limit-mm-per-prompt) takes {{\"image\": N}}, N >= 0; got "
                              f"{limit!r}")
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            value = getattr(args, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a whole number of image rows, at least 1; got {value!r}")
         folder = args.allowed_local_media_path
         if folder is not None and not __import__("os").path.isdir(folder):
             raise ValueError(f"allowed_local_media_path (--allowed-local-media-path) must be a folder that exists, "
@@ -64,14 +71,19 @@ class MultiModalLayer(EngineLayer):
 
         from tinyserve.lifecycle import schema
         from tinyserve.multimodal.inputs import EncoderCache, ImageInputs
+        from tinyserve.multimodal.scheduling import EncoderBudget
         from tinyserve.multimodal.vision import load_image_encoder
+        from tinyserve.wire.messages import MultiModalCacheStats
 
         info = ctx.model_info
         encoder = load_image_encoder(info.path, AutoConfig.from_pretrained(info.path), info.torch_dtype,
                                      ctx.args.torch_device)
-        cache = EncoderCache(ENCODER_CACHE_ROWS)
+        args = ctx.args
+        cache = EncoderCache(args.encoder_cache_size or ENCODER_CACHE_ROWS)
         inputs = ImageInputs(engine_parts.model, encoder, cache)
         engine_parts.model_runner.embeds_hooks.append(inputs)
+        engine_parts.scheduler.token_limits.append(
+            EncoderBudget(cache, args.max_num_encoder_input_tokens or args.max_num_batched_tokens))
         hooks.parts[self.name] = inputs
 
         def request_attributes(request) -> dict:
@@ -89,5 +101,9 @@ class MultiModalLayer(EngineLayer):
             return {schema.STEP_MM_IMAGES_ENCODED: step["encoded"], schema.STEP_MM_ENCODER_CACHE_HITS: step["hits"],
                     schema.STEP_MM_ENCODE_TIME: step["encode_s"]}
 
+        def cache_counters(stats) -> None:
+            stats.mm_cache_stats = MultiModalCacheStats(cache.queries, cache.hits)
+
+        hooks.scheduler_stats.append(cache_counters)
         hooks.request_attributes.append(request_attributes)
         hooks.step_attributes.append(step_attributes)

@@ -140,6 +140,14 @@ class SpecDecodingStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_accepted_tokens_per_pos: list[int] = []  # accepted drafts by position in their draft (0-based)
 
 
+class MultiModalCacheStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The image encoder cache's counters, cumulative, in images (vLLM's mm_cache_queries / mm_cache_hits;
+    tinyserve/multimodal/)."""
+
+    queries: int = 0  # images looked up: each image each step that computes some of its placeholders
+    hits: int = 0  # those found encoded already
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -154,6 +162,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # compiled), vLLM's "deferred" waiting requests; the rest wait for room ("capacity").
     num_waiting_deferred_reqs: int = 0
     spec_decoding_stats: SpecDecodingStats | None = None  # an engine with --speculative-config
+    mm_cache_stats: MultiModalCacheStats | None = None  # an engine of an image-text model
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -77,6 +77,10 @@ class Scheduler:
         # Layers that limit which waiting requests may start (LoRA: lora/scheduling.py), each
         # gate(request, scheduler) -> bool; a request one refuses keeps its place and is passed over.
         self.admission_gates: list = []
+        # Layers that limit how many tokens a request computes this step (images: multimodal/scheduling.py, the
+        # encoder budget), each limit(request, start, num_new_tokens, scheduler) -> at most num_new_tokens;
+        # a request limited to none gets nothing this step (a waiting one, and those after it, wait).
+        self.token_limits: list = []
 
     # ---- requests in and out -------------------------------------------------
 
@@ -143,11 +147,21 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
             # num_tokens_with_spec: the known tokens and any speculative drafts to verify (spec_decode/)
-            num_new_tokens = min(request.num_tokens_with_spec - request.num_computed_tokens, step.token_budget)
+            num_new_tokens = self._limited(request, request.num_computed_tokens, min(
+                request.num_tokens_with_spec - request.num_computed_tokens, step.token_budget))
+            if num_new_tokens <= 0:
+                continue
             num_blocks_held = len(self.kv.get_block_ids(request.request_id))  # the worker's block table
             if self._preempt_for(request, num_new_tokens, step):
                 step.cached[request.request_id] = self._schedule_cached(request, num_new_tokens, num_blocks_held)
                 step.token_budget -= num_new_tokens
+
+    def _limited(self, request: Request, start: int, num_new_tokens: int) -> int:
+        """The tokens from `start` the request may compute this step: what the budget leaves, then each layer's
+        token_limits (none: all of them)."""
+        for limit in self.token_limits:
+            num_new_tokens = min(num_new_tokens, limit(request, start, num_new_tokens, self))
+        return num_new_tokens
 
     def _running_candidates(self) -> list[Request]:
         """The running requests the first loop may schedule: all of them, except under pipeline parallelism
@@ -187,8 +201,8 @@ class Scheduler:
                 position += 1
                 continue
             cached_blocks, num_cached = self._computed_blocks(request)
-            num_new_tokens = min(request.num_tokens - num_cached, step.token_budget)
-            if not self.kv.allocate_slots(request, num_new_tokens, cached_blocks):
+            num_new_tokens = self._limited(request, num_cached, min(request.num_tokens - num_cached, step.token_budget))
+            if num_new_tokens <= 0 or not self.kv.allocate_slots(request, num_new_tokens, cached_blocks):
                 break
             self.waiting.pop(position)
             request.status = RequestStatus.RUNNING

@@ -101,6 +101,8 @@ class _EngineCounters:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    mm_cache_queries: int = 0
+    mm_cache_hits: int = 0
 
 
 class ServerMetrics:
@@ -159,11 +161,15 @@ class ServerMetrics:
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
 
     def _add_counters(self) -> None:
-        """Running totals: the engines' prefix cache and preemptions, then the tokens and requests served."""
+        """Running totals: the engines' prefix cache, preemptions and image encoder cache, then the tokens and requests served."""
         counter = self._counter
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
+        # An image-text model's (tinyserve/multimodal/): images looked up in its encoder cache, and found there
+        self.mm_cache_queries = counter("mm_cache_queries", "Multi-modal cache queries, in terms of number of "
+                                        "queried items (images looked up in the encoder cache).")
+        self.mm_cache_hits = counter("mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that reached their first token.")
         self.prompt_tokens_cached = counter("prompt_tokens_cached", "Of those, the prompt tokens found in the "
                                             "prefix cache (not computed).")
@@ -320,6 +326,10 @@ class ServerMetrics:
             self.num_preemptions.labels(*labels).inc(stats.num_preemptions - seen.num_preemptions)
             seen.prefix_cache_queries, seen.prefix_cache_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
             seen.num_preemptions = stats.num_preemptions
+            if (mm := stats.mm_cache_stats) is not None:
+                self.mm_cache_queries.labels(*labels).inc(mm.queries - seen.mm_cache_queries)
+                self.mm_cache_hits.labels(*labels).inc(mm.hits - seen.mm_cache_hits)
+                seen.mm_cache_queries, seen.mm_cache_hits = mm.queries, mm.hits
             self.spec_decode.observe(labels, stats.spec_decoding_stats)
         iteration_tokens = 0
         for output in outputs.outputs:
