@@ -16,9 +16,10 @@ finds the image's rows in the cache and writes the rest, without encoding it aga
 EncoderCache holds each image's rows by content hash (mm_hash), up to `max_rows` rows. What it keeps
 is the scheduler's to decide (scheduling.py, vLLM's EncoderCacheManager): each step it marks the
 images this step's requests need (`needed`: those they are in the middle of, and those their chunks
-reach) and lets an image be encoded only while the needed ones and it fit; an image no running request needs stays, for a later request with the same image,
-until room is needed (`put` evicts those, oldest first). So a chunk that cuts through an image always
-finds its rows in the next step, and a second request with the same image reuses them.
+reach) and lets an image be encoded only while the needed ones and it fit; an image no running
+request needs stays, for a later request with the same image, until room is needed (`trim` evicts
+those, oldest first). So a chunk that cuts through an image always finds its rows in the next
+step, and a second request with the same image reuses them.
 """
 
 import collections

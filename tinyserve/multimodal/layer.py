@@ -7,11 +7,11 @@
     attach       the image encoder (vision.py) loaded from the checkpoint; one of the model
                  runner's embeds_hooks: each image's rows at its placeholder positions, through the
                  encoder cache (inputs.py); one of the scheduler's token_limits: the encoder budget
-                 per step and what the cache keeps (scheduling.py); span attributes: a request's images (their content hashes
-                 and placeholder runs) on its queue span, and each step's images encoded, encoder
-                 cache hits and encoding time on the step span (lifecycle/schema.py's MM_*); the encoder
-                 cache's counters on every step's SchedulerStats (vLLM's mm_cache_queries, mm_cache_hits on
-                 /metrics: metrics.py)
+                 per step and what the cache keeps (scheduling.py); span attributes: a request's
+                 images (their content hashes and placeholder runs) on its queue span, and each
+                 step's images encoded, encoder cache hits and encoding time on the step span
+                 (lifecycle/schema.py's MM_*); the encoder cache's counters on every step's
+                 SchedulerStats (vLLM's mm_cache_queries, mm_cache_hits on /metrics: metrics.py)
 
 The front end reads a chat's image parts (chat.py, media.py: --allowed-local-media-path and
 --allowed-media-domains, checked here) and runs the checkpoint's processor (processor.py), both

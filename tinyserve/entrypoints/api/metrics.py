@@ -161,7 +161,8 @@ class ServerMetrics:
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
 
     def _add_counters(self) -> None:
-        """Running totals: the engines' prefix cache, preemptions and image encoder cache, then the tokens and requests served."""
+        """Running totals: the engines' prefix cache, preemptions and image encoder cache, then the tokens and
+        requests served."""
         counter = self._counter
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
