@@ -104,11 +104,11 @@ class EngineArgs:
     # vLLM's --allowed-local-media-path (a chat's file: image URLs are read only under it) and
     # --allowed-media-domains (its http(s): image URLs fetched only from these hosts); tinyserve/multimodal/media.py
     allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] | None = None
     # vLLM's scheduler settings for images (multimodal/scheduling.py), offline only as in vLLM: the image
     # rows a step may encode (None: max_num_batched_tokens), and the rows the encoder cache holds (None: 8192)
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
-    allowed_media_domains: list[str] | None = None
     # Speculative decoding (tinyserve/spec_decode/), vLLM's --speculative-config: {"method": "ngram",
     # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method":
     # "draft_model", "model": PATH, "num_speculative_tokens": 3}. None: one token per step.

@@ -8,8 +8,8 @@
 The names are those of vLLM's router (and SGLang's). A request that fails at a backend marks it
 down at once (proxy.py); only a check that succeeds brings it back. The router's own /health
 reads these states, without asking anyone: 200 while a request can be served (any backend up; in
-prefill/decode mode, a server of each pool), else 503 naming why each is down. The check reads a status line and headers, never the body: a backend cannot make the
-router hold a large answer.
+prefill/decode mode, a server of each pool), else 503 naming why each is down. The check reads a
+status line and headers, never the body: a backend cannot make the router hold a large answer.
 """
 
 import asyncio
