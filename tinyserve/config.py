@@ -9,7 +9,9 @@ Every core argument is checked here, beside its field, so that a bad value fails
 any process starts. A layer's own arguments (speculative decoding, pipeline parallelism,
 LoRA, KV events, a KV connector, Ray) are fields here too, but their checks live in the
 layer (its layer.py's `check_args`): tinyserve/assemble.py's `check_engine_args` runs
-`validate` and then them. This module imports no layer.
+`validate` and then them. This module imports no layer. It is over 300 lines because
+EngineArgs holds every engine flag, each field beside the comment that says what it does,
+in one place where a reader finds them all.
 """
 
 from __future__ import annotations
@@ -101,12 +103,11 @@ class EngineArgs:
     enable_prompt_embeds: bool = False
     # vLLM's --limit-mm-per-prompt: the most images a prompt may carry ({"image": N}; tinyserve/multimodal/)
     limit_mm_per_prompt: dict | None = None
-    # vLLM's --allowed-local-media-path (a chat's file: image URLs are read only under it) and
-    # --allowed-media-domains (its http(s): image URLs fetched only from these hosts); tinyserve/multimodal/media.py
+    # vLLM's --allowed-local-media-path, --allowed-media-domains: where a chat's image URLs may lead (media.py)
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
-    # vLLM's scheduler settings for images (multimodal/scheduling.py), offline only as in vLLM: the image
-    # rows a step may encode (None: max_num_batched_tokens), and the rows the encoder cache holds (None: 8192)
+    # vLLM's, offline only: the image rows a step may encode (None: max_num_batched_tokens), and the rows the
+    # encoder cache holds (None: 8192); tinyserve/multimodal/scheduling.py
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
     # Speculative decoding (tinyserve/spec_decode/), vLLM's --speculative-config: {"method": "ngram",

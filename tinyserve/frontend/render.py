@@ -12,20 +12,16 @@ The input processor (input_processor.py) is a Renderer that also checks the samp
 parameters and makes the engine's requests.
 """
 
-import functools
 import inspect
 import math
 from dataclasses import dataclass
 
 from tinyserve.config import ModelInfo
 from tinyserve.errors import InvalidInputError
+from tinyserve.frontend.chat_messages import chat_content_format, normalize_message
 from tinyserve.prompt_embeds.tensors import check_prompt_embeds, decode_prompt_embeds
 from tinyserve.wire.messages import MultiModalFeature, PromptEmbeds
 
-# A chat's image parts: OpenAI's ({"type": "image_url", "image_url": {"url": ...}}), and vLLM's offline
-# {"type": "image_pil", "image_pil": PIL.Image} (LLM.chat); read by tinyserve/multimodal/chat.py
-IMAGE_PARTS = ("image_url", "image_pil")
-CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")  # the usual ones; a template may take others
 
 
 @dataclass(slots=True)
@@ -76,18 +72,22 @@ class Renderer:
         self.enable_prompt_embeds = enable_prompt_embeds
         self.limit_images_per_prompt = limit_images_per_prompt
         self.media = media
-        # The model's own chat template: an image-text checkpoint's processor has it (as vLLM, it comes first)
-        self.chat_template = tokenizer.chat_template
+        self._processor_template = None  # an image-text checkpoint keeps its chat template with its processor
         if model_info.image_token_id is not None:
             from tinyserve.multimodal.processor import processor_chat_template
 
-            self.chat_template = processor_chat_template(model_info.path) or self.chat_template
+            self._processor_template = processor_chat_template(model_info.path)
         # The most characters one token can stand for: the longest entry of the vocabulary,
         # special tokens included. Byte-level vocabularies spell each byte as one character,
         # so there the length counts bytes, never fewer than the characters they encode.
         self.max_chars_per_token = max(map(len, tokenizer.get_vocab()), default=1)
         self._sanitizes_control_tokens = "sanitize_control_tokens" in inspect.signature(
             tokenizer.apply_chat_template).parameters
+
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's (which --chat-template replaces), else the processor's."""
+        return self.tokenizer.chat_template or self._processor_template
 
     def check_text_fits(self, text: str) -> None:
         """Refuse, without tokenizing it, a text that has more than max_model_len tokens whatever they are.
@@ -206,7 +206,7 @@ class Renderer:
         if template_kwargs and reserved & set(template_kwargs):
             raise InvalidInputError(f"chat_template_kwargs cannot set {sorted(reserved & set(template_kwargs))}",
                                     "chat_template_kwargs")
-        normalized = [_normalize_message(i, message) for i, message in enumerate(messages)]
+        normalized = [normalize_message(i, message) for i, message in enumerate(messages)]
         template = chat_template or self.chat_template
         if template is None:
             raise InvalidInputError("the model has no chat template; pass chat_template or send a plain prompt")
@@ -296,60 +296,3 @@ class Renderer:
         load = decode_prompt_embeds if isinstance(prompt_embeds, (str, bytes)) else check_prompt_embeds
         embeds = load(prompt_embeds, self.model_info)
         return ProcessedPrompt(None, [0] * embeds.rows, embeds)
-
-
-@functools.lru_cache(maxsize=16)
-def chat_content_format(template: str) -> str:
-    """How a chat template reads a message's content, found on its Jinja syntax tree as vLLM finds it (its
-    --chat-template-content-format "auto"): "openai" when it loops over the content (`for part in
-    message['content']`, filtered or not: LLaVA's template does), each message's content is then a list of
-    parts; else "string", each message's content one string."""
-    from jinja2 import Environment, nodes
-
-    try:
-        tree = Environment().parse(template)
-    except Exception:  # the template's own error is reported when it renders
-        return "string"
-    for loop in tree.find_all(nodes.For):
-        source = loop.iter
-        while isinstance(source, (nodes.Filter, nodes.Test)):
-            source = source.node
-        if (isinstance(source, nodes.Getitem) and isinstance(source.arg, nodes.Const) and source.arg.value == "content"
-                or isinstance(source, nodes.Getattr) and source.attr == "content"):
-            return "openai"
-    return "string"
-
-
-def _normalize_message(index: int, message) -> dict:
-    if not isinstance(message, dict):
-        raise InvalidInputError(f"messages[{index}] must be an object with 'role' and 'content'")
-    role = message.get("role")
-    if not isinstance(role, str) or not role:  # any other role goes to the chat template, as in vLLM
-        raise InvalidInputError(f"messages[{index}].role must be a non-empty string (such as one of {CHAT_ROLES}), "
-                         f"got {role!r}")
-    content = message.get("content")
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
-                parts.append({**part, "where": f"messages[{index}].content[{j}]"})  # read by multimodal/chat.py
-            elif not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidInputError(f"messages[{index}].content[{j}] must be a text part {{'type': 'text', "
-                                        f"'text': ...}} or an image part {{'type': 'image_url', 'image_url': "
-                                        f"{{'url': ...}}}}", f"messages[{index}].content[{j}]")
-            else:
-                parts.append(part["text"])
-        images = any(isinstance(part, dict) for part in parts)
-        content = [part if isinstance(part, dict) else {"type": "text", "text": part} for part in parts] \
-            if images else "".join(parts)
-    if not isinstance(content, (str, list)):
-        raise InvalidInputError(f"messages[{index}].content must be a string or a list of text parts")
-    normalized = {"role": role, "content": content}
-    # reasoning, reasoning_content: an assistant turn's reasoning, for a reasoning model's template (vLLM's names)
-    for key, kind in (("name", str), ("tool_call_id", str), ("tool_calls", list), ("reasoning", str),
-                      ("reasoning_content", str)):
-        if message.get(key) is not None:
-            if not isinstance(message[key], kind):
-                raise InvalidInputError(f"messages[{index}].{key} must be a {'string' if kind is str else 'list'}")
-            normalized[key] = message[key]
-    return normalized

@@ -4,7 +4,7 @@
                                  {"type": "text", "text": "What is this?"}]}
 
 Each image part is read into a PIL image, in the order the chat gives them; the template then sees
-the message as its content format takes it (frontend/render.py's chat_content_format), as vLLM's
+the message as its content format takes it (frontend/chat_messages.py's chat_content_format), as vLLM's
 chat_utils shows it:
 
     "openai"   the template loops over a message's content parts (LLaVA's own template does): the parts
@@ -24,8 +24,8 @@ from tinyserve.multimodal.processor import image_marker, process
 
 def chat_images(messages: list[dict], shown: str, model_info, limit: int | None,
                 media: MediaConnector | None) -> tuple[list[dict], list]:
-    """The messages as the template takes them (shown: its content format, "openai" or "string"; render.py's
-    chat_content_format), and their images, read, in order. A part's problem is a 400
+    """The messages as the template takes them (shown: its content format, "openai" or "string";
+    frontend/chat_messages.py's chat_content_format), and their images, read, in order. A part's problem is a 400
     naming it (messages[i].content[j]); a model without images, or more images than the limit, is refused
     before any image is read."""
     parts = [part for message in messages if isinstance(message["content"], list)
