@@ -21,6 +21,7 @@ block_hash_root). The step itself does not change.
 """
 
 import json
+import os
 
 from tinyserve.engine.layers import AssemblyContext, EngineHooks, EngineLayer, EngineParts
 
@@ -52,7 +53,7 @@ class MultiModalLayer(EngineLayer):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a whole number of image rows, at least 1; got {value!r}")
         folder = args.allowed_local_media_path
-        if folder is not None and not __import__("os").path.isdir(folder):
+        if folder is not None and not os.path.isdir(folder):
             raise ValueError(f"allowed_local_media_path (--allowed-local-media-path) must be a folder that exists, "
                              f"got {folder!r}")
         domains = args.allowed_media_domains
