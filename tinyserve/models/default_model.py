@@ -59,6 +59,26 @@ in one forward pass, and every drafted token it agrees with is a decode step sav
 
 `default_draft_path()` finds its files; DEFAULT_DRAFT_FINGERPRINT is what
 `scripts/build_default_model.py --draft` printed for them.
+
+**The built-in vision model**, in `default-vision/`, named `tinyserve-vision`
+(`LLM("tinyserve-vision")`, `tinyserve serve tinyserve-vision`): the built-in model with
+an image encoder, so that images can be served with nothing downloaded (tinyserve/multimodal/).
+
+- **Architecture**: LLaVA (`LlavaForConditionalGeneration`). The language model is the
+  built-in model, weight for weight, with one more vocabulary row, all zeros, for the image
+  placeholder "<image>" (id 4096). The vision tower is CLIP's: 224x224 pixels in 14x14
+  patches, so 256 placeholder rows an image, 3 layers of width 128 (the features of the last
+  but one are used, LLaVA's `vision_feature_layer` -2); LLaVA's two-layer projector maps a
+  row to the language model's width. About 0.7 million parameters besides the language model.
+- **Weights**: the tower and projector are random (torch seed 2), the projector's output
+  scaled so that an image row is as large as a token embedding row. It knows nothing of
+  images: what it shows is the mechanics (placeholders, the encoder before the prefill, its
+  cache and budget), and that two images give two answers.
+- **Processor**: transformers' LlavaProcessor (CLIP's resize, centre crop and normalisation)
+  and a ChatML template that writes an image part as "<image>" and a newline.
+
+`default_vision_path()` finds its files; DEFAULT_VISION_FINGERPRINT is what
+`scripts/build_default_vision.py` printed for them.
 """
 
 import hashlib
@@ -71,6 +91,10 @@ DEFAULT_MODEL_FINGERPRINT = "e2d6d956a83cc0fe4063e0435bee0d6c044db9d0e36dc3477f7
 DEFAULT_DRAFT_PATH = Path(__file__).with_name("default-draft")
 # model_fingerprint(DEFAULT_DRAFT_PATH): what scripts/build_default_model.py --draft printed for the shipped files.
 DEFAULT_DRAFT_FINGERPRINT = "260caa5653da19b1d52e850ca9d3d01d10c9be69e282e2ee806955e525a78863"
+
+DEFAULT_VISION_PATH = Path(__file__).with_name("default-vision")
+# model_fingerprint(DEFAULT_VISION_PATH): what scripts/build_default_vision.py printed for the shipped files.
+DEFAULT_VISION_FINGERPRINT = "7a7da850deae729291586b1f8a54aaf49f70516b7361b01b7f76e750f7e42654"
 
 
 def default_model_path() -> Path:
@@ -91,6 +115,16 @@ def default_draft_path() -> Path:
             "wheel or a checkout, or rebuild them with scripts/build_default_model.py --draft"
         )
     return DEFAULT_DRAFT_PATH
+
+
+def default_vision_path() -> Path:
+    """The folder of the built-in vision model, the built-in model with an image encoder (LLaVA)."""
+    if not (DEFAULT_VISION_PATH / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"the built-in vision model's files are missing from {DEFAULT_VISION_PATH}: reinstall tinyserve from a "
+            "wheel or a checkout, or rebuild them with scripts/build_default_vision.py"
+        )
+    return DEFAULT_VISION_PATH
 
 
 def model_fingerprint(folder: str | Path) -> str:

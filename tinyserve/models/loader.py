@@ -1,8 +1,10 @@
 """Find a Hugging Face checkpoint on disk and load it into a LlamaForCausalLM.
 
-A model is named either by a local folder (holding config.json and *.safetensors) or
-by a hub id such as "Qwen/Qwen3-0.6B" that is already in the local Hugging Face cache.
-Nothing is ever downloaded: serving must not depend on the network.
+A model is named either by a local folder (holding config.json and *.safetensors), by
+a hub id such as "Qwen/Qwen3-0.6B" that is already in the local Hugging Face cache, or by
+the name of a model that ships inside tinyserve (BUILT_IN: "tinyserve-default", and
+"tinyserve-vision", which takes images). Nothing is ever downloaded: serving must not
+depend on the network.
 
 Loading reads config.json with transformers' AutoConfig, builds the model on the
 target device and in the target dtype (never an fp32 copy first: a bf16 model would
@@ -59,7 +61,9 @@ SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 
 
-A_MODEL = "a model is a folder of config.json and *.safetensors, or a hub id already in the local Hugging Face cache"
+A_MODEL = (
+    "a model is a folder of config.json and *.safetensors, a hub id already in the local Hugging Face cache, or a "
+    "built-in one (tinyserve-default, tinyserve-vision)")
 
 
 def _is_path(model: str) -> bool:
@@ -67,9 +71,20 @@ def _is_path(model: str) -> bool:
     return model.startswith(("/", ".", "~")) or model.count("/") > 1 or "\\" in model
 
 
+def built_in_models() -> dict:
+    """The names of the models that ship inside tinyserve (models/default_model.py) -> their folders' finders."""
+    from tinyserve.models import default_model
+
+    return {"tinyserve-default": default_model.default_model_path,
+            "tinyserve-vision": default_model.default_vision_path}
+
+
 def resolve_model_path(model: str) -> pathlib.Path:
-    """A local checkpoint folder, or the cached snapshot folder of a hub id."""
+    """A local checkpoint folder, the cached snapshot folder of a hub id, or a built-in model's folder (a folder
+    of that name in the working directory comes first)."""
     folder = pathlib.Path(model).expanduser()
+    if not folder.exists() and model in built_in_models():
+        return built_in_models()[model]()
     if folder.is_dir():
         if not (folder / "config.json").is_file():
             raise ValueError(f"model folder {str(folder)!r} has no config.json, so it is not a model; {A_MODEL}")
