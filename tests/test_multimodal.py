@@ -155,31 +155,48 @@ def test_the_same_image_is_a_prefix_cache_and_encoder_cache_hit_and_another_imag
     assert token_ids([first]) != token_ids([other])
 
 
-def test_traced_steps_and_requests_say_which_images_ran_and_what_the_encoder_cache_held(tmp_path):
+def test_traced_steps_and_requests_say_which_images_ran_and_the_run_keeps_them_to_replay(tmp_path):
     from tinyserve.lifecycle import schema
-    from tinyserve.lifecycle.tracing import shutdown_tracing
+    from tinyserve.lifecycle.tracing import keep_images_in, shutdown_tracing
     from tinyserve.multimodal.processor import mm_hash
     from tinyserve.trace_reading import load_run
-    from tinyserve.trace_reading.replay import why_not_reproducible
+    from tinyserve.trace_reading.replay import replay_run, why_not_reproducible
 
+    chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image(2, 100, 100)},
+                                         {"type": "text", "text": "and this?"}]}]
     try:
         # No prefix cache: the second request computes its placeholders again, from the encoder cache (with it,
         # its blocks would be a prefix-cache hit and no step would need the image's rows at all).
-        llm = LLM(str(llava_checkpoint()), trace_dir=str(tmp_path), enable_prefix_caching=False)
+        llm = LLM(str(llava_checkpoint()), trace_dir=str(tmp_path / "traces"), enable_prefix_caching=False)
         for text, images in (PROMPTS[0], PROMPTS[0]):
             llm.generate([as_prompt(text, images)], GREEDY, use_tqdm=False)
+        [chatted] = llm.chat(chat, GREEDY, use_tqdm=False)
+        ids = [*TEXT_ONLY, llm.model_info.image_token_id, 7]  # one placeholder: expanded as the processor would
+        [by_ids] = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": image(1, 64, 32)}}], GREEDY,
+                                use_tqdm=False)
         llm.llm_engine.flush_spans()
     finally:
         shutdown_tracing()
-    [run_dir] = list(tmp_path.iterdir())
+        keep_images_in(None)
+    [run_dir] = list((tmp_path / "traces").iterdir())
     run = load_run(run_dir)
     queues = [r.sequences[0].stages[schema.QUEUE].attributes for r in run.requests]
-    assert [q[schema.MM_HASHES] for q in queues] == [[mm_hash(image(0))]] * 2
-    assert [q[schema.MM_PLACEHOLDER_LENGTHS] for q in queues] == [[ROWS_PER_IMAGE]] * 2
+    hashes = [mm_hash(image(0))], [mm_hash(image(0))], [mm_hash(image(2, 100, 100))], [mm_hash(image(1, 64, 32))]
+    assert [q[schema.MM_HASHES] for q in queues] == list(hashes)
+    assert [r.inputs.mm_hashes for r in run.requests] == list(hashes)  # logged on the render span too
+    assert [q[schema.MM_PLACEHOLDER_LENGTHS] for q in queues] == [[ROWS_PER_IMAGE]] * 4
     encoding = [(s.span.attributes[schema.STEP_MM_IMAGES_ENCODED], s.span.attributes[schema.STEP_MM_ENCODER_CACHE_HITS])
                 for s in run.steps if schema.STEP_MM_IMAGES_ENCODED in s.span.attributes]
-    assert encoding == [(1, 0), (0, 1)], "the first request's step encoded the image, the second's found it"
-    assert all("images" in why_not_reproducible(r) for r in run.requests)  # not replayed as if text: said why
+    assert encoding[:2] == [(1, 0), (0, 1)], "the first request's step encoded the image, the second's found it"
+    assert sorted(p.name for p in (run_dir / "images").iterdir()) == sorted({f"{h[0]}.png" for h in hashes})
+    assert run.requests[2].inputs.messages[0]["content"][0]["image_pil"] == "<Image>"  # logged by its type's name
+    assert by_ids.prompt_token_ids == TEXT_ONLY + [llm.model_info.image_token_id] * ROWS_PER_IMAGE + [7]
+    assert list(chatted.outputs[0].token_ids) == run.requests[2].completions[0].token_ids
+    assert all(why_not_reproducible(r, run) is None for r in run.requests)
+    results = replay_run(run, LLM(str(llava_checkpoint())))
+    assert [r.matched for r in results] == [True] * 4, [r.describe() for r in results]
+    (run_dir / "images" / f"{hashes[3][0]}.png").unlink()  # a run without an image's pixels: said, not guessed
+    assert "not in the run's images/ folder (1 of 1)" in why_not_reproducible(run.requests[3], run)
 
 
 def test_llm_chat_with_image_parts_gives_transformers_tokens_through_the_processors_template(tmp_path):
@@ -218,7 +235,8 @@ def test_llm_chat_with_image_parts_gives_transformers_tokens_through_the_process
     ({"prompt": "<image> <image>", "multi_modal_data": {"image": image(0)}}, "2 <image> marker(s) for 1 image"),
     ({"prompt": "<image>", "multi_modal_data": {"image": "not an image"}}, "must be a PIL image"),
     ({"prompt": "<image>", "multi_modal_data": {"video": image(0)}}, "takes {'image'"),
-    ({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": image(0)}}, "text 'prompt' only"),
+    ({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": image(0)}}, "0 image placeholder token"),
+    ({"prompt": "<image>", "prompt_token_ids": [5], "multi_modal_data": {"image": image(0)}}, "one of them"),
     ({"prompt": "<image> <image> <image>", "multi_modal_data": {"image": [image(0)] * 3}}, "more than the 2"),
 ])
 def test_bad_image_input_is_refused_naming_multi_modal_data(prompt, words):

@@ -186,7 +186,7 @@ def run_api_server(args: argparse.Namespace, listener_fd: int, engine_args, run_
     from tinyserve.config import ModelInfo
     from tinyserve.frontend.api_server_client import APIServerClient
     from tinyserve.lifecycle import schema
-    from tinyserve.lifecycle.tracing import setup_tracing
+    from tinyserve.lifecycle.tracing import keep_images_in, setup_tracing
 
     setproctitle.setproctitle(f"tinyserve-api-{index}")
     threading.Thread(target=_stop_with_parent, args=(os.getppid(),), name="parent-watchdog", daemon=True).start()
@@ -196,6 +196,7 @@ def run_api_server(args: argparse.Namespace, listener_fd: int, engine_args, run_
         setup_tracing(schema.api_service_name(index), run_dir / schema.api_trace_file(index) if run_dir else None,
                       args.otlp_endpoint, max_bytes=engine_args.trace_max_bytes,
                       resource={schema.RESOURCE_API_SERVER_INDEX: index})
+        keep_images_in(None if args.trace_redact_inputs else run_dir)
     client = APIServerClient(engine_args, ModelInfo.from_args(engine_args), args.data_parallel_size, ipc_dir,
                              index, args.api_server_count)
     client.launch()

@@ -21,7 +21,8 @@ def start_tracing(args: argparse.Namespace, engine_args, served_model_name: str,
 
     from tinyserve.config import ModelInfo
     from tinyserve.lifecycle import schema
-    from tinyserve.lifecycle.tracing import host_name, new_run_dir, setup_tracing, trace_cap_bytes, write_manifest
+    from tinyserve.lifecycle.tracing import (host_name, keep_images_in, new_run_dir, setup_tracing, trace_cap_bytes,
+                                            write_manifest)
     from tinyserve.models.fingerprint import manifest_fingerprint
 
     if not args.trace and args.otlp_endpoint is None:
@@ -43,4 +44,5 @@ def start_tracing(args: argparse.Namespace, engine_args, served_model_name: str,
         return run_dir  # a headless node has no API process; several API processes each start their own
     setup_tracing(schema.SERVICE_API, run_dir / schema.API_TRACE_FILE if run_dir else None, args.otlp_endpoint,
                   max_bytes=cap)
+    keep_images_in(None if args.trace_redact_inputs else run_dir)
     return run_dir

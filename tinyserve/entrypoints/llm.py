@@ -25,6 +25,7 @@ from tinyserve.lifecycle.request_spans import start_request_spans
 from tinyserve.lora.request import lora_requests_per_prompt
 from tinyserve.lifecycle.tracing import (
     flush_tracing,
+    keep_images_in,
     new_run_dir,
     setup_tracing,
     shutdown_tracing,
@@ -199,7 +200,7 @@ class LLM:
                         prompt = render(raw_prompt)
                         messages = raw_prompt if operation == schema.OPERATION_CHAT else None
                         spans.log_inputs(render_span, prompt=prompt.prompt, prompt_token_ids=prompt.prompt_token_ids,
-                                         sampling_params=p, messages=messages)
+                                         sampling_params=p, messages=messages, mm_features=prompt.mm_features)
                         spans.log_lora(lora, render_span)
                     made.append((request_id, p, prompt, engine.make_requests(request_id, prompt, p, lora_request=lora)))
             except Exception as error:
@@ -224,6 +225,7 @@ class LLM:
         # of generate), in this thread: not on a timer, from a thread competing with the model.
         setup_tracing(schema.SERVICE_OFFLINE, run_dir / schema.OFFLINE_TRACE_FILE if run_dir else None, otlp_endpoint,
                       export_every_ms=60_000, max_bytes=max_bytes)
+        keep_images_in(run_dir)
         atexit.register(shutdown_tracing)
         return run_dir
 

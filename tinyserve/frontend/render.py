@@ -263,22 +263,11 @@ class Renderer:
 
     def images_prompt(self, prompt: dict, add_special_tokens: bool = True,
                       truncation: Truncation | None = None) -> ProcessedPrompt:
-        """A prompt with images: its text through the checkpoint's processor (tinyserve/multimodal/processor.py),
-        each image's placeholders expanded and its pixels beside them."""
-        from tinyserve.multimodal.processor import FIELD, images_of, process
+        """A prompt with images: its text or token ids through the checkpoint's processor, each image's
+        placeholders expanded and its pixels beside them (tinyserve/multimodal/processor.py's images_prompt)."""
+        from tinyserve.multimodal.processor import images_prompt
 
-        if self.model_info.image_token_id is None:
-            raise InvalidInputError("this model takes no images: multi_modal_data needs an image-text checkpoint "
-                                    "(LlavaForConditionalGeneration)", FIELD)
-        if truncation is not None or "prompt_embeds" in prompt or "prompt_token_ids" in prompt:
-            raise InvalidInputError("multi_modal_data goes with a text 'prompt' only: not with prompt_token_ids, "
-                                    "prompt_embeds or truncate_prompt_tokens", FIELD)
-        images = images_of(prompt["multi_modal_data"], self.limit_images_per_prompt)
-        text = prompt.get("prompt")
-        if isinstance(text, str):
-            self.check_text_fits(text)
-        token_ids, features = process(self.model_info.path, self.model_info.image_token_id, text, images,
-                                      add_special_tokens)
+        text, token_ids, features = images_prompt(self, prompt, add_special_tokens, truncation)
         return ProcessedPrompt(text, token_ids, mm_features=features or None)
 
     def check_embeds_enabled(self) -> None:

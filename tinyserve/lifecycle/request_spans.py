@@ -28,7 +28,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from tinyserve.lifecycle import schema
-from tinyserve.lifecycle.tracing import get_tracer, inject_context, tracing_enabled
+from tinyserve.lifecycle.tracing import get_tracer, inject_context, logged_json, tracing_enabled
 
 
 class RequestSpans:
@@ -84,8 +84,9 @@ class RequestSpans:
                 span.set_attribute(schema.IPC_BYTES, sent.num_bytes)
 
     def log_inputs(self, span, *, prompt: str | None, prompt_token_ids: list[int], sampling_params,
-                   messages: list[dict] | None = None) -> None:
-        """Everything replay needs, on the render span; the request span gets the GenAI request attributes."""
+                   messages: list[dict] | None = None, mm_features: list | None = None) -> None:
+        """Everything replay needs, on the render span (images by hash: multimodal/processor.py's keep_images);
+        the request span gets the GenAI request attributes."""
         params = sampling_params
         pooling = _is_pooling(params)  # a pooling request: nothing sampled
         self.span.set_attributes({
@@ -101,10 +102,13 @@ class RequestSpans:
         self._num_prompt_tokens = len(prompt_token_ids)
         if not self.redact_inputs:  # what a viewer shows as the request's input: the messages, or the prompt
             self.span.set_attributes(
-                {schema.INPUT_VALUE: json.dumps(messages, ensure_ascii=False), schema.INPUT_MIME_TYPE: "application/json"}
+                {schema.INPUT_VALUE: logged_json(messages), schema.INPUT_MIME_TYPE: "application/json"}
                 if messages is not None else {schema.INPUT_VALUE: prompt or "", schema.INPUT_MIME_TYPE: "text/plain"})
         attributes = {
             schema.NUM_PROMPT_TOKENS: len(prompt_token_ids),
+            **({schema.MM_HASHES: [f.identifier for f in mm_features], schema.MM_PLACEHOLDER_OFFSETS: [
+                f.offset for f in mm_features], schema.MM_PLACEHOLDER_LENGTHS: [f.length for f in mm_features]}
+               if mm_features else {}),
             # Stop strings are user text too: a redacted trace keeps only how many there were.
         }
         if pooling:
@@ -120,7 +124,7 @@ class RequestSpans:
             if prompt is not None:
                 attributes[schema.PROMPT] = prompt
             if messages is not None:
-                attributes[schema.MESSAGES] = json.dumps(messages, ensure_ascii=False)
+                attributes[schema.MESSAGES] = logged_json(messages)
         span.set_attributes(attributes)
 
     def log_lora(self, lora_request, span=None) -> None:
@@ -270,23 +274,10 @@ class _NoSpans:
     def sending(self, request_id: str):
         return nullcontext(Sent())
 
-    def log_inputs(self, span, **kwargs) -> None:
-        pass
+    def _records(self, *args, **kwargs) -> None:
+        """A method that only records: nothing to do."""
 
-    def pooled(self, dimensions: int) -> None:
-        pass
-
-    def reasoning_read(self, parser: str, num_tokens: list[int], ended_at: list[int]) -> None:
-        pass
-
-    def log_lora(self, lora_request, span=None) -> None:
-        pass
-
-    def finish(self, completions, error: BaseException | None = None) -> None:
-        pass
-
-    def fail(self, error: BaseException) -> None:
-        pass
+    log_inputs = pooled = reasoning_read = log_lora = finish = fail = _records
 
 
 NO_SPANS = _NoSpans()

@@ -43,6 +43,7 @@ MAX_LINKS = 1024  # a step serving 256 requests keeps every link
 TRACER_NAME = "tinyserve"  # the instrumentation scope of every span tinyserve makes
 _propagator = TraceContextTextMapPropagator()
 _provider: TracerProvider | None = None
+_kept_images_dir: Path | None = None  # keep_images_in
 
 
 def host_name() -> str:
@@ -89,6 +90,32 @@ def _traces_url(endpoint: str) -> str:
     """Accept a collector's base URL (http://host:4318) or the full /v1/traces URL."""
     endpoint = endpoint.rstrip("/")
     return endpoint if endpoint.endswith("/v1/traces") else f"{endpoint}/v1/traces"
+
+
+def keep_images_in(run_dir: Path | None) -> None:
+    """Have this process keep the images its requests carry in <run_dir>/images/ (schema.RUN_IMAGES_DIR): a span
+    logs an image's content hash, and replay reads its pixels back from there. Not for a run that redacts its
+    inputs (--trace-redact-inputs): an image is as private as a prompt."""
+    global _kept_images_dir
+    _kept_images_dir = None if run_dir is None else Path(run_dir) / schema.RUN_IMAGES_DIR
+
+
+def kept_images_dir() -> Path | None:
+    """Where this process keeps its requests' images (keep_images_in), or None."""
+    return _kept_images_dir
+
+
+def logged_json(messages) -> str:
+    """A chat's messages as logged: a data: URL as its media type and size (the run keeps an image's pixels by its
+    hash), an object JSON has no form for (an offline chat's PIL image) as its type's name."""
+    def shown(value):
+        if isinstance(value, str) and value.startswith("data:") and len(value) > 256:
+            return f"{value[:value.find(',') + 1]}... ({len(value)} characters)"
+        if isinstance(value, dict):
+            return {key: shown(item) for key, item in value.items()}
+        return [shown(item) for item in value] if isinstance(value, (list, tuple)) else value
+
+    return json.dumps(shown(messages), ensure_ascii=False, default=lambda value: f"<{type(value).__name__}>")
 
 
 def tracing_enabled() -> bool:

@@ -11,13 +11,20 @@ What the processor library does for us: the resizing, cropping and normalisation
 was trained with, and the count of placeholder tokens, read from the checkpoint's own
 processor_config.json, so that the prompt is token for token what transformers' model sees.
 
+A prompt may also be token ids with images (vLLM's {"prompt_token_ids": ..., "multi_modal_data": ...}):
+each image's placeholder run already expanded, as a traced run logs it, or one placeholder an image.
+
 Refused, each a 400 naming `multi_modal_data`: a model without images, a kind other than "image",
-something that is not an image, more images than --limit-mm-per-prompt allows, and a prompt whose
-<image> markers do not match its images one for one.
+something that is not an image, more images than --limit-mm-per-prompt allows, a prompt whose
+<image> markers do not match its images one for one, and token ids whose placeholders do not.
+
+A traced run keeps each image it was given (keep_images), so that it can be replayed.
 """
 
 import functools
 import hashlib
+import os
+import threading
 
 import numpy as np
 
@@ -71,6 +78,27 @@ def images_of(multi_modal_data, limit: int | None) -> list:
     return list(images)
 
 
+def images_prompt(renderer, prompt: dict, add_special_tokens: bool = True,
+                  truncation=None) -> tuple[str | None, list[int], list[MultiModalFeature]]:
+    """frontend/render.py's Renderer.images_prompt: {"prompt": text} or {"prompt_token_ids": ids}, with its
+    multi_modal_data, as its text (None for ids), its token ids and one feature an image."""
+    info = renderer.model_info
+    if info.image_token_id is None:
+        raise InvalidInputError("this model takes no images: multi_modal_data needs an image-text checkpoint "
+                                "(LlavaForConditionalGeneration)", FIELD)
+    if truncation is not None or "prompt_embeds" in prompt or ("prompt_token_ids" in prompt) == ("prompt" in prompt):
+        raise InvalidInputError("multi_modal_data goes with a text 'prompt' or with 'prompt_token_ids', one of them: "
+                                "not with prompt_embeds or truncate_prompt_tokens", FIELD)
+    images = images_of(prompt["multi_modal_data"], renderer.limit_images_per_prompt)
+    if "prompt_token_ids" in prompt:
+        token_ids = renderer.tokenize_prompt(list(prompt["prompt_token_ids"])).prompt_token_ids
+        return None, *process_token_ids(info.path, info.image_token_id, token_ids, images)
+    text = prompt["prompt"]
+    if isinstance(text, str):
+        renderer.check_text_fits(text)
+    return text, *process(info.path, info.image_token_id, text, images, add_special_tokens)
+
+
 def process(path, image_token_id: int, text: str, images: list,
             add_special_tokens: bool = True) -> tuple[list[int], list[MultiModalFeature]]:
     """The prompt's token ids, placeholders expanded, and one feature per image, in prompt order."""
@@ -88,13 +116,68 @@ def process(path, image_token_id: int, text: str, images: list,
     out = processor(text=text, images=[image.convert("RGB") for image in images], return_tensors="np",
                     add_special_tokens=add_special_tokens)
     token_ids = out["input_ids"][0].tolist()
-    pixel_values = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
     positions = [i for i, token in enumerate(token_ids) if token == image_token_id]
     per_image = len(positions) // len(images)
-    features = []
-    for i, image in enumerate(images):
-        run = positions[i * per_image:(i + 1) * per_image]
-        assert run and run[-1] - run[0] + 1 == per_image, "the processor expands each marker to one run"
-        features.append(MultiModalFeature(mm_hash(image), run[0], per_image, pixel_values[i].tobytes(),
-                                          list(pixel_values[i].shape)))
-    return token_ids, features
+    starts = positions[::per_image]
+    assert all(positions[k] == starts[k // per_image] + k % per_image for k in range(len(positions))), \
+        "the processor expands each marker to one run"
+    return token_ids, _features(images, out["pixel_values"], starts, per_image)
+
+
+def process_token_ids(path, image_token_id: int, token_ids: list[int],
+                      images: list) -> tuple[list[int], list[MultiModalFeature]]:
+    """A prompt given as token ids with images (vLLM's {"prompt_token_ids": ..., "multi_modal_data": ...}): each
+    image's placeholders already expanded (as a traced run logs them, so replay sends them back), or one
+    placeholder token per image, which is expanded here as the processor expands a marker."""
+    processor = _processor(str(path))
+    if not images:
+        raise InvalidInputError("multi_modal_data has no image for prompt_token_ids", FIELD)
+    rows = processor(text=processor.image_token, images=[images[0].convert("RGB")],
+                     return_tensors="np")["input_ids"][0].tolist().count(image_token_id)
+    positions = [i for i, token in enumerate(token_ids) if token == image_token_id]
+    if len(positions) == len(images) and rows > 1:  # one placeholder an image: expanded here
+        for position in reversed(positions):
+            token_ids = token_ids[:position] + [image_token_id] * rows + token_ids[position + 1:]
+        positions = [i for i, token in enumerate(token_ids) if token == image_token_id]
+    starts = positions[::rows]
+    if len(positions) != rows * len(images) or any(
+            positions[k] != starts[k // rows] + k % rows for k in range(len(positions))):
+        raise InvalidInputError(f"prompt_token_ids has {len(positions)} image placeholder token(s) (id "
+                                f"{image_token_id}) for {len(images)} image(s) of {rows} rows each: give each image "
+                                f"one placeholder, or its {rows} in a run", FIELD)
+    pixel_values = processor.image_processor([image.convert("RGB") for image in images],
+                                             return_tensors="np")["pixel_values"]
+    return list(token_ids), _features(images, pixel_values, starts, rows)
+
+
+def _features(images: list, pixel_values, starts: list[int], rows: int) -> list[MultiModalFeature]:
+    """One feature an image: its content hash, its placeholder run and its pixel values; each image kept by a
+    traced run that keeps them (keep_images)."""
+    pixel_values = np.ascontiguousarray(pixel_values, dtype=np.float32)
+    features = [MultiModalFeature(mm_hash(image), start, rows, pixel_values[i].tobytes(), list(pixel_values[i].shape))
+                for i, (image, start) in enumerate(zip(images, starts))]
+    keep_images(images, [feature.identifier for feature in features])
+    return features
+
+
+def keep_images(images: list, hashes: list[str]) -> None:
+    """Each image once, as <run>/images/<mm_hash>.png, where this process traces to a run that keeps its inputs
+    (lifecycle/tracing.py's kept_images_dir): its spans log an image's hash, and replay reads its pixels from here.
+    PNG is lossless, so the pixels read back are the pixels served; a mode PNG cannot hold (CMYK, for one) is kept
+    as the RGB the processor turned it into, which the model saw."""
+    from tinyserve.lifecycle.tracing import kept_images_dir
+
+    folder = kept_images_dir()
+    if folder is None:
+        return
+    folder.mkdir(mode=0o700, exist_ok=True)
+    for image, digest in zip(images, hashes):
+        path = folder / f"{digest}.png"
+        if path.exists():
+            continue
+        partial = folder / f".{digest}.{os.getpid()}.{threading.get_ident()}.png"  # whole or absent, to a reader
+        try:
+            image.save(partial, "PNG")
+        except (OSError, ValueError):
+            image.convert("RGB").save(partial, "PNG")
+        os.replace(partial, path)

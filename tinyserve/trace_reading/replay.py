@@ -22,7 +22,10 @@ Three kinds of request are replayed with what the run holds of them:
 - under a LoRA adapter: the adapter is the run's own copy, <run>/adapters/<lora_name>/
   (scripts/record_traces.py puts it there), else the logged lora_path;
 - pooling (an embedding): its vector is not logged, only its length, so the replay
-  computes the vector and compares its length (and says so).
+  computes the vector and compares its length (and says so);
+- with images: the render span logs each image's content hash, and the run keeps its pixels,
+  <run>/images/<hash>.png (multimodal/processor.py's keep_images); the replay sends the logged
+  token ids, placeholders expanded, with those images.
 """
 
 from dataclasses import dataclass
@@ -75,16 +78,20 @@ def _token(token: int | None) -> str:
     return "the end of the output" if token is None else str(token)
 
 
-def why_not_reproducible(request: RequestTimeline) -> str | None:
-    """The reason this logged request cannot be replayed exactly, or None if it can."""
+def why_not_reproducible(request: RequestTimeline, run: Run | None = None) -> str | None:
+    """The reason this logged request cannot be replayed exactly, or None if it can (a prompt's images read from
+    `run`'s folder)."""
     inputs = request.inputs
     if inputs.redacted:
         return "inputs redacted (the server ran without logging prompts)"
     if inputs.prompt_token_ids is None:
         return "no prompt token ids logged"
-    if any(schema.MM_HASHES in sequence.stages[schema.QUEUE].attributes for sequence in request.sequences
-           if schema.QUEUE in sequence.stages):
-        return "a prompt with images: the run logs their hashes, not their pixels"
+    if inputs.mm_hashes or any(schema.MM_HASHES in sequence.stages[schema.QUEUE].attributes
+                               for sequence in request.sequences if schema.QUEUE in sequence.stages):
+        missing = [h for h in inputs.mm_hashes or ["?"] if run is None or not _image_path(run, h).is_file()]
+        if missing:
+            return (f"a prompt with images whose pixels are not in the run's {schema.RUN_IMAGES_DIR}/ folder "
+                    f"({len(missing)} of {len(inputs.mm_hashes or missing)})")
     if inputs.pooling_params is not None:
         if schema.POOLING_DIMENSIONS not in request.request_span.attributes:
             return "a pooling request without its vector's length logged: nothing to compare"
@@ -153,7 +160,7 @@ def first_divergence(expected: list[list[int]], got: list[list[int]]) -> Diverge
 def replay_request(request: RequestTimeline, llm, run: Run | None = None) -> ReplayResult:
     """Run one logged request again on `llm` (a tinyserve.LLM) and compare its completions (its adapter read
     from `run`'s folder when the run holds a copy)."""
-    reason = why_not_reproducible(request)
+    reason = why_not_reproducible(request, run)
     if reason is not None:
         return ReplayResult(request.request_id, matched=False, skipped_reason=reason)
     try:
@@ -171,7 +178,7 @@ def replay_run(run: Run, llm, request_ids: list[str] | None = None) -> list[Repl
     them, they run one at a time instead, so the result can say which.
     """
     requests = run.requests if request_ids is None else [run.request(request_id) for request_id in request_ids]
-    runnable = [request for request in requests if why_not_reproducible(request) is None]
+    runnable = [request for request in requests if why_not_reproducible(request, run) is None]
     try:
         outputs = _submit(runnable, llm, run)
     except ValueError:
@@ -187,16 +194,31 @@ def _submit(requests: list[RequestTimeline], llm, run: Run | None) -> list:
     outputs = {}
     if generated:
         outputs.update(zip((r.request_id for r in generated), llm.generate(
-            [_prompt(r) for r in generated], [_local(r) for r in generated], use_tqdm=False,
+            [_prompt(r, run) for r in generated], [_local(r) for r in generated], use_tqdm=False,
             lora_request=[_lora_request(r, run) for r in generated])))
     for request in pooled:  # one at a time: each its own params (normalize may differ), a dict as logged
-        [outputs[request.request_id]] = llm.encode([_prompt(request)], request.inputs.pooling_params or None,
+        [outputs[request.request_id]] = llm.encode([_prompt(request, run)], request.inputs.pooling_params or None,
                                                    use_tqdm=False)
     return [outputs[r.request_id] for r in requests]
 
 
-def _prompt(request: RequestTimeline) -> dict:
-    return {"prompt_token_ids": request.inputs.prompt_token_ids}
+def _prompt(request: RequestTimeline, run: Run | None = None) -> dict:
+    """The logged prompt: its token ids (an image's placeholders expanded), and its images, read back from the run's
+    folder by their content hashes."""
+    prompt = {"prompt_token_ids": request.inputs.prompt_token_ids}
+    if request.inputs.mm_hashes:
+        from PIL import Image
+
+        images = []
+        for digest in request.inputs.mm_hashes:
+            with Image.open(_image_path(run, digest)) as image:
+                images.append(image.copy())  # read whole before the file closes
+        prompt["multi_modal_data"] = {"image": images}
+    return prompt
+
+
+def _image_path(run: Run, digest: str) -> Path:
+    return run.path / schema.RUN_IMAGES_DIR / f"{digest}.png"
 
 
 def _compare(request: RequestTimeline, output) -> ReplayResult:

@@ -76,6 +76,7 @@ class RequestInputs:
     # The LoRA adapter it ran under, as logged: {"lora_name", "lora_int_id", "lora_path"}; None: the base model.
     # LLM.generate takes this dict as its lora_request.
     lora_request: dict | None = None
+    mm_hashes: list[str] | None = None  # its images' content hashes, in prompt order (<run>/images/<hash>.png)
 
 
 @dataclass(slots=True, eq=False)
@@ -285,6 +286,7 @@ def _inputs(attributes: dict) -> RequestInputs:
         redacted=bool(attributes.get(schema.INPUTS_REDACTED, False)),
         pooling_params=_logged_params(attributes, schema.POOLING_PARAMS),
         lora_request=_json_attribute(attributes, schema.LORA_REQUEST),
+        mm_hashes=list(attributes[schema.MM_HASHES]) if schema.MM_HASHES in attributes else None,
     )
 
 

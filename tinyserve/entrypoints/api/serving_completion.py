@@ -102,7 +102,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
             with spans.stage(schema.RENDER) as render_span:
                 prompt, params = await _prompt_and_params(ctx, body, text_or_ids, truncation)
                 spans.log_inputs(render_span, prompt=prompt.prompt, prompt_token_ids=prompt.prompt_token_ids,
-                                 sampling_params=params)
+                                 sampling_params=params, mm_features=prompt.mm_features)
         except Exception as error:
             for opened in spans_list:
                 opened.fail(error)

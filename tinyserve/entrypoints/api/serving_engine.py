@@ -249,5 +249,5 @@ async def render_and_tokenize(ctx: ServingContext, request_id: str, messages: li
         except ValueError as error:
             raise APIError(400, str(error)) from error
         spans.log_inputs(render_span, prompt=text, prompt_token_ids=prompt.prompt_token_ids, sampling_params=params,
-                         messages=messages)
+                         messages=messages, mm_features=prompt.mm_features)
     return prompt, params
