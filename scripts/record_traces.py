@@ -40,6 +40,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout that is not pip
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, recording_servers.py
 
+from recording_pictures import PICTURES, data_url  # noqa: E402
 from recording_servers import HEAD_HOST, NODE_HOST, SERVER_ENV, deployment, run_folder  # noqa: E402
 
 from tinyserve.trace_reading.replay import ADAPTERS_FOLDER  # noqa: E402  where replay reads a run's adapters
@@ -91,6 +92,7 @@ class Recording:
     router: list[str] | None = None  # with routed_ranks: `tinyserve router` with these flags in front, not nginx
     disaggregated: bool = False  # a prefill server and a decode server behind `tinyserve router --prefill --decode`
     warm_up_chars: int = 0  # > 0: the warm-up requests' prompts are this long, so long prefills run warm too
+    model: str = MODEL  # the model served (a built-in one's name), named first in flags when it is not MODEL
 
 
 def zen_text(rng: random.Random, num_chars: int) -> str:
@@ -361,6 +363,35 @@ def lora_gate() -> Recording:
                      "--max-lora-rank", "8", "--max-num-batched-tokens", "128"], workload, adapters=("sql", "chat"))
 
 
+VISION_MODEL = "tinyserve-vision"  # the built-in vision model (tinyserve/models/default_model.py)
+ENCODER_BUDGET = 512  # image rows a step may encode: two of the built-in vision model's images (256 rows each)
+
+
+def image_chat(at_s: float, parts: list[str], max_tokens: int = 16) -> Request:
+    """A chat of one user message whose parts are pictures (recording_pictures.py, by name, as data URLs) and text."""
+    content = [{"type": "image_url", "image_url": {"url": data_url(part)}} if part in PICTURES
+               else {"type": "text", "text": part} for part in parts]
+    return Request(at_s, "/v1/chat/completions", {"model": VISION_MODEL, "messages": [{"role": "user", "content": content}],
+                                                  "max_tokens": max_tokens, "temperature": 0.0})
+
+
+def multimodal() -> Recording:
+    """One image request alone; the same image again after other text (the encoder cache, not the prefix cache,
+    serves it); a burst of six images and two text-only chats, which the encoder budget spreads over steps;
+    two images in one prompt, both in the encoder cache by then."""
+    question = "What is in this picture?"
+    burst = ["blue-square", "green-stripes", "sunset", "checkers", "two-dots", "house"]
+    workload = [image_chat(0.0, ["red-circle", question]), image_chat(1.0, ["Look again.", "red-circle", question]),
+                *(image_chat(2.0 + 0.01 * i, [name, question]) for i, name in enumerate(burst)),
+                *(image_chat(2.005 + 0.02 * i, [text]) for i, text in enumerate(["Which is better, flat or nested?",
+                                                                                  "What counts?"])),
+                image_chat(4.0, ["red-circle", "green-stripes", "Which is larger?"])]
+    return Recording("multimodal", "image chats on the built-in vision model: one alone, the same image again after "
+                     "other text, a burst of six images beside two text-only chats with a 512-row encoder budget, and "
+                     "two images in one prompt", [VISION_MODEL, "--max-num-encoder-input-tokens", str(ENCODER_BUDGET)],
+                     workload, model=VISION_MODEL)
+
+
 SPECULATIVE_CONFIG = {"method": "draft_model", "num_speculative_tokens": 3}  # the built-in draft
 
 
@@ -437,7 +468,7 @@ RECORDINGS = {r.name: r for r in (lifecycle(), mixed(), kv_tight(), kv_roomy(), 
                                   load(75), load_dp(), load_api2(), load_tp(), multi_node(), external_lb(), cases(), node_lost(),
                                   pooling(), lora(), lora_gate(), spec_decode(), least_load(), routed_by("prefix-aware"),
                                   routed_by("round-robin"), pd_colocated(), pd_disaggregated(),
-                                  pipeline())}
+                                  pipeline(), multimodal())}
 
 
 # ---- the server and the client ------------------------------------------------------------
@@ -495,21 +526,26 @@ def chat_once(url: str, chat: dict) -> None:
         pass
 
 
-def model_fingerprint() -> str:
-    """sha256 over the built-in model's weights and tokenizer: replay matches only on the same model."""
+def model_fingerprint(model: str = MODEL) -> str:
+    """sha256 over the built-in model's weights and tokenizer (or the named built-in model's): replay matches only
+    on the same model."""
     from tinyserve.models import default_model
+    from tinyserve.models.loader import resolve_model_path
 
-    return default_model.model_fingerprint(default_model.default_model_path())
+    return default_model.model_fingerprint(resolve_model_path(model))
 
 
-def warm_up(url: str, engines: int = 1, pooling: bool = False, prompt: str = "Warm up.") -> list[str]:
+def warm_up(url: str, engines: int = 1, pooling: bool = False, prompt: str = "Warm up.",
+            model: str = MODEL) -> list[str]:
     """One tiny request per engine before the workload, sent together (the load balancer gives
     each engine one): the first forward pass of a fresh engine pays for allocating and tuning
     its kernels (~0.4 s on a CPU), which is no part of what the notebooks show. Returns their
     response ids, so drop_requests can take them out of the run."""
-    body, path = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0.0}, "/v1/completions"
+    body, path = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0}, "/v1/completions"
     if pooling:  # a pooling server (--runner pooling) computes embeddings only
-        body, path = {"model": MODEL, "input": "Warm up."}, "/v1/embeddings"
+        body, path = {"model": model, "input": "Warm up."}, "/v1/embeddings"
+    if model == VISION_MODEL:  # the image encoder warms up too
+        body, path = image_chat(0, ["warm-up", prompt], max_tokens=2).body, "/v1/chat/completions"
 
     def one(_) -> str:
         response = httpx.post(f"{url}{path}", json=body, timeout=300)
@@ -556,6 +592,10 @@ def drop_requests(run_dir: Path, response_ids: set[str]) -> None:
             if export["resourceSpans"]:
                 lines.append(json.dumps(export, separators=(",", ":")))
         path.write_text("".join(line + "\n" for line in lines))
+    hashes = {h for s in spans if s.trace_id not in dropped for h in s.attributes.get(schema.MM_HASHES, [])}
+    for image in sorted((run_dir / schema.RUN_IMAGES_DIR).glob("*.png")):  # the dropped requests' own images
+        if image.stem not in hashes:
+            image.unlink()
 
 
 def keep_prefill_run(scratch: Path, run_dir: Path, warm_up_prompt: str) -> None:
@@ -582,7 +622,7 @@ def record(name: str, out_dir: str | Path) -> Path:
                         recording.router, recording.disaggregated) as (url, kill_node, backends):
             long_prompt = zen_text(random.Random(0), recording.warm_up_chars) if recording.warm_up_chars else "Warm up."
             warm_up_ids = warm_up(url, engines=max(recording.routed_ranks, engine_count(recording.flags)),
-                                  pooling="pooling" in recording.flags, prompt=long_prompt)
+                                  pooling="pooling" in recording.flags, prompt=long_prompt, model=recording.model)
             if recording.single_chat is not None:
                 chat_once(url, recording.single_chat)
             elif recording.kill_node_at_s is not None:
@@ -628,7 +668,7 @@ def record(name: str, out_dir: str | Path) -> Path:
                     "copied into the run folder; the spans log the temporary folder they were served from"]
     about = {
         "name": name, "description": recording.description, "command": " ".join(command),
-        "model_fingerprint": model_fingerprint(), "python": sys.version.split()[0],
+        "model_fingerprint": model_fingerprint(recording.model), "python": sys.version.split()[0],
         "single_chat": recording.single_chat, "workload": [as_logged(r) for r in recording.workload],
     }
     (target / RECORDING_FILE).write_text(json.dumps(about, indent=1) + "\n")
@@ -643,7 +683,7 @@ def main() -> int:
     for name in args.names or RECORDINGS:
         started = time.monotonic()
         target = record(name, args.out)
-        size = sum(p.stat().st_size for p in target.iterdir())
+        size = sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
         print(f"{target}: {size / 1e6:.2f} MB in {time.monotonic() - started:.1f} s", flush=True)
     return 0
 

@@ -48,8 +48,8 @@ RECORDED = sorted(ROOT.glob("traces/recorded-*"))
 # ---- the notebooks ------------------------------------------------------------------------------
 
 
-def test_there_are_seven_notebooks_in_reading_order():
-    assert [p.stem[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07"]
+def test_there_are_eight_notebooks_in_reading_order():
+    assert [p.stem[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07", "08"]
 
 
 @pytest.mark.notebook
@@ -121,8 +121,8 @@ def test_recorded_run_is_small_and_every_request_replayable(folder):
             continue
         assert request.error == ("aborted" if request in left else None) and request.ttft_s > 0
         # every request can be replayed: an aborted one up to where it stopped, a pooled one by its vector's length
-        assert why_not_reproducible(request) is None
-    assert all(why_not_reproducible(request) is None for request in lost)
+        assert why_not_reproducible(request, run) is None
+    assert all(why_not_reproducible(request, run) is None for request in lost)
 
 
 def test_the_speculation_sweep_chapter_6_reads_is_the_scripts_workload_on_the_built_in_model():

@@ -68,10 +68,11 @@ def test_every_run_folder_is_found():
 @pytest.mark.slow
 @pytest.mark.parametrize("folder", BY_CONFIG, ids=lambda p: str(p.relative_to(ROOT / "traces")))
 def test_shipped_run_replays_with_nothing_skipped_and_nothing_mismatched(folder, engine_for):
-    from tinyserve.models.default_model import DEFAULT_MODEL_FINGERPRINT
+    from tinyserve.models.default_model import DEFAULT_MODEL_FINGERPRINT, DEFAULT_VISION_FINGERPRINT
 
     run = load_run(folder)
-    assert run.manifest["model_fingerprint"] == DEFAULT_MODEL_FINGERPRINT  # the shipped model: it replays here
+    shipped = DEFAULT_VISION_FINGERPRINT if run.manifest.get("model") == "tinyserve-vision" else DEFAULT_MODEL_FINGERPRINT
+    assert run.manifest["model_fingerprint"] == shipped  # a shipped model: it replays here
     results = replay_run(run, engine_for(run))
     assert len(results) == len(run.requests) > 0
     assert [r.describe() for r in results if not r.matched] == []

@@ -106,8 +106,8 @@ class EngineArgs:
     # vLLM's --allowed-local-media-path, --allowed-media-domains: where a chat's image URLs may lead (media.py)
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
-    # vLLM's, offline only: the image rows a step may encode (None: max_num_batched_tokens), and the rows the
-    # encoder cache holds (None: 8192); tinyserve/multimodal/scheduling.py
+    # The image rows a step may encode (None: max_num_batched_tokens, as vLLM always has it), and the rows the
+    # encoder cache holds (None: 8192); tinyserve/multimodal/scheduling.py. vLLM's names, tinyserve's flags.
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
     # Speculative decoding (tinyserve/spec_decode/), vLLM's --speculative-config: {"method": "ngram",

@@ -91,6 +91,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                       help='propose several tokens a step and verify them in one pass (vLLM\'s): {"method": '
                            '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} '
                            'or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}')
+    images = parser.add_argument_group("images (an image-text model: tinyserve/multimodal/)")
+    images.add_argument("--max-num-encoder-input-tokens", type=int, default=None, metavar="ROWS",
+                        help="image rows one step may encode (default: --max-num-batched-tokens, which vLLM always "
+                             "uses; tinyserve's flag, to watch the budget spread images over steps)")
+    images.add_argument("--encoder-cache-size", type=int, default=None, metavar="ROWS",
+                        help="image rows the encoder cache holds (default 8192; tinyserve's flag)")
     events = parser.add_argument_group("KV cache events")
     events.add_argument("--kv-events-config", type=kv_events_config, default=None, metavar="JSON",
                         help='publish which KV blocks the engine holds, as vLLM does: {"enable_kv_cache_events": '
@@ -245,6 +251,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         limit_mm_per_prompt=getattr(args, "limit_mm_per_prompt", None),  # vLLM's flag (vllm_flags.py)
         allowed_local_media_path=getattr(args, "allowed_local_media_path", None),  # vLLM's (vllm_flags.py)
         allowed_media_domains=getattr(args, "allowed_media_domains", None),  # vLLM's (vllm_flags.py)
+        max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
+        encoder_cache_size=args.encoder_cache_size,
         **lora_engine_kwargs(args),
         **ray_engine_kwargs(args),
     )
