@@ -1,6 +1,9 @@
 """An engine that stops stepping (SIGSTOP: alive, silent) fails its requests by name instead of hanging them.
 
-One server, --data-parallel-size 2 --keep-alive-on-engine-death --engine-iteration-timeout 8.
+First the watchdog's rule alone, on a fake clock: how late ticks (this process held or
+descheduled, or the whole server stopped and continued) count toward an engine's silence.
+
+Then one server, --data-parallel-size 2 --keep-alive-on-engine-death --engine-iteration-timeout 8.
 Engine 1 stopped mid-stream: its stream ends with an error event naming the stall within the
 bound, engine 0's stream goes on, /health stays 200 but names engine 1, a new request is
 served, and engine 1's process is gone (killed: a stopped process leaves nothing taken). Then
@@ -9,21 +12,25 @@ and the plain request's 503 name the stall, /health answers 503 naming it, and t
 still answers. Each engine is continued in the cleanup, whatever happened.
 """
 
+import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import json
 import signal
 import threading
 import time
+import types
 
 import httpx
 import psutil
 import pytest
 
 from tests.server_checks import long_context_model, sse_lines, wait_until
+from tinyserve.frontend import engine_watchdog
 from tinyserve.testing import ServerProcess
 
-pytestmark = pytest.mark.server  # a real `tinyserve serve` on loopback
+server = pytest.mark.server  # the tests on a real `tinyserve serve` on loopback; the rule's alone need none
 
 MODEL = "tiny"
 # Long enough that an engine starved of its cores on a busy machine is not taken for stopped (at 4 s a fresh-clone
@@ -31,6 +38,62 @@ MODEL = "tiny"
 # engine 0's 7,000-token stream is still running when engine 1's stream has failed (at 15 s it had ended).
 TIMEOUT_S = 8
 LONG = {"model": MODEL, "prompt": "a long story", "max_tokens": 7000, "ignore_eos": True}
+
+
+class Named(Exception):
+    """The watchdog named a stall: the fake run ends there."""
+
+
+def first_stall(monkeypatch, intervals: list[float], speaks=lambda start, end: False) -> float | None:
+    """Seconds from engine 1 getting a request (at 0, then silent) to the watchdog naming it, or None.
+
+    The watchdog's own loop runs on a fake clock: tick n comes intervals[n] s after tick n-1 (1 s, its poll,
+    plus how late it is). speaks(start, end): the engine sent something between those ticks; as in a process
+    that was held, the loop reads it only after the tick at `end` has looked."""
+    clock, unread = [1000.0], [False]
+    watchdog = engine_watchdog.EngineWatchdog(TIMEOUT_S, start_index=0)
+    in_flight = {"request": 1}
+
+    async def sleep(_seconds: float) -> None:
+        if unread[0]:
+            watchdog.heard(1)
+        if not intervals:
+            raise Named  # no stall named by the end
+        start = clock[0]
+        clock[0] += intervals.pop(0)
+        unread[0] = speaks(start - 1000, clock[0] - 1000)
+
+    def on_stall(index: int, _reason: str) -> None:
+        assert index == 1
+        raise Named(clock[0] - 1000)
+
+    monkeypatch.setattr(engine_watchdog, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(engine_watchdog, "asyncio", types.SimpleNamespace(sleep=sleep))
+    watchdog.stalled(collections.Counter(in_flight.values()), clock[0])  # the request went to it at 0
+    with pytest.raises(Named) as named:
+        asyncio.run(watchdog._watch(in_flight, lambda: [], on_stall))
+    return named.value.args[0] if named.value.args else None
+
+
+@pytest.mark.parametrize("late", [0, 1.5, 7])
+def test_a_stopped_engine_is_named_in_bounded_time_however_often_the_ticks_come_late(monkeypatch, late):
+    """Each late tick forgiven its delay left it 1 s of silence to count: at 8 s apart, 72 s to name an
+    engine stopped for good. Only the longest gap is forgiven, and a late tick's stall waits one more tick."""
+    named = first_stall(monkeypatch, [1 + late] * 100)
+    assert named is not None and TIMEOUT_S < named <= TIMEOUT_S + 3 * (1 + late), named
+
+
+def test_what_a_held_process_reads_late_is_not_taken_for_silence(monkeypatch):
+    """The engine is 7.5 s into a long step when a tick comes 3 s late; the step's outputs, sent meanwhile,
+    are read only after that tick has looked. Forgiving the 3 s alone counted 8.5 s of silence."""
+    named = first_stall(monkeypatch, [1.5] + [1] * 6 + [4] + [1] * 20, speaks=lambda start, end: end > 10)
+    assert named is None, named
+
+
+def test_a_whole_server_stopped_and_continued_is_not_taken_for_the_engines_silence(monkeypatch):
+    """Everything stopped for 10 minutes 3 s into a 6 s step; the step ends 3 s after the continue."""
+    named = first_stall(monkeypatch, [1] * 3 + [600] + [1] * 20, speaks=lambda start, end: end >= 606)
+    assert named is None, named
 
 
 class Stream(threading.Thread):
@@ -136,6 +199,7 @@ def stalls():
     return one, last
 
 
+@server
 def test_a_stopped_engines_stream_ends_with_an_error_event_naming_the_stall_within_the_bound(stalls):
     one, _ = stalls
     error = one["second"].error
@@ -143,6 +207,7 @@ def test_a_stopped_engines_stream_ends_with_an_error_event_naming_the_stall_with
     assert TIMEOUT_S <= one["stopped_after"] < TIMEOUT_S + 10, one["stopped_after"]
 
 
+@server
 def test_the_other_engine_serves_on_and_health_names_the_stalled_one(stalls):
     one, _ = stalls
     assert one["first"].error is None and one["first"].token_times[-1] > one["second"].ended
@@ -152,6 +217,7 @@ def test_the_other_engine_serves_on_and_health_names_the_stalled_one(stalls):
     assert names_the_stall(health.json()["dead_engines"]["1"], 1), health.text
 
 
+@server
 def test_the_last_engine_stopped_fails_stream_and_plain_request_by_name_and_health_turns_503(stalls):
     _, last = stalls
     assert last["plain"].status_code == 503 and names_the_stall(last["plain"].json()["error"]["message"], 0), \

@@ -16,9 +16,16 @@ had died (core_client.MPClient._mark_dead: its requests end with a 503 naming th
 process, which reaches a stopped or stuck one too, so that nothing it held (memory, a
 GPU) stays taken. An engine on a headless node is failed, not killed: it is its node's.
 
-The clock counts only time this process was running to read: a tick that comes late (this
-event loop was held, or the whole server was stopped and continued) forgives the delay,
-since the engines' messages may be waiting, unread, on the socket.
+A tick that comes late (this event loop was held, this process was descheduled, or the whole
+server was stopped and continued) must not be taken for the engine's silence, in two ways:
+- the engines' messages may be waiting, unread, on the socket: a stall seen on a late tick is
+  named only if it is still there on the next tick, after the loop has had its turn to read;
+- the engine may have been stopped with us and be mid-step: a silence is forgiven its longest
+  late tick. Only the longest, not each one: on a busy machine where most ticks are late,
+  forgiving each left a tick only poll_s of silence to count, however long it took, so a
+  stopped engine went unnamed for as long as the ticks kept coming late (at 8 s apart, over a
+  minute for an 8 s bound). Forgiving one gap bounds it: an engine silent from t is named by
+  t + timeout + the longest gap + two ticks, however late each comes.
 
 What the bound must allow is the longest step: a prefill of the whole --max-num-batched-tokens
 budget on a slow machine, which benchmarks/longest_step.py times (BENCHMARKS.md: tens of
@@ -35,7 +42,7 @@ from collections.abc import Callable
 from tinyserve.engine.worker.tp_watchdog import rank_state
 from tinyserve.wire.ipc import ENGINE_HEARTBEAT_S
 
-LATE_TICK_S = 1.0  # a tick later than this was not this process's to count
+LATE_TICK_S = 1.0  # a tick later than this may have left messages unread, or found the engines stopped with us
 
 
 class EngineWatchdog:
@@ -46,13 +53,18 @@ class EngineWatchdog:
                              f"a busy engine's heartbeat comes every {ENGINE_HEARTBEAT_S:g} s, got {timeout_s}")
         self.timeout_s = timeout_s
         self.start_index = start_index
+        self.poll_s = min(1.0, timeout_s / 4)
         self.quiet_since: dict[int, float] = {}  # engine index -> its last message, or when it got work after none
+        self.forgiven: dict[int, float] = {}  # engine index -> the longest late tick of its silence: ours, not its
         self._busy: set[int] = set()
+        self._past: set[int] = set()  # the engines past the timeout at the last tick
+        self._last_tick: float | None = None
         self._task: asyncio.Task | None = None
 
     def heard(self, engine_index: int) -> None:
         """A message came from this engine (its outputs or its heartbeat)."""
         self.quiet_since[engine_index] = time.monotonic()
+        self.forgiven[engine_index] = 0.0
 
     def start(self, in_flight: dict[str, int], processes: Callable[[], list],
               on_stall: Callable[[int, str], None]) -> None:
@@ -67,17 +79,10 @@ class EngineWatchdog:
 
     async def _watch(self, in_flight: dict[str, int], processes: Callable[[], list],
                      on_stall: Callable[[int, str], None]) -> None:
-        poll_s = min(1.0, self.timeout_s / 4)
-        last_tick = time.monotonic()
+        self._last_tick = time.monotonic()
         while True:
-            await asyncio.sleep(poll_s)
-            now = time.monotonic()
-            late = now - last_tick - poll_s
-            last_tick = now
-            if late > LATE_TICK_S:
-                for index, since in self.quiet_since.items():
-                    self.quiet_since[index] = min(since + late, now)
-            for index, count, quiet in self.stalled(collections.Counter(in_flight.values()), now):
+            await asyncio.sleep(self.poll_s)
+            for index, count, quiet in self.stalled(collections.Counter(in_flight.values()), time.monotonic()):
                 position = index - self.start_index
                 local = processes()
                 process = local[position] if position < len(local) else None
@@ -86,13 +91,21 @@ class EngineWatchdog:
                     process.kill()  # SIGKILL: a stopped or stuck process goes too, and frees what it held
 
     def stalled(self, busy: collections.Counter, now: float) -> list[tuple[int, int, float]]:
-        """(engine index, its requests in flight, seconds quiet) of each engine with work that has been quiet
-        past the timeout. busy: engine index -> requests in flight there."""
+        """One tick: (engine index, its requests in flight, seconds quiet) of each engine with work that has been
+        quiet past the timeout. busy: engine index -> requests in flight there."""
+        late = 0.0 if self._last_tick is None else now - self._last_tick - self.poll_s
+        self._last_tick = now
+        if late > LATE_TICK_S:
+            for index, since in self.quiet_since.items():  # no more than its silence: it may have spoken since
+                self.forgiven[index] = max(self.forgiven.get(index, 0.0), min(late, now - since))
         for index in busy.keys() - self._busy:  # work after none: the engine's silence counts from now
-            self.quiet_since[index] = now
+            self.quiet_since[index], self.forgiven[index] = now, 0.0
         self._busy = set(busy)
-        return [(index, count, now - self.quiet_since[index]) for index, count in busy.items()
-                if now - self.quiet_since[index] > self.timeout_s]
+        quiet = {index: now - self.quiet_since[index] - self.forgiven.get(index, 0.0) for index in busy}
+        past = {index for index in busy if quiet[index] > self.timeout_s}
+        named = past if late <= LATE_TICK_S else past & self._past  # late: what waits unread is read by the next
+        self._past = past
+        return [(index, busy[index], quiet[index]) for index in busy if index in named]
 
     def reason(self, quiet_s: float, count: int, process) -> str:
         pid = getattr(process, "pid", None)  # a Ray actor's on another node: none to read
