@@ -575,7 +575,8 @@ def drop_requests(run_dir: Path, response_ids: set[str]) -> None:
     steps = {s.span_id for s in spans if s.name == schema.STEP
              and set(s.attributes.get(schema.STEP_REQUEST_IDS, [])
                      or s.attributes.get(schema.STEP_RELEASED_REQUEST_IDS, [])) <= engine_ids}
-    steps |= {s.span_id for s in spans if s.parent_span_id in steps}
+    while more := {s.span_id for s in spans if s.parent_span_id in steps} - steps:  # their phases, and inside those
+        steps |= more
 
     def kept(span: dict) -> bool:
         return span["traceId"] not in dropped and span["spanId"] not in steps
@@ -592,7 +593,8 @@ def drop_requests(run_dir: Path, response_ids: set[str]) -> None:
             if export["resourceSpans"]:
                 lines.append(json.dumps(export, separators=(",", ":")))
         path.write_text("".join(line + "\n" for line in lines))
-    hashes = {h for s in spans if s.trace_id not in dropped for h in s.attributes.get(schema.MM_HASHES, [])}
+    hashes = {h for s in spans if s.trace_id not in dropped and s.span_id not in steps
+              for h in s.attributes.get(schema.MM_HASHES, [])}
     for image in sorted((run_dir / schema.RUN_IMAGES_DIR).glob("*.png")):  # the dropped requests' own images
         if image.stem not in hashes:
             image.unlink()

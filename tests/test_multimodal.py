@@ -188,6 +188,13 @@ def test_traced_steps_and_requests_say_which_images_ran_and_the_run_keeps_them_t
     encoding = [(s.span.attributes[schema.STEP_MM_IMAGES_ENCODED], s.span.attributes[schema.STEP_MM_ENCODER_CACHE_HITS])
                 for s in run.steps if schema.STEP_MM_IMAGES_ENCODED in s.span.attributes]
     assert encoding[:2] == [(1, 0), (0, 1)], "the first request's step encoded the image, the second's found it"
+    encodes = [s for s in run.spans if s.name == schema.ENCODE]  # the encoder's own span, inside execute
+    by_id = {s.span_id: s for s in run.spans}
+    assert [(e.attributes[schema.MM_HASHES], e.attributes[schema.MM_ENCODER_TOKENS]) for e in encodes][0] == (
+        hashes[0], ROWS_PER_IMAGE) and len(encodes) == 3, "image(0), then the chat's and the token ids' images"
+    for encode in encodes:
+        execute = by_id[encode.parent_span_id]
+        assert execute.name == schema.EXECUTE and execute.start_ns <= encode.start_ns <= encode.end_ns <= execute.end_ns
     assert sorted(p.name for p in (run_dir / "images").iterdir()) == sorted({f"{h[0]}.png" for h in hashes})
     assert run.requests[2].inputs.messages[0]["content"][0]["image_pil"] == "<Image>"  # logged by its type's name
     assert by_ids.prompt_token_ids == TEXT_ONLY + [llm.model_info.image_token_id] * ROWS_PER_IMAGE + [7]

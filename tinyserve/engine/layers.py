@@ -62,6 +62,9 @@ class EngineHooks:
     # finished request's decode span, prefill_attributes(request_id) for its prefill span
     request_attributes: list[Callable] = field(default_factory=list)
     step_attributes: list[Callable] = field(default_factory=list)
+    # step_spans(SchedulerOutput) -> [(name, start, end, attributes)]: a layer's own stages of the step (times on
+    # time.time()'s clock), each a span inside the step's tinyserve.execute (the image encoder's tinyserve.encode)
+    step_spans: list[Callable] = field(default_factory=list)
     finish_attributes: list[Callable] = field(default_factory=list)
     prefill_attributes: list[Callable] = field(default_factory=list)
     # What each layer built, by layer name, for tests, notebooks and benchmarks to read (LoRA's manager)

@@ -84,6 +84,8 @@ class StepRecorder:
         if self.span_builder is not None:
             attributes = {k: v for hook in self.hooks.step_attributes
                           for k, v in hook(record.scheduler_output).items()} | done
+            self.last_step_times.stages = [stage for hook in self.hooks.step_spans
+                                           for stage in hook(record.scheduler_output)]
             self.span_builder.record_step(record.scheduler_output, self.last_step_times, outputs.scheduler_stats,
                                           record.outputs, attributes, self._finished_attributes(record.outputs),
                                           self._finished_attributes(record.outputs, self.hooks.prefill_attributes))

@@ -49,6 +49,8 @@ class StepTimes:
     # On CPU: the forward pass's thread count in this step, and the process's CPU seconds during execute.
     cpu_threads: int | None = None
     execute_cpu_s: float | None = None
+    # A layer's own stages inside execute, (span name, start, end, attributes): the image encoder's encode
+    stages: list[tuple] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -279,6 +279,10 @@ class EngineSpanBuilder:
                   (schema.UPDATE, times.executed, times.end, None)]
         if times.ranks:  # one execute per rank, each with its own clock
             phases[1:2] = [(schema.EXECUTE, r.start, r.end, r.attributes(times.ranks)) for r in times.ranks]
+        execute = None
         for name, start, end, phase_attributes in phases:
-            self.spans.record(name, step, _ns(start), _ns(end), phase_attributes)
+            phase = self.spans.record(name, step, _ns(start), _ns(end), phase_attributes)
+            execute = execute or (phase if name == schema.EXECUTE else None)  # the first rank's, where several
+        for name, start, end, stage_attributes in times.stages:  # a layer's own stages inside execute
+            self.spans.record(name, execute, _ns(start), _ns(end), stage_attributes)
 

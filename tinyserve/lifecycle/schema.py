@@ -20,7 +20,8 @@ Each engine also writes one trace per step:
     tinyserve.step  (links → the `chat {model}` span of every request it served)
     ├── tinyserve.schedule
     ├── tinyserve.execute            one per tensor-parallel rank (tinyserve.tp.*), if any;
-    │                                one per rank of each pipeline stage (tinyserve.pp.*)
+    │   │                            one per rank of each pipeline stage (tinyserve.pp.*)
+    │   └── tinyserve.encode         the image encoder, where the step encoded images (multimodal/)
     └── tinyserve.update
 
 The module is over 300 lines because every name is here, in one place, with what it means.
@@ -231,6 +232,10 @@ MM_PLACEHOLDER_LENGTHS = "tinyserve.mm.placeholder_lengths"
 STEP_MM_IMAGES_ENCODED = "tinyserve.step.mm.images_encoded"
 STEP_MM_ENCODER_CACHE_HITS = "tinyserve.step.mm.encoder_cache_hits"
 STEP_MM_ENCODE_TIME = "tinyserve.step.mm.encode_time"
+# The image encoder's own span, inside the step's tinyserve.execute where the step encoded images: how many
+# (STEP_MM_IMAGES_ENCODED), their rows (the encoder's output tokens) and their hashes (MM_HASHES)
+ENCODE = "tinyserve.encode"
+MM_ENCODER_TOKENS = "tinyserve.mm.encoder_tokens"
 # Speculative decoding (tinyserve/spec_decode/), on the step span: the requests whose drafts this step
 # verified, and for each (aligned) the drafts proposed, accepted and rejected; the seconds the worker
 # spent verifying them and proposing the next ones (both inside tinyserve.execute; absent on a step that

@@ -94,7 +94,7 @@ class ImageInputs:
         missing = [features[mm_hash] for mm_hash, rows in found.items() if rows is None]
         self.last_step["hits"] = len(features) - len(missing)
         if missing:
-            started = time.perf_counter()
+            started, self.last_step["started_at"] = time.perf_counter(), time.time()
             pixels = torch.stack([torch.from_numpy(np.frombuffer(f.pixel_values, np.float32).reshape(f.shape).copy())
                                   for f in missing]).to(device)
             with torch.no_grad():
@@ -105,5 +105,6 @@ class ImageInputs:
                                      f"{feature.length} placeholder tokens")
                 found[feature.identifier] = rows
                 self.cache.put(feature.identifier, rows)
-            self.last_step.update(encoded=len(missing), encode_s=time.perf_counter() - started)
+            self.last_step.update(encoded=len(missing), encode_s=time.perf_counter() - started,
+                                  rows=sum(f.length for f in missing), hashes=[f.identifier for f in missing])
         return found

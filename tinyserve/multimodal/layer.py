@@ -10,7 +10,8 @@
                  per step and what the cache keeps (scheduling.py); span attributes: a request's
                  images (their content hashes and placeholder runs) on its queue span, and each
                  step's images encoded, encoder cache hits and encoding time on the step span
-                 (lifecycle/schema.py's MM_*); the encoder cache's counters on every step's
+                 (lifecycle/schema.py's MM_*), and a tinyserve.encode span inside the step's execute where it
+                 encoded (its images, their rows and hashes); the encoder cache's counters on every step's
                  SchedulerStats (vLLM's mm_cache_queries, mm_cache_hits on /metrics: metrics.py)
 
 The front end reads a chat's image parts (chat.py, media.py: --allowed-local-media-path and
@@ -102,9 +103,18 @@ class MultiModalLayer(EngineLayer):
             return {schema.STEP_MM_IMAGES_ENCODED: step["encoded"], schema.STEP_MM_ENCODER_CACHE_HITS: step["hits"],
                     schema.STEP_MM_ENCODE_TIME: step["encode_s"]}
 
+        def encode_span(scheduler_output) -> list[tuple]:
+            step = inputs.last_step
+            if not step["encoded"]:
+                return []
+            return [(schema.ENCODE, step["started_at"], step["started_at"] + step["encode_s"], {
+                schema.STEP_MM_IMAGES_ENCODED: step["encoded"], schema.MM_ENCODER_TOKENS: step["rows"],
+                schema.MM_HASHES: step["hashes"]})]
+
         def cache_counters(stats) -> None:
             stats.mm_cache_stats = MultiModalCacheStats(cache.queries, cache.hits)
 
         hooks.scheduler_stats.append(cache_counters)
         hooks.request_attributes.append(request_attributes)
         hooks.step_attributes.append(step_attributes)
+        hooks.step_spans.append(encode_span)
