@@ -595,7 +595,7 @@ def drop_requests(run_dir: Path, response_ids: set[str]) -> None:
         path.write_text("".join(line + "\n" for line in lines))
     hashes = {h for s in spans if s.trace_id not in dropped and s.span_id not in steps
               for h in s.attributes.get(schema.MM_HASHES, [])}
-    for image in sorted((run_dir / schema.RUN_IMAGES_DIR).glob("*.png")):  # the dropped requests' own images
+    for image in sorted((run_dir / schema.RUN_IMAGES_DIR).glob("*")):  # the dropped requests' own images
         if image.stem not in hashes:
             image.unlink()
 

@@ -195,14 +195,15 @@ def test_traced_steps_and_requests_say_which_images_ran_and_the_run_keeps_them_t
     for encode in encodes:
         execute = by_id[encode.parent_span_id]
         assert execute.name == schema.EXECUTE and execute.start_ns <= encode.start_ns <= encode.end_ns <= execute.end_ns
-    assert sorted(p.name for p in (run_dir / "images").iterdir()) == sorted({f"{h[0]}.png" for h in hashes})
+    # offline PIL images, kept as BMP (a copy of their RGB pixels)
+    assert sorted(p.name for p in (run_dir / "images").iterdir()) == sorted({f"{h[0]}.bmp" for h in hashes})
     assert run.requests[2].inputs.messages[0]["content"][0]["image_pil"] == "<Image>"  # logged by its type's name
     assert by_ids.prompt_token_ids == TEXT_ONLY + [llm.model_info.image_token_id] * ROWS_PER_IMAGE + [7]
     assert list(chatted.outputs[0].token_ids) == run.requests[2].completions[0].token_ids
     assert all(why_not_reproducible(r, run) is None for r in run.requests)
     results = replay_run(run, LLM(str(llava_checkpoint())))
     assert [r.matched for r in results] == [True] * 4, [r.describe() for r in results]
-    (run_dir / "images" / f"{hashes[3][0]}.png").unlink()  # a run without an image's pixels: said, not guessed
+    (run_dir / "images" / f"{hashes[3][0]}.bmp").unlink()  # a run without an image's pixels: said, not guessed
     assert "not in the run's images/ folder (1 of 1)" in why_not_reproducible(run.requests[3], run)
 
 
@@ -285,3 +286,30 @@ def _limited_llm() -> LLM:
     if not _limited:
         _limited.append(LLM(str(llava_checkpoint()), limit_mm_per_prompt={"image": 2}))
     return _limited[0]
+
+
+def test_a_traced_run_keeps_an_image_as_the_bytes_it_came_in_else_its_exact_pixels(tmp_path):
+    import io
+
+    from PIL import Image
+
+    from tinyserve.lifecycle.tracing import keep_images_in
+    from tinyserve.multimodal.media import open_image
+    from tinyserve.multimodal.processor import keep_images, mm_hash
+
+    png = io.BytesIO()
+    image(4).save(png, "PNG")
+    sent = open_image(png.getvalue(), "messages[0].content[0].image_url")
+    offline = [image(5), image(6).convert("CMYK"), image(7).convert("LA")]
+    keep_images_in(tmp_path)
+    try:
+        keep_images([sent, *offline], [mm_hash(i) for i in (sent, *offline)])
+        keep_images([sent], [mm_hash(sent)])  # once each
+    finally:
+        keep_images_in(None)
+    kept = {p.stem: p for p in (tmp_path / "images").iterdir()}
+    assert sorted(p.suffix for p in kept.values()) == [".bmp", ".png", ".tiff", ".tiff"]
+    assert kept[mm_hash(sent)].read_bytes() == png.getvalue()  # the bytes as sent, not encoded again
+    for picture in (sent, *offline):
+        with Image.open(kept[mm_hash(picture)]) as back:
+            assert mm_hash(back) == mm_hash(picture)  # the very pixels, mode and size

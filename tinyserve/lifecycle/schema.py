@@ -298,7 +298,7 @@ STEP_KV_EVENTS = "tinyserve.step.kv_events"
 MANIFEST_FILE = "manifest.json"
 API_TRACE_FILE = "api.jsonl"
 ROUTER_TRACE_FILE = "router.jsonl"
-RUN_IMAGES_DIR = "images"  # the images the run's requests carried, one <mm_hash>.png each (tinyserve/multimodal/)
+RUN_IMAGES_DIR = "images"  # the images the run's requests carried, one <mm_hash>.<format> each (multimodal/)
 
 
 def api_trace_file(rank: int | None) -> str:

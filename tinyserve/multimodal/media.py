@@ -26,6 +26,7 @@ from pathlib import Path
 from tinyserve.errors import InvalidInputError
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an encoded image, as sent or read
+SOURCE_BYTES = "tinyserve.source_bytes"  # the image's info key for the bytes it was decoded from (processor.keep_images)
 MAX_IMAGE_PIXELS = 4096 * 4096  # width x height
 MEDIA_FETCH_TIMEOUT_S = 5.0  # vLLM's VLLM_IMAGE_FETCH_TIMEOUT
 
@@ -133,4 +134,5 @@ def open_image(data: bytes, where: str):
         image.load()
     except (OSError, ValueError, SyntaxError) as error:
         raise InvalidInputError(f"{where}: the image cannot be decoded: {error}", where) from None
+    image.info[SOURCE_BYTES] = data  # what a traced run keeps of it: the bytes decode to these very pixels
     return image

@@ -32,6 +32,7 @@ from tinyserve.errors import InvalidInputError
 from tinyserve.wire.messages import MultiModalFeature
 
 FIELD = "multi_modal_data"
+_kept: set = set()  # (folder, mm_hash) of each image this process has kept (keep_images)
 
 
 @functools.cache
@@ -161,23 +162,28 @@ def _features(images: list, pixel_values, starts: list[int], rows: int) -> list[
 
 
 def keep_images(images: list, hashes: list[str]) -> None:
-    """Each image once, as <run>/images/<mm_hash>.png, where this process traces to a run that keeps its inputs
-    (lifecycle/tracing.py's kept_images_dir): its spans log an image's hash, and replay reads its pixels from here.
-    PNG is lossless, so the pixels read back are the pixels served; a mode PNG cannot hold (CMYK, for one) is kept
-    as the RGB the processor turned it into, which the model saw."""
+    """Each image once, as <run>/images/<mm_hash>.<format>, where this process traces to a run that keeps its
+    inputs (lifecycle/tracing.py's kept_images_dir): its spans log an image's hash, and replay reads its pixels back
+    from here. An image a request sent as bytes (a data:, file: or http(s): URL) is kept as those bytes, which
+    decode to the very pixels served; an offline PIL image is written as BMP where BMP holds its mode exactly (a
+    copy of its pixels, no compression to pay for while the engine runs), else as uncompressed TIFF."""
     from tinyserve.lifecycle.tracing import kept_images_dir
+    from tinyserve.multimodal.media import SOURCE_BYTES
 
     folder = kept_images_dir()
     if folder is None:
         return
     folder.mkdir(mode=0o700, exist_ok=True)
     for image, digest in zip(images, hashes):
-        path = folder / f"{digest}.png"
-        if path.exists():
+        if (folder, digest) in _kept:  # this process's record, not a listing of a folder that only grows
             continue
-        partial = folder / f".{digest}.{os.getpid()}.{threading.get_ident()}.png"  # whole or absent, to a reader
-        try:
-            image.save(partial, "PNG")
-        except (OSError, ValueError):
-            image.convert("RGB").save(partial, "PNG")
-        os.replace(partial, path)
+        _kept.add((folder, digest))
+        source = image.info.get(SOURCE_BYTES)
+        suffix = (image.format or "img").lower() if source is not None else (
+            "bmp" if image.mode in ("1", "L", "P", "RGB") else "tiff")
+        partial = folder / f".{digest}.{os.getpid()}.{threading.get_ident()}"  # whole or absent, to a reader
+        if source is not None:
+            partial.write_bytes(source)
+        else:
+            image.save(partial, suffix.upper())
+        os.replace(partial, folder / f"{digest}.{suffix}")

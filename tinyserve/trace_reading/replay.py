@@ -24,7 +24,7 @@ Three kinds of request are replayed with what the run holds of them:
 - pooling (an embedding): its vector is not logged, only its length, so the replay
   computes the vector and compares its length (and says so);
 - with images: the render span logs each image's content hash, and the run keeps its pixels,
-  <run>/images/<hash>.png (multimodal/processor.py's keep_images); the replay sends the logged
+  <run>/images/<hash>.<format> (multimodal/processor.py's keep_images); the replay sends the logged
   token ids, placeholders expanded, with those images.
 """
 
@@ -88,7 +88,7 @@ def why_not_reproducible(request: RequestTimeline, run: Run | None = None) -> st
         return "no prompt token ids logged"
     if inputs.mm_hashes or any(schema.MM_HASHES in sequence.stages[schema.QUEUE].attributes
                                for sequence in request.sequences if schema.QUEUE in sequence.stages):
-        missing = [h for h in inputs.mm_hashes or ["?"] if run is None or not _image_path(run, h).is_file()]
+        missing = [h for h in inputs.mm_hashes or ["?"] if run is None or _image_path(run, h) is None]
         if missing:
             return (f"a prompt with images whose pixels are not in the run's {schema.RUN_IMAGES_DIR}/ folder "
                     f"({len(missing)} of {len(inputs.mm_hashes or missing)})")
@@ -217,8 +217,9 @@ def _prompt(request: RequestTimeline, run: Run | None = None) -> dict:
     return prompt
 
 
-def _image_path(run: Run, digest: str) -> Path:
-    return run.path / schema.RUN_IMAGES_DIR / f"{digest}.png"
+def _image_path(run: Run, digest: str) -> Path | None:
+    """The run's file of the image with this content hash (<hash>.png, .jpeg, .bmp, ...), or None."""
+    return next((run.path / schema.RUN_IMAGES_DIR).glob(f"{digest}.*"), None)
 
 
 def _compare(request: RequestTimeline, output) -> ReplayResult:

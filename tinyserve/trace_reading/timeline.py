@@ -76,7 +76,7 @@ class RequestInputs:
     # The LoRA adapter it ran under, as logged: {"lora_name", "lora_int_id", "lora_path"}; None: the base model.
     # LLM.generate takes this dict as its lora_request.
     lora_request: dict | None = None
-    mm_hashes: list[str] | None = None  # its images' content hashes, in prompt order (<run>/images/<hash>.png)
+    mm_hashes: list[str] | None = None  # its images' content hashes, in prompt order (<run>/images/<hash>.*)
 
 
 @dataclass(slots=True, eq=False)
