@@ -60,3 +60,36 @@ say "torch and triton untouched: $torch_after"
 
 say "benchmarks/gpu_check.py --smoke in that environment"
 env -u PYTHONPATH "$work/venv/bin/python" benchmarks/gpu_check.py --smoke --out "$work/gpu-check"
+
+# 5. The server a newcomer starts, from that environment: `tinyserve serve` on the built-in model, answering
+#    /health and one completion, then stopped with SIGTERM (it drains and exits 0).
+say "tinyserve serve in that environment"
+env -u PYTHONPATH HF_HUB_OFFLINE=1 "$work/venv/bin/python" - "$work/venv/bin/tinyserve" <<'PY'
+import json, socket, subprocess, sys, time, urllib.request
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+server = subprocess.Popen([sys.argv[1], "serve", "--port", str(port)], stdout=sys.stderr, stderr=sys.stderr)
+url = f"http://127.0.0.1:{port}"
+deadline = time.monotonic() + 300  # a start takes seconds idle, a minute or more beside the other tests
+while True:
+    if server.poll() is not None:
+        sys.exit(f"tinyserve serve exited with {server.returncode} before answering /health")
+    try:
+        if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
+            break
+    except OSError:
+        if time.monotonic() > deadline:
+            server.kill()
+            sys.exit("tinyserve serve did not answer /health within 300 s")
+        time.sleep(0.5)
+body = json.dumps({"model": "tinyserve-default", "prompt": "Beautiful is better than", "max_tokens": 8,
+                   "temperature": 0}).encode()
+request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+answer = json.load(urllib.request.urlopen(request, timeout=120))
+server.terminate()
+code = server.wait(60)
+print(f"rehearsal: tinyserve serve answered {answer['choices'][0]['text']!r} and exited {code}", file=sys.stderr)
+sys.exit(code)
+PY

@@ -3,7 +3,8 @@
 scripts/rehearse_offline_install.sh plays the GPU server on this CPU: an environment of
 Python 3.12 holding torch and what such images carry, none of tinyserve's other
 dependencies; the wheels of scripts/offline_wheels.sh installed into it with no index;
-then benchmarks/gpu_check.py --smoke, end to end, in it.
+then benchmarks/gpu_check.py --smoke, end to end, in it; then `tinyserve serve` from it,
+answering /health and a completion and exiting 0 on SIGTERM (tens of seconds more).
 
 Cost, measured on a 2-core machine: the image (torch with its CUDA libraries, ~5 GB)
 takes about 3 minutes to make, once per machine: it is cached outside the checkout
@@ -14,6 +15,7 @@ smoke run (~60 s). About 2.5 minutes then, so it is marked slow; `make test` run
 """
 
 import os
+import re
 import subprocess
 
 import pytest
@@ -34,7 +36,7 @@ def rehearsal_python() -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # a fresh machine first makes the image: minutes of downloads, beside the other worker's tests
-def test_an_offline_install_beside_the_images_torch_runs_the_gpu_check_smoke(tmp_path):
+def test_an_offline_install_beside_the_images_torch_runs_the_gpu_check_smoke_and_tinyserve_serve(tmp_path):
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "TRITON_INTERPRET")}
     env["TINYSERVE_REHEARSAL_PYTHON"] = rehearsal_python()
     done = subprocess.run(["bash", str(ROOT / "scripts" / "rehearse_offline_install.sh"), str(tmp_path)],
@@ -51,3 +53,5 @@ def test_an_offline_install_beside_the_images_torch_runs_the_gpu_check_smoke(tmp
     assert {"tinyserve", "msgspec", "pyzmq", "opentelemetry_sdk", "fastapi"} <= installed
     assert not installed & {"torch", "triton", "numpy", "transformers"}  # the image's own, kept
     check_smoke_run(done.stdout, tmp_path / "gpu-check")
+    # then the server a newcomer starts, from that fresh environment: it answered, and exited 0 on SIGTERM
+    assert re.search(r"rehearsal: tinyserve serve answered '.+' and exited 0", done.stderr), done.stderr[-3000:]
