@@ -313,3 +313,22 @@ def test_a_traced_run_keeps_an_image_as_the_bytes_it_came_in_else_its_exact_pixe
     for picture in (sent, *offline):
         with Image.open(kept[mm_hash(picture)]) as back:
             assert mm_hash(back) == mm_hash(picture)  # the very pixels, mode and size
+
+
+def test_chat_template_content_format_overrides_what_the_template_syntax_says():
+    """vLLM's --chat-template-content-format (LLM(chat_template_content_format=...)): "string" hands LLaVA's
+    template, which loops over a message's parts, one string, so it finds no image part in it and the chat is
+    refused by name; "openai", what "auto" finds on that template, gives transformers' tokens."""
+    conversation = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image(1)},
+                                                 {"type": "text", "text": "What is it?"}]}]
+    theirs = hf_chat_greedy(llava_checkpoint(), [{"role": "user", "content": [
+        {"type": "image", "image": image(1)}, {"type": "text", "text": "What is it?"}]}], MAX_TOKENS)
+    for content_format in ("auto", "openai"):
+        llm = LLM(str(llava_checkpoint()), chat_template_content_format=content_format)
+        [output] = llm.chat(conversation, GREEDY, use_tqdm=False)
+        assert list(output.outputs[0].token_ids) == theirs, content_format
+    llm = LLM(str(llava_checkpoint()), chat_template_content_format="string")
+    with pytest.raises(InvalidInputError, match="0 <image> marker"):
+        llm.chat(conversation, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of"):
+        LLM(str(llava_checkpoint()), chat_template_content_format="parts")

@@ -106,6 +106,9 @@ class EngineArgs:
     # vLLM's --allowed-local-media-path, --allowed-media-domains: where a chat's image URLs may lead (media.py)
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
+    # vLLM's --chat-template-content-format: how the chat template takes a message's content ("auto": as its
+    # syntax says, frontend/chat_messages.py; "string"; "openai", a list of parts)
+    chat_template_content_format: str = "auto"
     # The image rows a step may encode (None: max_num_batched_tokens, as vLLM always has it), and the rows the
     # encoder cache holds (None: 8192); tinyserve/multimodal/scheduling.py. vLLM's names, tinyserve's flags.
     max_num_encoder_input_tokens: int | None = None

@@ -251,6 +251,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         limit_mm_per_prompt=getattr(args, "limit_mm_per_prompt", None),  # vLLM's flag (vllm_flags.py)
         allowed_local_media_path=getattr(args, "allowed_local_media_path", None),  # vLLM's (vllm_flags.py)
         allowed_media_domains=getattr(args, "allowed_media_domains", None),  # vLLM's (vllm_flags.py)
+        chat_template_content_format=getattr(args, "chat_template_content_format", "auto"),  # vLLM's too
         max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
         encoder_cache_size=args.encoder_cache_size,
         **lora_engine_kwargs(args),

@@ -22,6 +22,8 @@ Each flag is one of three things, as the request fields are (entrypoints/api/req
     --allowed-local-media-path FOLDER   implemented: a chat's file: image URLs are read only under it
     --allowed-media-domains HOST ...    implemented: a chat's http(s): image URLs are fetched only from
                                         these hosts (tinyserve/multimodal/media.py; none without them)
+    --chat-template-content-format F    implemented: how the chat template takes a message's content:
+                                        auto (found on the template), string, or openai (a list of parts)
     --enable-chunked-prefill            what tinyserve always does (chunked prefill, prefix
     --enable-tokenizer-info-endpoint    caching's prompt_tokens_details, /tokenizer_info are
     --enable-prompt-tokens-details      always on): accepted
@@ -40,6 +42,7 @@ import re
 from pathlib import Path
 
 from tinyserve.cli.engine_flags import json_object
+from tinyserve.frontend.chat_messages import CONTENT_FORMATS
 from tinyserve.reasoning.parsers import REASONING_PARSERS
 
 logger = logging.getLogger("tinyserve.cli")
@@ -184,6 +187,9 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                             "tinyserve/multimodal/media.py)")
     group.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
                        help="a chat's http(s): image URLs are fetched only from these hosts (none without it)")
+    group.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS, default="auto",
+                       help="how the chat template takes a message's content: as one string, as a list of "
+                            "parts (openai), or as its syntax says (auto, the default)")
     group.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help="name logprob tokens 'token_id:N' (a request's return_tokens_as_token_ids overrides)")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,

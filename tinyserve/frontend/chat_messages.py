@@ -19,6 +19,9 @@ IMAGE_PARTS = ("image_url", "image_pil")
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")  # the usual ones; a template may take others
 
 
+CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's --chat-template-content-format
+
+
 @functools.lru_cache(maxsize=16)
 def chat_content_format(template: str) -> str:
     """How a chat template reads a message's content, found on its Jinja syntax tree as vLLM finds it (its

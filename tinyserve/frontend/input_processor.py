@@ -41,14 +41,15 @@ class InputProcessor(Renderer):
                    if args.kv_transfer_config is not None else None, seed_unseeded=seed_unseeded,
                    enable_prompt_embeds=args.enable_prompt_embeds,
                    limit_images_per_prompt=(args.limit_mm_per_prompt or {}).get("image"),
-                   media=MediaConnector(args.allowed_local_media_path, tuple(args.allowed_media_domains or ())))
+                   media=MediaConnector(args.allowed_local_media_path, tuple(args.allowed_media_domains or ())),
+                   content_format=args.chat_template_content_format)
 
     def __init__(self, model_info: ModelInfo, tokenizer, block_size: int, max_logprobs: int = 20,
                  scheduling_policy: str = "fcfs", structured_outputs_backend: str = "xgrammar",
                  runner: str = "generate", lora_checker: LoRAChecker | None = None, speculative: bool = False,
                  kv_transfer: KVTransferConfig | None = None, seed_unseeded: bool = False,
                  enable_prompt_embeds: bool = False, limit_images_per_prompt: int | None = None,
-                 media=None) -> None:
+                 media=None, content_format: str = "auto") -> None:
         """max_logprobs: the most logprobs or prompt_logprobs a request may ask for (vLLM's flag, default 20).
         scheduling_policy: the engine's; a request's priority means something only under "priority".
         structured_outputs_backend: the engine's grammar library (it must compile a request's constraint).
@@ -56,9 +57,10 @@ class InputProcessor(Renderer):
         seed_unseeded: a traced run's (`serve --trace`, a traced LLM): see `seeded`.
         enable_prompt_embeds: the engine's (--enable-prompt-embeds): prompts may come as embeddings (render.py).
         limit_images_per_prompt: the engine's --limit-mm-per-prompt "image" (render.py's images_prompt).
-        media: where a chat's image URLs may be read from (tinyserve/multimodal/media.py)."""
+        media: where a chat's image URLs may be read from (tinyserve/multimodal/media.py).
+        content_format: the engine's --chat-template-content-format (render.py's Renderer)."""
         super().__init__(model_info, tokenizer, enable_prompt_embeds=enable_prompt_embeds,
-                         limit_images_per_prompt=limit_images_per_prompt, media=media)
+                         limit_images_per_prompt=limit_images_per_prompt, media=media, content_format=content_format)
         self.runner = runner
         self.structured_outputs_backend = structured_outputs_backend
         self.scheduling_policy = scheduling_policy

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from tinyserve.config import ModelInfo
 from tinyserve.errors import InvalidInputError
-from tinyserve.frontend.chat_messages import chat_content_format, normalize_message
+from tinyserve.frontend.chat_messages import CONTENT_FORMATS, chat_content_format, normalize_message
 from tinyserve.prompt_embeds.tensors import check_prompt_embeds, decode_prompt_embeds
 from tinyserve.wire.messages import MultiModalFeature, PromptEmbeds
 
@@ -63,10 +63,14 @@ class Truncation:
 
 class Renderer:
     def __init__(self, model_info: ModelInfo, tokenizer, *, enable_prompt_embeds: bool = False,
-                 limit_images_per_prompt: int | None = None, media=None) -> None:
+                 limit_images_per_prompt: int | None = None, media=None, content_format: str = "auto") -> None:
         """enable_prompt_embeds: the engine's (--enable-prompt-embeds); without it a prompt_embeds is a 400.
         limit_images_per_prompt: --limit-mm-per-prompt's "image" (None: no limit). media: where a chat's
-        image URLs may be read from (multimodal/media.py's MediaConnector; None: data: URLs only)."""
+        image URLs may be read from (multimodal/media.py's MediaConnector; None: data: URLs only).
+        content_format: how the template takes a message's content (--chat-template-content-format)."""
+        if content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {CONTENT_FORMATS}, got {content_format!r}")
+        self.content_format = content_format
         self.model_info = model_info
         self.tokenizer = tokenizer
         self.enable_prompt_embeds = enable_prompt_embeds
@@ -210,7 +214,8 @@ class Renderer:
         template = chat_template or self.chat_template
         if template is None:
             raise InvalidInputError("the model has no chat template; pass chat_template or send a plain prompt")
-        images, shown = [], chat_content_format(template)
+        images = []
+        shown = chat_content_format(template) if self.content_format == "auto" else self.content_format
         if any(isinstance(message["content"], list) for message in normalized):
             from tinyserve.multimodal.chat import chat_images
 

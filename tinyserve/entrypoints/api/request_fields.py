@@ -72,7 +72,7 @@ _VLLM_EXTRAS = {
     "logits_processors": Refused("no custom logits processors"),
     "cache_salt": Refused("the prefix cache is shared by all requests: it has no salt to isolate them"),
     "vllm_xargs": Refused("no extension reads extra arguments"),
-    "mm_processor_kwargs": Refused("only text models are served"),
+    "mm_processor_kwargs": Refused("an image-text checkpoint's processor runs with the settings it was saved with"),
 }
 _OPENAI_NO_EFFECT = {
     "metadata": "tags for a hosted API's dashboard",
