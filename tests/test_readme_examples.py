@@ -136,6 +136,11 @@ def check_embeddings_script(lines):
     assert lines[-1] == "[256, 256]"
 
 
+def check_images(lines):
+    tokens, answer = lines[-1].split(" prompt tokens: ")
+    assert int(tokens) == 277 and answer  # 256 of them the picture's placeholders
+
+
 def check_kv_events(lines):
     assert any(line.startswith("BlockStored [") for line in lines), lines
 
@@ -143,7 +148,8 @@ def check_kv_events(lines):
 SCRIPT_CHECKS = {"--speculative-config": check_speculative, "--kv-transfer-config": check_disaggregated,
           "--api-server-count": check_api_servers, "--pipeline-parallel-size": check_one_completion,
           "--data-parallel-backend ray": check_one_completion, "--enable-lora": check_lora,
-          "--runner pooling": check_embeddings_script, "--kv-events-config": check_kv_events}
+          "--runner pooling": check_embeddings_script, "--kv-events-config": check_kv_events,
+          "tinyserve-vision": check_images}
 
 
 def script_check_for(script: str):
