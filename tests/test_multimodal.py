@@ -332,3 +332,23 @@ def test_chat_template_content_format_overrides_what_the_template_syntax_says():
         llm.chat(conversation, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="chat_template_content_format must be one of"):
         LLM(str(llava_checkpoint()), chat_template_content_format="parts")
+
+
+def test_the_processor_cache_processes_an_image_once_and_gives_the_same_prompt():
+    """vLLM's processor cache: the same image again (another object, the same pixels) is found by its content
+    hash, and the processor does not run for it; the prompt and its features are what a fresh processing gives."""
+    from tinyserve.multimodal import processor as processing
+
+    from transformers import AutoConfig
+
+    path = llava_checkpoint()
+    token = AutoConfig.from_pretrained(path).image_token_index
+    cache = processing.PROCESSOR_CACHE
+    text = "USER: <image> what? ASSISTANT:"
+    before = cache.queries, cache.hits
+    first = processing.process(path, token, text, [image(40, 33, 21)])
+    again = processing.process(path, token, text, [image(40, 33, 21)])
+    assert (cache.queries - before[0], cache.hits - before[1]) == (2, 1)
+    assert first[0] == again[0] and first[1] == again[1]
+    cache.entries.pop((str(path), first[1][0].identifier))  # gone: processed again, to the same bytes
+    assert processing.process(path, token, text, [image(40, 33, 21)]) == first

@@ -9,7 +9,9 @@
 
 What the processor library does for us: the resizing, cropping and normalisation each checkpoint
 was trained with, and the count of placeholder tokens, read from the checkpoint's own
-processor_config.json, so that the prompt is token for token what transformers' model sees.
+processor_config.json, so that the prompt is token for token what transformers' model sees. Its
+output for an image is kept by content hash (ProcessorCache, vLLM's processor cache): the same image
+again is not processed again.
 
 A prompt may also be token ids with images (vLLM's {"prompt_token_ids": ..., "multi_modal_data": ...}):
 each image's placeholder run already expanded, as a traced run logs it, or one placeholder an image.
@@ -21,6 +23,7 @@ something that is not an image, more images than --limit-mm-per-prompt allows, a
 A traced run keeps each image it was given (keep_images), so that it can be replayed.
 """
 
+import collections
 import functools
 import hashlib
 import os
@@ -100,9 +103,51 @@ def images_prompt(renderer, prompt: dict, add_special_tokens: bool = True,
     return text, *process(info.path, info.image_token_id, text, images, add_special_tokens)
 
 
+class ProcessorCache:
+    """vLLM's multi-modal processor cache: an image's processed pixel values and placeholder count, by checkpoint
+    and content hash, so that the same image in a later request skips the processor's resize, crop and
+    normalisation (a quarter of an image chat's time to first token on the built-in vision model: BENCHMARKS.md).
+    At most MAX_BYTES of pixel values (vLLM's --mm-processor-cache-gb default, 4 GiB), least recently used out
+    first. Render threads share it, under a lock; the processor itself runs outside it."""
+
+    MAX_BYTES = 4 << 30
+
+    def __init__(self, max_bytes: int = MAX_BYTES) -> None:
+        self.max_bytes, self.bytes = max_bytes, 0
+        self.entries: collections.OrderedDict = collections.OrderedDict()
+        self.queries = self.hits = 0
+        self.lock = threading.Lock()
+
+    def processed(self, path, image_token_id: int, image, digest: str) -> tuple[np.ndarray, int]:
+        """(pixel values [3, H, W], placeholder tokens) of the image: the cache's, or the processor's now."""
+        key = (str(path), digest)
+        with self.lock:
+            self.queries += 1
+            if key in self.entries:
+                self.hits += 1
+                self.entries.move_to_end(key)
+                return self.entries[key]
+        processor = _processor(str(path))
+        out = processor(text=processor.image_token, images=[image.convert("RGB")], return_tensors="np")
+        entry = (np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32),
+                 out["input_ids"][0].tolist().count(image_token_id))
+        with self.lock:
+            if key not in self.entries:
+                self.entries[key] = entry
+                self.bytes += entry[0].nbytes
+            while self.bytes > self.max_bytes and len(self.entries) > 1:
+                self.bytes -= self.entries.popitem(last=False)[1][0].nbytes
+        return entry
+
+
+PROCESSOR_CACHE = ProcessorCache()
+
+
 def process(path, image_token_id: int, text: str, images: list,
             add_special_tokens: bool = True) -> tuple[list[int], list[MultiModalFeature]]:
-    """The prompt's token ids, placeholders expanded, and one feature per image, in prompt order."""
+    """The prompt's token ids, placeholders expanded, and one feature per image, in prompt order: the text
+    tokenized, each marker (one special token) then expanded to its image's placeholders, as the processor
+    expands the marker in the text before it tokenizes (the marker's token splits the text either way)."""
     if not isinstance(text, str) or not text:
         raise InvalidInputError("a prompt with multi_modal_data needs its text as 'prompt' (its <image> markers "
                                 "say where each image goes)", FIELD)
@@ -111,18 +156,10 @@ def process(path, image_token_id: int, text: str, images: list,
     if text.count(marker) != len(images):
         raise InvalidInputError(f"the prompt has {text.count(marker)} {marker} marker(s) for {len(images)} "
                                 f"image(s) in multi_modal_data: one marker per image", FIELD)
+    token_ids = list(processor.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
     if not images:
-        token_ids = processor.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-        return list(token_ids), []
-    out = processor(text=text, images=[image.convert("RGB") for image in images], return_tensors="np",
-                    add_special_tokens=add_special_tokens)
-    token_ids = out["input_ids"][0].tolist()
-    positions = [i for i, token in enumerate(token_ids) if token == image_token_id]
-    per_image = len(positions) // len(images)
-    starts = positions[::per_image]
-    assert all(positions[k] == starts[k // per_image] + k % per_image for k in range(len(positions))), \
-        "the processor expands each marker to one run"
-    return token_ids, _features(images, out["pixel_values"], starts, per_image)
+        return token_ids, []
+    return _expanded(path, image_token_id, token_ids, images, "the prompt's text")
 
 
 def process_token_ids(path, image_token_id: int, token_ids: list[int],
@@ -130,35 +167,33 @@ def process_token_ids(path, image_token_id: int, token_ids: list[int],
     """A prompt given as token ids with images (vLLM's {"prompt_token_ids": ..., "multi_modal_data": ...}): each
     image's placeholders already expanded (as a traced run logs them, so replay sends them back), or one
     placeholder token per image, which is expanded here as the processor expands a marker."""
-    processor = _processor(str(path))
     if not images:
         raise InvalidInputError("multi_modal_data has no image for prompt_token_ids", FIELD)
-    rows = processor(text=processor.image_token, images=[images[0].convert("RGB")],
-                     return_tensors="np")["input_ids"][0].tolist().count(image_token_id)
+    return _expanded(path, image_token_id, list(token_ids), images, "prompt_token_ids")
+
+
+def _expanded(path, image_token_id: int, token_ids: list[int], images: list,
+              where: str) -> tuple[list[int], list[MultiModalFeature]]:
+    """The token ids with each image's placeholder run (one placeholder an image expanded to its run; a run
+    already whole kept), and the images' features."""
+    hashes = [mm_hash(image) for image in images]
+    processed = [PROCESSOR_CACHE.processed(path, image_token_id, image, h) for image, h in zip(images, hashes)]
+    rows = [n for _, n in processed]
     positions = [i for i, token in enumerate(token_ids) if token == image_token_id]
-    if len(positions) == len(images) and rows > 1:  # one placeholder an image: expanded here
-        for position in reversed(positions):
-            token_ids = token_ids[:position] + [image_token_id] * rows + token_ids[position + 1:]
+    if len(positions) == len(images) and rows != [1] * len(images):  # one placeholder an image: expanded here
+        for position, n in zip(reversed(positions), reversed(rows)):
+            token_ids[position:position + 1] = [image_token_id] * n
         positions = [i for i, token in enumerate(token_ids) if token == image_token_id]
-    starts = positions[::rows]
-    if len(positions) != rows * len(images) or any(
-            positions[k] != starts[k // rows] + k % rows for k in range(len(positions))):
-        raise InvalidInputError(f"prompt_token_ids has {len(positions)} image placeholder token(s) (id "
-                                f"{image_token_id}) for {len(images)} image(s) of {rows} rows each: give each image "
-                                f"one placeholder, or its {rows} in a run", FIELD)
-    pixel_values = processor.image_processor([image.convert("RGB") for image in images],
-                                             return_tensors="np")["pixel_values"]
-    return list(token_ids), _features(images, pixel_values, starts, rows)
-
-
-def _features(images: list, pixel_values, starts: list[int], rows: int) -> list[MultiModalFeature]:
-    """One feature an image: its content hash, its placeholder run and its pixel values; each image kept by a
-    traced run that keeps them (keep_images)."""
-    pixel_values = np.ascontiguousarray(pixel_values, dtype=np.float32)
-    features = [MultiModalFeature(mm_hash(image), start, rows, pixel_values[i].tobytes(), list(pixel_values[i].shape))
-                for i, (image, start) in enumerate(zip(images, starts))]
-    keep_images(images, [feature.identifier for feature in features])
-    return features
+    starts = [positions[sum(rows[:k])] if len(positions) == sum(rows) else -1 for k in range(len(images))]
+    if len(positions) != sum(rows) or any(positions[sum(rows[:k]) + j] != start + j
+                                          for k, start in enumerate(starts) for j in range(rows[k])):
+        raise InvalidInputError(f"{where} has {len(positions)} image placeholder token(s) (id {image_token_id}) for "
+                                f"{len(images)} image(s) of {rows} rows: give each image one placeholder, or its "
+                                f"rows in a run", FIELD)
+    features = [MultiModalFeature(digest, start, n, pixels.tobytes(), list(pixels.shape))
+                for digest, start, (pixels, n) in zip(hashes, starts, processed)]
+    keep_images(images, hashes)
+    return token_ids, features
 
 
 def keep_images(images: list, hashes: list[str]) -> None:
