@@ -371,8 +371,9 @@ def image_chat(at_s: float, parts: list[str], max_tokens: int = 16) -> Request:
     """A chat of one user message whose parts are pictures (recording_pictures.py, by name, as data URLs) and text."""
     content = [{"type": "image_url", "image_url": {"url": data_url(part)}} if part in PICTURES
                else {"type": "text", "text": part} for part in parts]
-    return Request(at_s, "/v1/chat/completions", {"model": VISION_MODEL, "messages": [{"role": "user", "content": content}],
-                                                  "max_tokens": max_tokens, "temperature": 0.0})
+    body = {"model": VISION_MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0.0}
+    return Request(at_s, "/v1/chat/completions", body)
 
 
 def multimodal() -> Recording:

@@ -71,7 +71,8 @@ def test_shipped_run_replays_with_nothing_skipped_and_nothing_mismatched(folder,
     from tinyserve.models.default_model import DEFAULT_MODEL_FINGERPRINT, DEFAULT_VISION_FINGERPRINT
 
     run = load_run(folder)
-    shipped = DEFAULT_VISION_FINGERPRINT if run.manifest.get("model") == "tinyserve-vision" else DEFAULT_MODEL_FINGERPRINT
+    vision = run.manifest.get("model") == "tinyserve-vision"
+    shipped = DEFAULT_VISION_FINGERPRINT if vision else DEFAULT_MODEL_FINGERPRINT
     assert run.manifest["model_fingerprint"] == shipped  # a shipped model: it replays here
     results = replay_run(run, engine_for(run))
     assert len(results) == len(run.requests) > 0

@@ -26,7 +26,7 @@ from pathlib import Path
 from tinyserve.errors import InvalidInputError
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an encoded image, as sent or read
-SOURCE_BYTES = "tinyserve.source_bytes"  # the image's info key for the bytes it was decoded from (processor.keep_images)
+SOURCE_BYTES = "tinyserve.source_bytes"  # the image's info key: the bytes it was decoded from (processor.keep_images)
 MAX_IMAGE_PIXELS = 4096 * 4096  # width x height
 MEDIA_FETCH_TIMEOUT_S = 5.0  # vLLM's VLLM_IMAGE_FETCH_TIMEOUT
 
