@@ -26,6 +26,7 @@ A traced run keeps each image it was given (keep_images), so that it can be repl
 import collections
 import functools
 import hashlib
+import logging
 import os
 import threading
 
@@ -35,6 +36,7 @@ from tinyserve.errors import InvalidInputError
 from tinyserve.wire.messages import MultiModalFeature
 
 FIELD = "multi_modal_data"
+logger = logging.getLogger(__name__)
 _kept: set = set()  # (folder, mm_hash) of each image this process has kept (keep_images)
 
 
@@ -217,8 +219,13 @@ def keep_images(images: list, hashes: list[str]) -> None:
         suffix = (image.format or "img").lower() if source is not None else (
             "bmp" if image.mode in ("1", "L", "P", "RGB") else "tiff")
         partial = folder / f".{digest}.{os.getpid()}.{threading.get_ident()}"  # whole or absent, to a reader
-        if source is not None:
-            partial.write_bytes(source)
-        else:
-            image.save(partial, suffix.upper())
-        os.replace(partial, folder / f"{digest}.{suffix}")
+        try:
+            if source is not None:
+                partial.write_bytes(source)
+            else:
+                image.save(partial, suffix.upper())
+            os.replace(partial, folder / f"{digest}.{suffix}")
+        except (OSError, ValueError) as error:  # the run loses a replay, the request nothing
+            _kept.discard((folder, digest))
+            partial.unlink(missing_ok=True)
+            logger.warning("could not keep image %s in %s: %s", digest[:12], folder, error)
