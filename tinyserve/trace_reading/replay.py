@@ -16,7 +16,7 @@ A request that cannot be reproduced is skipped, never counted as a match:
 sampling without a seed, redacted inputs, or no logged outputs. Hand it an
 untraced LLM: a traced one would add the replayed requests to its own run.
 
-Three kinds of request are replayed with what the run holds of them:
+Four kinds of request are replayed with what the run holds of them:
 - aborted (a client left, or the engine serving it died): replayed up to where it stopped,
   max_tokens the tokens it had produced (at least 1), and compared on that prefix;
 - under a LoRA adapter: the adapter is the run's own copy, <run>/adapters/<lora_name>/
