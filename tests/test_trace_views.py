@@ -358,3 +358,22 @@ def test_the_recorded_cases_show_what_chapter_one_says_they_do():
     masked = {s.step_id for s in run.steps if s.span.attributes.get(schema.STEP_GRAMMAR_BITMASK_TIME)}
     assert masked and masked <= {s.step_id for s in run.steps if constrained.sequences[0].request_id in s.request_ids}
     assert json.loads(reported.http_span.attributes[schema.HTTP_RESPONSE_ORCA_REPORT][0].removeprefix("JSON "))
+
+
+def test_an_image_request_shows_its_images_and_a_step_what_it_encoded(capsys):
+    """recorded-multimodal: a request's images (hash, placeholder run) as its render span logged them; a step
+    that computed placeholders, the images it encoded and those the encoder cache had, as its span says."""
+    folder = TRACES / "recorded-multimodal"
+    run = load_run(folder)
+    last = run.requests[-1]  # two pictures in one prompt
+    view = cli_json(capsys, "request", str(folder), last.request_id)
+    images = view["inputs"]["images"]
+    assert [i["mm_hash"] for i in images] == last.inputs.mm_hashes and [i["length"] for i in images] == [256, 256]
+    ids = last.inputs.prompt_token_ids
+    assert all(set(ids[i["offset"]:i["offset"] + i["length"]]) == {ids[images[0]["offset"]]} for i in images)
+    encoding = [s for s in run.steps if s.span.attributes.get(schema.STEP_MM_IMAGES_ENCODED)]
+    step = cli_json(capsys, "step", str(folder), str(encoding[0].step_id))
+    assert step["images"]["encoded"] == encoding[0].span.attributes[schema.STEP_MM_IMAGES_ENCODED] >= 1
+    assert cli_json(capsys, "step", str(folder), str(run.steps[-1].step_id))["images"] is None  # no placeholders
+    assert main(["trace", "request", str(folder), last.request_id]) == 0
+    assert f"image {images[1]['mm_hash'][:12]}: placeholders 260..515 (256 tokens)" in capsys.readouterr().out

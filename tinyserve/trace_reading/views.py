@@ -67,10 +67,19 @@ def request_view(run: Run, request_id: str) -> dict:
         "inputs": {"messages": timeline.inputs.messages, "prompt": timeline.inputs.prompt,
                    "prompt_token_ids": timeline.inputs.prompt_token_ids,
                    "sampling_params": timeline.inputs.sampling_params, "redacted": timeline.inputs.redacted,
-                   "pooling_params": timeline.inputs.pooling_params},
+                   "pooling_params": timeline.inputs.pooling_params, "images": images_of(timeline)},
         "completions": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
                          "finish_reason": c.finish_reason} for c in timeline.completions],
     }
+
+
+def images_of(timeline: RequestTimeline) -> list[dict]:
+    """The request's images as its render span logged them: content hash and placeholder run, in prompt order."""
+    render = timeline.stages.get(schema.RENDER)
+    logged = {} if render is None else render.attributes
+    return [{"mm_hash": h, "offset": offset, "length": length} for h, offset, length in zip(
+        logged.get(schema.MM_HASHES, ()), logged.get(schema.MM_PLACEHOLDER_OFFSETS, ()),
+        logged.get(schema.MM_PLACEHOLDER_LENGTHS, ()))]
 
 
 def ttft_breakdown(timeline: RequestTimeline) -> dict:
@@ -215,6 +224,12 @@ def step_view(run: Run, step_id: int, engine_index: int | None = None) -> dict:
         "speculative": step_speculation(run, step),
         # a step without constrained requests that sample has no bitmask (its time is absent or 0)
         "grammar_bitmask_ms": _ms(step.span.attributes.get(schema.STEP_GRAMMAR_BITMASK_TIME)) or None,
+        # a step that computed image placeholders: the images it encoded (tinyserve.encode), and those it found in
+        # the encoder cache; None for any other step
+        "images": {"encoded": step.span.attributes.get(schema.STEP_MM_IMAGES_ENCODED, 0),
+                   "encoder_cache_hits": step.span.attributes.get(schema.STEP_MM_ENCODER_CACHE_HITS, 0),
+                   "encode_ms": _ms(step.span.attributes.get(schema.STEP_MM_ENCODE_TIME, 0.0))}
+        if schema.STEP_MM_IMAGES_ENCODED in step.span.attributes else None,
     }
 
 

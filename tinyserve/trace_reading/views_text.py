@@ -54,6 +54,9 @@ def format_request(view: dict) -> str:
     if inputs["messages"] is not None:
         lines.append(f"  messages: {inputs['messages']}")
     lines.append(f"  prompt: {inputs['prompt']!r}")
+    for image in inputs.get("images") or ():  # each kept in the run's images/ folder by this hash
+        lines.append(f"  image {image['mm_hash'][:12]}: placeholders {image['offset']}.."
+                     f"{image['offset'] + image['length'] - 1} ({image['length']} tokens)")
     if inputs.get("pooling_params") is not None:  # a pooling request: a vector, not sampled tokens
         lines.append(f"  pooling_params: {inputs['pooling_params']}")
     else:
@@ -93,6 +96,10 @@ def format_step(view: dict) -> str:
                      + ("" if spec["rollback_frees_recorded"] else
                         "\n  (the blocks draft rollbacks freed are not recorded in this run: a table after a rollback, "
                         "and what a released request held, may list one)"))
+    if view.get("images"):
+        images = view["images"]
+        lines.append(f"  images: {images['encoded']} encoded in {_fmt(images['encode_ms'])} ms (inside execute), "
+                     f"{images['encoder_cache_hits']} from the encoder cache")
     lines += ["", f"  request                                      {unit:>9}  kind       new KV blocks"]
     for row in view["batch"]:
         lines.append(f"  {row['request_id']:<44} {row['tokens']:>9}  {row['kind'] or '?':<10} {row['new_block_ids']}"
