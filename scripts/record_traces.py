@@ -389,7 +389,8 @@ def multimodal() -> Recording:
                 image_chat(4.0, ["red-circle", "green-stripes", "Which is larger?"])]
     return Recording("multimodal", "image chats on the built-in vision model: one alone, the same image again after "
                      "other text, a burst of six images beside two text-only chats with a 512-row encoder budget, and "
-                     "two images in one prompt", [VISION_MODEL, "--max-num-encoder-input-tokens", str(ENCODER_BUDGET)],
+                     "two images in one prompt; a pool of 160 KV blocks, so that the block map is legible",
+                     [VISION_MODEL, "--max-num-encoder-input-tokens", str(ENCODER_BUDGET), "--num-kv-blocks", "160"],
                      workload, model=VISION_MODEL)
 
 

@@ -150,7 +150,8 @@ def test_the_same_image_is_a_prefix_cache_and_encoder_cache_hit_and_another_imag
     [again] = llm.generate([as_prompt(text, [image(0)])], GREEDY, use_tqdm=False)  # the same pixels, a new object
     [other] = llm.generate([as_prompt(text, PROMPTS[2][1])], GREEDY, use_tqdm=False)
     assert token_ids([first, again, other]) == [expected()[0], expected()[0], expected()[2]]
-    assert first.num_cached_tokens == 0 and other.num_cached_tokens == 0
+    before = first.prompt_token_ids.index(llm.model_info.image_token_id)  # the text before the image: shared
+    assert first.num_cached_tokens == 0 and other.num_cached_tokens == before // 4 * 4 < before + 1
     assert again.num_cached_tokens >= len(first.prompt_token_ids) - 4  # every full block but the last token's
     assert token_ids([first]) != token_ids([other])
 
@@ -352,3 +353,20 @@ def test_the_processor_cache_processes_an_image_once_and_gives_the_same_prompt()
     assert first[0] == again[0] and first[1] == again[1]
     cache.entries.pop((str(path), first[1][0].identifier))  # gone: processed again, to the same bytes
     assert processing.process(path, token, text, [image(40, 33, 21)]) == first
+
+
+def test_the_text_before_an_image_is_a_prefix_shared_with_a_prompt_without_it():
+    """vLLM's extra keys: an image's hash goes into the blocks its placeholders cover, not into the chain's
+    root, so the blocks before the image are the same prefix as the same text alone (and an image after
+    the same text and image is found too)."""
+    text = "a b c d e f g h i j k l m n o p q r s t u v w x y z a b c d e f g h i j k l m n o p"
+    llm = LLM(str(llava_checkpoint()), block_size=8)
+    [alone] = llm.generate([{"prompt_token_ids": llm.get_tokenizer()(text).input_ids}], GREEDY, use_tqdm=False)
+    [with_image] = llm.generate([as_prompt(text + " <image> and?", [image(3)])], GREEDY, use_tqdm=False)
+    before = with_image.prompt_token_ids.index(llm.model_info.image_token_id)
+    assert with_image.num_cached_tokens == before // 8 * 8 > 0, (with_image.num_cached_tokens, before)
+    [again] = llm.generate([as_prompt(text + " <image> or?", [image(3)])], GREEDY, use_tqdm=False)
+    assert again.num_cached_tokens >= before + ROWS_PER_IMAGE - 8  # the image's blocks too, but its last
+    [other] = llm.generate([as_prompt(text + " <image> or?", [image(4)])], GREEDY, use_tqdm=False)
+    assert other.num_cached_tokens == before // 8 * 8  # another image: the text's blocks only
+    assert list(other.outputs[0].token_ids) == expected([(text + " <image> or?", [image(4)])])[0]

@@ -17,8 +17,8 @@
 The front end reads a chat's image parts (chat.py, media.py: --allowed-local-media-path and
 --allowed-media-domains, checked here) and runs the checkpoint's processor (processor.py), both
 called by frontend/render.py; the scheduler counts an image's placeholders as the prompt's tokens,
-and the prefix cache keys a prompt's blocks by its images' hashes (engine/core/request.py's
-block_hash_root). The step itself does not change.
+and the prefix cache keys each block an image's placeholders cover by the image's hash (engine/core/request.py's
+block_extra_key). The step itself does not change.
 """
 
 import json

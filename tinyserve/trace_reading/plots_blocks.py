@@ -6,8 +6,9 @@
 Rows are the pool's blocks, columns the engine's steps, a cell's colour the request
 whose block table held the block at that step (white: free, or holding only a cached
 prefix), each request its own colour however many there are. A block in more than one table at once, a prefix shared through the prefix
-cache, is grey with a dot. Read from the step spans' block-table changes
-(Run.block_tables); runs recorded before steps logged them cannot be drawn.
+cache, is grey with a dot. A block that holds an image's placeholder tokens (a prompt with images:
+the engine's queue span logs each image's placeholder run) has a cross. Read from the step spans'
+block-table changes (Run.block_tables); runs recorded before steps logged them cannot be drawn.
 """
 
 import numpy as np
@@ -15,6 +16,7 @@ from matplotlib.colors import ListedColormap, hsv_to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from tinyserve.lifecycle import schema
 from tinyserve.trace_reading.plots import PALETTE
 from tinyserve.trace_reading.run import Run
 
@@ -29,6 +31,25 @@ def request_colors(count: int) -> list:
     return [hsv_to_rgb((k / count, 0.65 if k % 2 else 0.9, 0.95 if k % 2 else 0.7)) for k in range(count)]
 
 
+def placeholder_runs(run: Run) -> dict[str, list[tuple[int, int]]]:
+    """Engine request id -> its images' placeholder runs (offset, length), as its queue span logged them."""
+    runs = {}
+    for request in run.requests:
+        for sequence in request.sequences:
+            queue = sequence.stages.get(schema.QUEUE)
+            if queue is not None and schema.MM_PLACEHOLDER_OFFSETS in queue.attributes:
+                runs[sequence.request_id] = list(zip(queue.attributes[schema.MM_PLACEHOLDER_OFFSETS],
+                                                     queue.attributes[schema.MM_PLACEHOLDER_LENGTHS]))
+    return runs
+
+
+def image_blocks(block_ids: list[int], runs: list[tuple[int, int]], block_size: int) -> list[int]:
+    """The blocks of a block table whose tokens include an image's placeholders."""
+    return [block for index, block in enumerate(block_ids)
+            if any(offset < (index + 1) * block_size and index * block_size < offset + length
+                   for offset, length in runs)]
+
+
 def plot_block_map(run: Run, engine_index: int = 0) -> Figure:
     """Blocks × steps of one engine, coloured by owning request, shared prefix blocks dotted."""
     by_step = run.block_tables(engine_index)
@@ -40,10 +61,14 @@ def plot_block_map(run: Run, engine_index: int = 0) -> Figure:
     owner_index = {request_id: k for k, request_id in enumerate(owners)}
     free, shared = -1, -2
     grid = np.full((num_blocks, len(step_ids)), free, dtype=int)
-    shared_x, shared_y = [], []
+    shared_x, shared_y, image_x, image_y = [], [], [], []
+    images, block_size = placeholder_runs(run), run.manifest.get("engine_args", {}).get("block_size", 16)
     for column, step_id in enumerate(step_ids):
         holders: dict[int, int] = {}
         for request_id, block_ids in by_step[step_id].items():
+            crossed = image_blocks(block_ids, images.get(request_id, []), block_size)
+            image_x += [column] * len(crossed)
+            image_y += crossed
             for block in block_ids:
                 holders[block] = holders.get(block, 0) + 1
                 grid[block, column] = owner_index[request_id] if holders[block] == 1 else shared
@@ -59,13 +84,14 @@ def plot_block_map(run: Run, engine_index: int = 0) -> Figure:
               extent=(-0.5, len(step_ids) - 0.5, -0.5, num_blocks - 0.5))
     if shared_x:
         ax.scatter(shared_x, shared_y, s=12, c="black", marker="o", label="shared prefix block (grey)")
+    if image_x:
+        ax.scatter(image_x, image_y, s=10, c="black", marker="x", linewidths=0.6, label="image placeholders")
     ticks = np.linspace(0, len(step_ids) - 1, num=min(len(step_ids), 10), dtype=int) if step_ids else []
     ax.set_xticks(ticks, [str(step_ids[t]) for t in ticks])
     ax.set(xlabel="engine step", ylabel="physical KV block",
            title=f"KV blocks by owning request, engine {engine_index} ({len(owners)} requests)")
     handles = [Patch(color=colors[k + 2], label=owners[k][-12:]) for k in range(min(len(owners), _MAX_LEGEND_REQUESTS))]
-    if shared_x:
-        handles.append(ax.collections[0])
+    handles += [c for c in ax.collections if c.get_label() in ("shared prefix block (grey)", "image placeholders")]
     if handles:
         fig.legend(handles=handles, loc="outside right upper", fontsize="small", title="request")
     return fig

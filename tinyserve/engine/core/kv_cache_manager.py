@@ -10,7 +10,9 @@ When a new request arrives, its leading full blocks are looked up by hash; each
 hit is a block whose K/V is already computed, so the request starts with
 `num_computed_tokens = hits * block_size` and shares those blocks (ref_cnt > 1).
 The first block chains from the request's `block_hash_root`: b"" for the base model, the
-adapter's identity under a LoRA adapter (whose K/V differ for the same tokens).
+adapter's identity under a LoRA adapter (whose K/V differ for the same tokens). A block that
+covers an image's placeholders chains from its parent and the image's content hash
+(`Request.block_extra_key`): placeholder ids are the same for every image.
 """
 
 from collections import defaultdict
@@ -135,7 +137,8 @@ class KVCacheManager:
         tokens, size = request.all_token_ids, self.block_size
         for i in range(len(hashes), request.num_tokens // size):
             parent = hashes[-1].value if hashes else request.block_hash_root
-            hashes.append(BlockHash(parent, tuple(tokens[i * size : (i + 1) * size])))
+            extra = request.block_extra_key(i * size, (i + 1) * size)  # the images it covers, if any
+            hashes.append(BlockHash(parent + extra, tuple(tokens[i * size : (i + 1) * size])))
         return hashes
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:

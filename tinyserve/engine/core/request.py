@@ -136,18 +136,24 @@ class Request:
         alike whatever their rows. The SHA-256 of its rows goes into the root, so only the same
         embeddings share blocks (vLLM hashes them into each block's key; here, into the chain's start).
 
-        An image's placeholder tokens are all the same id whatever the image, so the images' content hashes
-        (mm_hash) go into the root too, in prompt order: the same text with another image is another prefix.
-        (vLLM keys only the blocks an image covers, so the text before a prompt's first image is still
-        shared with a prompt without it; here it is not: fewer hits, never a wrong one.)
+        An image's placeholder tokens are all the same id whatever the image: block_extra_key adds its
+        content hash to each block its placeholders cover, as vLLM does, not to the root.
         """
         lora = self.lora_request
         root = b"" if lora is None else f"lora\x00{lora.lora_int_id}\x00{lora.lora_name}\x00{lora.lora_path}".encode()
         if self.prompt_embeds is not None:
             root += b"embeds\x00" + self._embeds_digest
-        if self.mm_features:
-            root += b"images\x00" + "\x00".join(feature.identifier for feature in self.mm_features).encode()
         return root
+
+    def block_extra_key(self, start: int, end: int) -> bytes:
+        """What a full block of tokens [start, end) adds to its parent's hash besides its tokens: the content
+        hashes (mm_hash) of the images whose placeholders it covers (b"" for a block without any), as vLLM's
+        extra keys. The same text with another image is then another block from the image's first placeholder
+        on, while the text before the image is shared with any prompt that has it (the chain carries the rest)."""
+        if not self.mm_features:
+            return b""
+        covered = [f.identifier for f in self.mm_features if f.offset < end and start < f.offset + f.length]
+        return b"images\x00" + "\x00".join(covered).encode() if covered else b""
 
     @functools.cached_property
     def _embeds_digest(self) -> bytes:
