@@ -97,34 +97,27 @@ DEFAULT_VISION_PATH = Path(__file__).with_name("default-vision")
 DEFAULT_VISION_FINGERPRINT = "7a7da850deae729291586b1f8a54aaf49f70516b7361b01b7f76e750f7e42654"
 
 
+def _shipped(folder: Path, name: str, recipe: str) -> Path:
+    """A shipped model's folder, or a FileNotFoundError that says how to get its files back."""
+    if not (folder / "model.safetensors").is_file():
+        raise FileNotFoundError(f"the built-in {name}'s files are missing from {folder}: reinstall tinyserve from a "
+                                f"wheel or a checkout, or rebuild them with {recipe}")
+    return folder
+
+
 def default_model_path() -> Path:
     """The folder of the built-in default model."""
-    if not (DEFAULT_MODEL_PATH / "model.safetensors").is_file():
-        raise FileNotFoundError(
-            f"the built-in model's files are missing from {DEFAULT_MODEL_PATH}: reinstall tinyserve from a wheel "
-            "or a checkout, or rebuild them with scripts/build_default_model.py"
-        )
-    return DEFAULT_MODEL_PATH
+    return _shipped(DEFAULT_MODEL_PATH, "model", "scripts/build_default_model.py")
 
 
 def default_draft_path() -> Path:
     """The folder of the built-in draft model, the built-in model's companion for speculative decoding."""
-    if not (DEFAULT_DRAFT_PATH / "model.safetensors").is_file():
-        raise FileNotFoundError(
-            f"the built-in draft model's files are missing from {DEFAULT_DRAFT_PATH}: reinstall tinyserve from a "
-            "wheel or a checkout, or rebuild them with scripts/build_default_model.py --draft"
-        )
-    return DEFAULT_DRAFT_PATH
+    return _shipped(DEFAULT_DRAFT_PATH, "draft model", "scripts/build_default_model.py --draft")
 
 
 def default_vision_path() -> Path:
     """The folder of the built-in vision model, the built-in model with an image encoder (LLaVA)."""
-    if not (DEFAULT_VISION_PATH / "model.safetensors").is_file():
-        raise FileNotFoundError(
-            f"the built-in vision model's files are missing from {DEFAULT_VISION_PATH}: reinstall tinyserve from a "
-            "wheel or a checkout, or rebuild them with scripts/build_default_vision.py"
-        )
-    return DEFAULT_VISION_PATH
+    return _shipped(DEFAULT_VISION_PATH, "vision model", "scripts/build_default_vision.py")
 
 
 def model_fingerprint(folder: str | Path) -> str:

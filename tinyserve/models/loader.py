@@ -38,6 +38,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from tinyserve.kernels.backend import AttentionBackend
 from tinyserve.kernels.cpu_bf16 import computes_bf16_in_fp32
+from tinyserve.models import default_model
 from tinyserve.models.llama import LlamaForCausalLM
 from tinyserve.models.packed_linear import pack_linear_weights, packs_weights, widen_linear_weights
 from tinyserve.models.pipeline_parallel import PipelineStage
@@ -61,9 +62,10 @@ SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 
 
-A_MODEL = (
-    "a model is a folder of config.json and *.safetensors, a hub id already in the local Hugging Face cache, or a "
-    "built-in one (tinyserve-default, tinyserve-vision)")
+# The models that ship inside tinyserve (models/default_model.py), by name -> their folders' finders.
+BUILT_IN = {"tinyserve-default": default_model.default_model_path, "tinyserve-vision": default_model.default_vision_path}
+A_MODEL = ("a model is a folder of config.json and *.safetensors, a hub id already in the local Hugging Face cache, "
+           f"or a built-in one ({', '.join(BUILT_IN)})")
 
 
 def _is_path(model: str) -> bool:
@@ -71,20 +73,12 @@ def _is_path(model: str) -> bool:
     return model.startswith(("/", ".", "~")) or model.count("/") > 1 or "\\" in model
 
 
-def built_in_models() -> dict:
-    """The names of the models that ship inside tinyserve (models/default_model.py) -> their folders' finders."""
-    from tinyserve.models import default_model
-
-    return {"tinyserve-default": default_model.default_model_path,
-            "tinyserve-vision": default_model.default_vision_path}
-
-
 def resolve_model_path(model: str) -> pathlib.Path:
     """A local checkpoint folder, the cached snapshot folder of a hub id, or a built-in model's folder (a folder
     of that name in the working directory comes first)."""
     folder = pathlib.Path(model).expanduser()
-    if not folder.exists() and model in built_in_models():
-        return built_in_models()[model]()
+    if not folder.exists() and model in BUILT_IN:
+        return BUILT_IN[model]()
     if folder.is_dir():
         if not (folder / "config.json").is_file():
             raise ValueError(f"model folder {str(folder)!r} has no config.json, so it is not a model; {A_MODEL}")
