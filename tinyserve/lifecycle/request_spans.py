@@ -106,9 +106,7 @@ class RequestSpans:
                 if messages is not None else {schema.INPUT_VALUE: prompt or "", schema.INPUT_MIME_TYPE: "text/plain"})
         attributes = {
             schema.NUM_PROMPT_TOKENS: len(prompt_token_ids),
-            **({schema.MM_HASHES: [f.identifier for f in mm_features], schema.MM_PLACEHOLDER_OFFSETS: [
-                f.offset for f in mm_features], schema.MM_PLACEHOLDER_LENGTHS: [f.length for f in mm_features]}
-               if mm_features else {}),
+            **image_attributes(mm_features or ()),
             # Stop strings are user text too: a redacted trace keeps only how many there were.
         }
         if pooling:
@@ -250,6 +248,14 @@ class Sent:
     def __init__(self) -> None:
         self.engine_index: int | None = None
         self.num_bytes: int | None = None
+
+
+def image_attributes(features) -> dict:
+    """A prompt's images on a span (its render span, the engine's queue span): content hashes and placeholder runs."""
+    if not features:
+        return {}
+    return {schema.MM_HASHES: [f.identifier for f in features], schema.MM_PLACEHOLDER_OFFSETS: [
+        f.offset for f in features], schema.MM_PLACEHOLDER_LENGTHS: [f.length for f in features]}
 
 
 def _is_pooling(params) -> bool:

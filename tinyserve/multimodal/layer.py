@@ -72,6 +72,7 @@ class MultiModalLayer(EngineLayer):
         from transformers import AutoConfig
 
         from tinyserve.lifecycle import schema
+        from tinyserve.lifecycle.request_spans import image_attributes
         from tinyserve.multimodal.inputs import EncoderCache, ImageInputs
         from tinyserve.multimodal.scheduling import EncoderBudget
         from tinyserve.multimodal.vision import load_image_encoder
@@ -89,12 +90,7 @@ class MultiModalLayer(EngineLayer):
         hooks.parts[self.name] = inputs
 
         def request_attributes(request) -> dict:
-            features = request.mm_features
-            if not features:
-                return {}
-            return {schema.MM_HASHES: [f.identifier for f in features],
-                    schema.MM_PLACEHOLDER_OFFSETS: [f.offset for f in features],
-                    schema.MM_PLACEHOLDER_LENGTHS: [f.length for f in features]}
+            return image_attributes(request.mm_features)
 
         def step_attributes(scheduler_output) -> dict:
             step = inputs.last_step

@@ -7,7 +7,7 @@ Rows are the pool's blocks, columns the engine's steps, a cell's colour the requ
 whose block table held the block at that step (white: free, or holding only a cached
 prefix), each request its own colour however many there are. A block in more than one table at once, a prefix shared through the prefix
 cache, is grey with a dot. A block that holds an image's placeholder tokens (a prompt with images:
-the engine's queue span logs each image's placeholder run) has a cross. Read from the step spans'
+its render span logs each image's placeholder run) has a cross. Read from the step spans'
 block-table changes (Run.block_tables); runs recorded before steps logged them cannot be drawn.
 """
 
@@ -16,7 +16,6 @@ from matplotlib.colors import ListedColormap, hsv_to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from tinyserve.lifecycle import schema
 from tinyserve.trace_reading.plots import PALETTE
 from tinyserve.trace_reading.run import Run
 
@@ -32,15 +31,9 @@ def request_colors(count: int) -> list:
 
 
 def placeholder_runs(run: Run) -> dict[str, list[tuple[int, int]]]:
-    """Engine request id -> its images' placeholder runs (offset, length), as its queue span logged them."""
-    runs = {}
-    for request in run.requests:
-        for sequence in request.sequences:
-            queue = sequence.stages.get(schema.QUEUE)
-            if queue is not None and schema.MM_PLACEHOLDER_OFFSETS in queue.attributes:
-                runs[sequence.request_id] = list(zip(queue.attributes[schema.MM_PLACEHOLDER_OFFSETS],
-                                                     queue.attributes[schema.MM_PLACEHOLDER_LENGTHS]))
-    return runs
+    """Engine request id -> its images' placeholder runs (offset, length), as the request's inputs logged them."""
+    return {sequence.request_id: request.inputs.mm_placeholders for request in run.requests
+            if request.inputs.mm_placeholders for sequence in request.sequences}
 
 
 def image_blocks(block_ids: list[int], runs: list[tuple[int, int]], block_size: int) -> list[int]:

@@ -86,12 +86,13 @@ def why_not_reproducible(request: RequestTimeline, run: Run | None = None) -> st
         return "inputs redacted (the server ran without logging prompts)"
     if inputs.prompt_token_ids is None:
         return "no prompt token ids logged"
-    if inputs.mm_hashes or any(schema.MM_HASHES in sequence.stages[schema.QUEUE].attributes
-                               for sequence in request.sequences if schema.QUEUE in sequence.stages):
-        missing = [h for h in inputs.mm_hashes or ["?"] if run is None or _image_path(run, h) is None]
-        if missing:
-            return (f"a prompt with images whose pixels are not in the run's {schema.RUN_IMAGES_DIR}/ folder "
-                    f"({len(missing)} of {len(inputs.mm_hashes or missing)})")
+    if inputs.mm_hashes is None and any(schema.MM_HASHES in sequence.stages[schema.QUEUE].attributes
+                                        for sequence in request.sequences if schema.QUEUE in sequence.stages):
+        return "a prompt with images whose render span logged no hashes (a run from before images were kept)"
+    missing = [h for h in inputs.mm_hashes or () if run is None or _image_path(run, h) is None]
+    if missing:
+        return (f"a prompt with images whose pixels are not in the run's {schema.RUN_IMAGES_DIR}/ folder "
+                f"({len(missing)} of {len(inputs.mm_hashes)})")
     if inputs.pooling_params is not None:
         if schema.POOLING_DIMENSIONS not in request.request_span.attributes:
             return "a pooling request without its vector's length logged: nothing to compare"

@@ -77,6 +77,7 @@ class RequestInputs:
     # LLM.generate takes this dict as its lora_request.
     lora_request: dict | None = None
     mm_hashes: list[str] | None = None  # its images' content hashes, in prompt order (<run>/images/<hash>.*)
+    mm_placeholders: list[tuple[int, int]] | None = None  # each image's placeholder run (offset, length), aligned
 
 
 @dataclass(slots=True, eq=False)
@@ -287,6 +288,8 @@ def _inputs(attributes: dict) -> RequestInputs:
         pooling_params=_logged_params(attributes, schema.POOLING_PARAMS),
         lora_request=_json_attribute(attributes, schema.LORA_REQUEST),
         mm_hashes=list(attributes[schema.MM_HASHES]) if schema.MM_HASHES in attributes else None,
+        mm_placeholders=list(zip(attributes[schema.MM_PLACEHOLDER_OFFSETS], attributes[schema.MM_PLACEHOLDER_LENGTHS]))
+        if schema.MM_PLACEHOLDER_OFFSETS in attributes else None,
     )
 
 

@@ -75,11 +75,9 @@ def request_view(run: Run, request_id: str) -> dict:
 
 def images_of(timeline: RequestTimeline) -> list[dict]:
     """The request's images as its render span logged them: content hash and placeholder run, in prompt order."""
-    render = timeline.stages.get(schema.RENDER)
-    logged = {} if render is None else render.attributes
-    return [{"mm_hash": h, "offset": offset, "length": length} for h, offset, length in zip(
-        logged.get(schema.MM_HASHES, ()), logged.get(schema.MM_PLACEHOLDER_OFFSETS, ()),
-        logged.get(schema.MM_PLACEHOLDER_LENGTHS, ()))]
+    inputs = timeline.inputs
+    return [{"mm_hash": h, "offset": offset, "length": length}
+            for h, (offset, length) in zip(inputs.mm_hashes or (), inputs.mm_placeholders or ())]
 
 
 def ttft_breakdown(timeline: RequestTimeline) -> dict:
