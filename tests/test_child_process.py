@@ -3,6 +3,7 @@
 import os
 import select
 import signal
+import subprocess
 import sys
 import time
 
@@ -48,3 +49,11 @@ def test_the_sentinel_turns_readable_when_the_child_ends_and_terminate_is_sigter
     assert select.select([child.sentinel], [], [], patient(30))[0] == [child.sentinel]
     child.join(patient(30))
     assert child.exitcode == -signal.SIGTERM
+
+
+def test_a_child_whose_parent_stopped_before_sending_its_work_exits_quietly():
+    """A SIGTERM right after the spawn stops the parent before it writes the child's work to its stdin: the
+    child then reads end-of-file, and exits 0 without a traceback in the server's log."""
+    done = subprocess.run([sys.executable, "-m", "tinyserve.engine.child_process"], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr

@@ -117,10 +117,13 @@ def _stop_children() -> None:
 def _main() -> None:
     import multiprocessing
 
-    name, path = pickle.load(sys.stdin.buffer)
-    sys.path[:] = path
-    multiprocessing.current_process().name = name  # for logging's %(processName)s
-    target, kwargs = pickle.load(sys.stdin.buffer)
+    try:
+        name, path = pickle.load(sys.stdin.buffer)
+        sys.path[:] = path
+        multiprocessing.current_process().name = name  # for logging's %(processName)s
+        target, kwargs = pickle.load(sys.stdin.buffer)
+    except EOFError:  # the parent stopped (a SIGTERM during start-up) before it sent this process its work
+        sys.exit(0)
     sys.stdin.close()
     target(**kwargs)
 
